@@ -1,0 +1,43 @@
+"""The routers under comparison and how each is launched, all with mini_lb's own flags."""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from bench.fleet import Fleet
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+PEERS_VENV = REPO_ROOT / ".bench-venv"
+
+ROUTER_NAMES = ("pd-router", "mini_lb", "sgl-router")
+
+
+@dataclass(frozen=True)
+class Contender:
+    name: str
+    python: str
+    module_args: tuple[str, ...]  # what follows `python`: the module and its fixed flags
+
+    def argv(self, fleet: Fleet, port: int, policy: str | None) -> list[str]:
+        argv = [self.python, *self.module_args, *fleet.mini_lb_args(), "--host", "127.0.0.1", "--port", str(port)]
+        if policy:
+            argv += ["--policy", policy]
+        return argv
+
+
+def peers_python() -> str:
+    return str(PEERS_VENV / "bin" / "python")
+
+
+def contender(name: str, *, pd_router_python: str | None = None) -> Contender:
+    if name == "pd-router":
+        # The checkout's own code, run by the interpreter running the bench (the dev venv).
+        return Contender(name, pd_router_python or sys.executable, ("-m", "router"))
+    if name == "mini_lb":
+        return Contender(name, peers_python(),
+                         ("-m", "sglang_router.launch_router", "--pd-disaggregation", "--mini-lb"))
+    if name == "sgl-router":
+        return Contender(name, peers_python(), ("-m", "sglang_router.launch_router", "--pd-disaggregation"))
+    raise ValueError(f"unknown router {name!r}; choose from {', '.join(ROUTER_NAMES)}")

@@ -1,0 +1,135 @@
+"""Turning measured rows into the best point per router, ratios against the peers, and a printed table."""
+
+from __future__ import annotations
+
+import math
+
+BASELINES = ("mini_lb", "sgl-router")
+DIRECT = "direct"
+REQUIRED_RPS_VS_MINI_LB = 3.0  # issue 3: at least 3x mini_lb's requests/s, with a lower p99
+
+
+def _key(row: dict) -> tuple[str, int]:
+    return row["mode"], row["concurrency"]
+
+
+def best_rows(rows: list[dict]) -> list[dict]:
+    """One row per (router, mode, concurrency): the round with the most requests/s (least disturbed by
+    the machine's other users), plus its latency added over the direct baseline of the same point."""
+    best: dict[tuple, dict] = {}
+    for row in rows:
+        key = (row["router"], *_key(row))
+        if key not in best or row["rps"] > best[key]["rps"]:
+            best[key] = row
+    out = []
+    for (router, mode, concurrency), row in best.items():
+        row = dict(row)
+        direct = best.get((DIRECT, mode, concurrency))
+        if direct is not None and router != DIRECT:
+            for field in ("p50_ms", "p99_ms", "ttft_p50_ms", "ttft_p99_ms"):
+                if row.get(field) is not None and direct.get(field) is not None:
+                    row[f"added_{field}"] = round(row[field] - direct[field], 3)
+        out.append(row)
+    return out
+
+
+def _ratio(a, b) -> float | None:
+    if a is None or b is None or b == 0:
+        return None
+    return round(a / b, 3)
+
+
+def ratios(best: list[dict]) -> list[dict]:
+    """For every router and point: requests/s, p99 and CPU per request, each as router / baseline."""
+    by_key = {(row["router"], *_key(row)): row for row in best}
+    out = []
+    for row in best:
+        if row["router"] == DIRECT:
+            continue
+        for baseline in BASELINES:
+            base = by_key.get((baseline, *_key(row)))
+            if base is None or baseline == row["router"]:
+                continue
+            out.append({
+                "router": row["router"], "vs": baseline, "mode": row["mode"], "concurrency": row["concurrency"],
+                "rps": _ratio(row["rps"], base["rps"]),
+                "p50": _ratio(row["p50_ms"], base["p50_ms"]),
+                "p99": _ratio(row["p99_ms"], base["p99_ms"]),
+                "cpu_per_req": _ratio(row.get("router_cpu_ms_per_req"), base.get("router_cpu_ms_per_req")),
+            })
+    return out
+
+
+def geometric_mean(values: list[float]) -> float | None:
+    values = [v for v in values if v]
+    if not values:
+        return None
+    return round(math.exp(sum(math.log(v) for v in values) / len(values)), 3)
+
+
+def _fmt(value, spec: str = ".1f", missing: str = "-") -> str:
+    return missing if value is None else format(value, spec)
+
+
+def progress_line(row: dict) -> str:
+    ttft = f" ttft p50/p99 {_fmt(row.get('ttft_p50_ms'))}/{_fmt(row.get('ttft_p99_ms'))} ms" \
+        if row.get("ttft_p50_ms") is not None else ""
+    return (f"  {row['router']:<10} {row['mode']:<10} c={row['concurrency']:<4} {row['rps']:8.0f} req/s  "
+            f"p50 {_fmt(row['p50_ms'])} p99 {_fmt(row['p99_ms'])} ms{ttft}  errors {row['errors']}  "
+            f"router {_fmt(row.get('router_cpu_ms_per_req'), '.3f')} cpu-ms/req  "
+            f"others {row['foreign_cores']:.2f} cores  load {row['load1_at_start']:.2f}")
+
+
+def render(result: dict) -> str:
+    env = result["environment"]
+    lines = [
+        "",
+        f"== {result['setup']} setup: {env['cores']} cores, {env['cpu']}; load average before "
+        f"{', '.join(f'{x:.2f}' for x in env['load_avg_before'])}, after "
+        f"{', '.join(f'{x:.2f}' for x in env['load_avg_after'])}; sglang-router {env['sglang_router']}; "
+        f"policy {result['policy'] or 'each router default'}",
+    ]
+    best = sorted(result["best"], key=lambda r: (r["mode"], r["concurrency"], r["router"] != DIRECT, r["router"]))
+    header = (f"{'mode':<10} {'conc':>4} {'router':<10} {'req/s':>8} {'p50 ms':>8} {'p99 ms':>8} "
+              f"{'+p50':>7} {'+p99':>7} {'ttft50':>7} {'ttft99':>7} {'errors':>6} {'cpu-ms/req':>10} {'others':>6}")
+    lines += [header, "-" * len(header)]
+    for row in best:
+        lines.append(
+            f"{row['mode']:<10} {row['concurrency']:>4} {row['router']:<10} {row['rps']:>8.0f} "
+            f"{_fmt(row['p50_ms']):>8} {_fmt(row['p99_ms']):>8} {_fmt(row.get('added_p50_ms')):>7} "
+            f"{_fmt(row.get('added_p99_ms')):>7} {_fmt(row.get('ttft_p50_ms')):>7} {_fmt(row.get('ttft_p99_ms')):>7} "
+            f"{row['errors']:>6} {_fmt(row.get('router_cpu_ms_per_req'), '.3f'):>10} {row['foreign_cores']:>6.2f}")
+    if result["setup"] == "ceiling":
+        lines.append("(ceiling: 'direct' is wrk against one instant backend, a single leg; +p50/+p99 are against it)")
+    else:
+        lines.append("(sim: 'direct' is the load generator doing the router's job itself; +p50/+p99 are against it)")
+    lines.append("'others' = cores used meanwhile by processes outside this benchmark")
+    rows = [r for r in result["ratios"] if r["router"] == "pd-router"] or result["ratios"]
+    if rows:
+        lines += ["", f"{'router':<10} {'vs':<10} {'mode':<10} {'conc':>4} {'req/s x':>8} {'p50 x':>7} "
+                      f"{'p99 x':>7} {'cpu/req x':>9}"]
+        for r in sorted(rows, key=lambda r: (r["router"], r["vs"], r["mode"], r["concurrency"])):
+            lines.append(f"{r['router']:<10} {r['vs']:<10} {r['mode']:<10} {r['concurrency']:>4} "
+                         f"{_fmt(r['rps'], '.2f'):>8} {_fmt(r['p50'], '.2f'):>7} {_fmt(r['p99'], '.2f'):>7} "
+                         f"{_fmt(r['cpu_per_req'], '.2f'):>9}")
+        lines += _summary(result["ratios"], result["setup"])
+    return "\n".join(lines)
+
+
+def _summary(all_ratios: list[dict], setup: str) -> list[str]:
+    lines = []
+    pd = [r for r in all_ratios if r["router"] == "pd-router"]
+    for baseline in BASELINES:
+        rows = [r for r in pd if r["vs"] == baseline]
+        if not rows:
+            continue
+        lines.append(f"pd-router vs {baseline}: req/s x{geometric_mean([r['rps'] for r in rows])}, "
+                     f"p99 x{geometric_mean([r['p99'] for r in rows])} (geometric means over the points)")
+    if setup == "ceiling":
+        rows = [r for r in pd if r["vs"] == "mini_lb"]
+        if rows:
+            met = all(r["rps"] is not None and r["rps"] >= REQUIRED_RPS_VS_MINI_LB and r["p99"] is not None
+                      and r["p99"] < 1 for r in rows)
+            lines.append(f"issue 3 target (>= {REQUIRED_RPS_VS_MINI_LB:g}x mini_lb req/s with a lower p99 at every "
+                         f"point): {'met' if met else 'NOT met'}")
+    return lines

@@ -1,0 +1,275 @@
+"""pd-router against mini_lb and sgl-router (sglang-router 0.3.2), same backends, same run.
+
+    python -m bench.routers --setup ceiling --concurrency 16,64,256 --duration 10
+    python -m bench.routers --setup sim --concurrency 16,64,256 --duration 8 --stream
+
+ceiling: four nginx servers answer instantly, wrk posts /generate: the router is the bottleneck.
+sim: the simulated 2P+2D fleet, the async load generator; --stream adds a streaming pass (with TTFT).
+Each router is started on a free port, waited for until it serves, warmed up, loaded at each concurrency
+and stopped. A "direct" baseline (no router) is measured on the same backends, so every router's added
+latency and every ratio comes from this run. Results: a table on stdout and a JSON file under out/bench/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import platform
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+import orjson
+
+from bench import procs, report, wrk
+from bench.ceiling import CeilingFleet
+from bench.contenders import PEERS_VENV, REPO_ROOT, ROUTER_NAMES, contender, peers_python
+from bench.fleet import Fleet
+from bench.simfleet import SimFleet
+from bench.workload import generate_request
+
+DIRECT = "direct"
+# Keep the peers from reaching a model hub for a tokenizer (sgl-router tries when model_path is no local dir).
+HUB_GUARD_ENV = {"HF_HUB_OFFLINE": "1", "HF_ENDPOINT": "http://127.0.0.1:9", "TRANSFORMERS_OFFLINE": "1"}
+
+
+def _children_cpu() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def _tree_cpu(pids: list[int]) -> float:
+    return sum(procs.cpu_seconds(pid) for pid in pids)
+
+
+class Meter:
+    """CPU accounting around one load run: the router's, the backends', the load's and everyone else's."""
+
+    def __init__(self, router_pids: list[int], fleet_pids: list[int]):
+        self.router_pids, self.fleet_pids = router_pids, fleet_pids
+
+    def __enter__(self):
+        self.load1 = procs.load_average()[0]
+        self.t0 = time.monotonic()
+        self.machine0 = procs.machine_cpu()[0]
+        self.router0 = _tree_cpu(self.router_pids)
+        self.fleet0 = _tree_cpu(self.fleet_pids)
+        self.load_gen0 = _children_cpu()
+        return self
+
+    def __exit__(self, *exc):
+        self.seconds = time.monotonic() - self.t0
+        self.router_s = _tree_cpu(self.router_pids) - self.router0
+        self.fleet_s = _tree_cpu(self.fleet_pids) - self.fleet0
+        self.load_gen_s = _children_cpu() - self.load_gen0
+        machine_s = procs.machine_cpu()[0] - self.machine0
+        self.foreign_s = max(0.0, machine_s - self.router_s - self.fleet_s - self.load_gen_s)
+
+    def fields(self, completed: int) -> dict:
+        return {
+            "router_cpu_ms_per_req": round(1000 * self.router_s / completed, 4) if completed else None,
+            "router_cores": round(self.router_s / self.seconds, 3),
+            "backend_cores": round(self.fleet_s / self.seconds, 3),
+            "load_gen_cores": round(self.load_gen_s / self.seconds, 3),
+            "foreign_cores": round(self.foreign_s / self.seconds, 3),
+            "load1_at_start": round(self.load1, 2),
+        }
+
+
+class LoadDriver:
+    """Runs one measured load against a URL (or, for the baseline, straight at the backends)."""
+
+    def __init__(self, setup: str, fleet: Fleet, workdir: Path, warmup: float, duration: float):
+        self.setup, self.fleet, self.warmup, self.duration = setup, fleet, warmup, duration
+        self.wrk_script = wrk.write_script(workdir / "generate.lua") if setup == "ceiling" else None
+
+    def run(self, base_url: str | None, concurrency: int, stream: bool) -> dict:
+        if self.setup == "ceiling":
+            # The baseline is one instant backend hit directly: one leg, no router.
+            url = f"{base_url or self.fleet.decode[0]}/generate"
+            if self.warmup > 0:
+                wrk.run(url, script=self.wrk_script, connections=concurrency, duration=self.warmup)
+            return wrk.run(url, script=self.wrk_script, connections=concurrency, duration=self.duration)
+        argv = [sys.executable, "-m", "bench.loadgen", "--concurrency", str(concurrency),
+                "--duration", str(self.duration), "--warmup", str(self.warmup)]
+        if base_url is not None:
+            argv += ["--url", base_url]
+        else:
+            argv += ["--direct-pd", ",".join(f"{u}={p if p is not None else 'none'}" for u, p in self.fleet.prefill),
+                     "--direct-decode", ",".join(self.fleet.decode)]
+        if stream:
+            argv.append("--stream")
+        done = subprocess.run(argv, capture_output=True, text=True, cwd=REPO_ROOT,
+                              timeout=self.warmup + self.duration + 120)
+        if done.returncode != 0:
+            raise RuntimeError(f"load generator failed ({done.returncode}): {done.stderr[-2000:]}")
+        return orjson.loads(done.stdout.strip().splitlines()[-1])
+
+
+def _serves(base_url: str) -> bool:
+    request = urllib.request.Request(f"{base_url}/generate", data=orjson.dumps(generate_request(False)),
+                                     headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=5) as response:
+            return response.status == 200 and bool(response.read())
+    except (OSError, ValueError):
+        return False
+
+
+def _modes(setup: str, stream: bool) -> list[bool]:
+    if setup == "ceiling":
+        return [False]  # nginx answers one fixed body; streaming is measured in the sim setup
+    return [False, True] if stream else [False]
+
+
+def measure_target(name: str, driver: LoadDriver, fleet: Fleet, concurrencies: list[int], modes: list[bool],
+                   round_no: int, base_url: str | None, router_pids: list[int]) -> list[dict]:
+    rows = []
+    for stream in modes:
+        for concurrency in concurrencies:
+            with Meter(router_pids, fleet.pids) as meter:
+                result = driver.run(base_url, concurrency, stream)
+            completed = result["requests"] - result["errors"]
+            row = {"router": name, "mode": "stream" if stream else "non-stream", "concurrency": concurrency,
+                   "round": round_no, **result, **meter.fields(completed)}
+            rows.append(row)
+            print(report.progress_line(row), flush=True)
+    return rows
+
+
+def run_router(name: str, *, fleet: Fleet, driver: LoadDriver, concurrencies: list[int], modes: list[bool],
+               round_no: int, workdir: Path, policy: str | None, start_timeout: float) -> list[dict]:
+    spec = contender(name)
+    port = procs.free_port()
+    argv = spec.argv(fleet, port, policy)
+    child = procs.start(f"{name}-r{round_no}", argv, workdir, cwd=str(REPO_ROOT),
+                        env={**os.environ, **HUB_GUARD_ENV})
+    base_url = f"http://127.0.0.1:{port}"
+    try:
+        started = time.monotonic()
+        procs.wait_until(lambda: _serves(base_url), timeout=start_timeout, what=f"{name} serving /generate",
+                         child=child, interval=0.2)
+        print(f"# {name} serving after {time.monotonic() - started:.1f} s: {' '.join(argv)}", flush=True)
+        return measure_target(name, driver, fleet, concurrencies, modes, round_no, base_url, [child.pid])
+    finally:
+        procs.stop(child)
+
+
+def available_routers(requested: list[str]) -> tuple[list[str], list[str]]:
+    """(routers that can run here, reasons for the ones that cannot)."""
+    ok, missing = [], []
+    for name in requested:
+        if name == "pd-router" and not (REPO_ROOT / "router" / "__main__.py").exists():
+            missing.append("pd-router: router/__main__.py is not in this checkout yet")
+        elif name != "pd-router" and not Path(peers_python()).exists():
+            missing.append(f"{name}: {PEERS_VENV} is missing (run `python -m bench.setup`)")
+        else:
+            ok.append(name)
+    return ok, missing
+
+
+def _command_output(argv: list[str]) -> str:
+    try:
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired) as err:
+        return f"unavailable ({err})"
+    return (done.stdout + done.stderr).strip().splitlines()[0] if (done.stdout + done.stderr).strip() else ""
+
+
+def environment() -> dict:
+    cpu_model = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                      if line.startswith("model name")), platform.processor())
+    return {
+        "cores": os.cpu_count(),
+        "cpu": cpu_model,
+        "python": platform.python_version(),
+        "git_rev": _command_output(["git", "-C", str(REPO_ROOT), "rev-parse", "--short", "HEAD"]),
+        "sglang_router": _command_output([peers_python(), "-c",
+                                          "import importlib.metadata as m; print(m.version('sglang-router'))"]),
+        "nginx": _command_output(["nginx", "-v"]),
+        "wrk": _command_output(["wrk", "--version"]),
+    }
+
+
+def run_setup(setup: str, args, routers: list[str], workdir: Path) -> dict:
+    concurrencies = args.concurrency
+    modes = _modes(setup, args.stream)
+    env = {**environment(), "load_avg_before": procs.load_average()}
+    print(f"# setup {setup}: {env['cores']} cores ({env['cpu']}), load average {env['load_avg_before']}, "
+          f"routers {', '.join(routers)}, concurrency {concurrencies}, {args.duration:g} s each", flush=True)
+    fleet_ctx = (CeilingFleet(workdir / "nginx") if setup == "ceiling"
+                 else SimFleet(workdir / "sim", extra_args=args.sim_args.split() if args.sim_args else []))
+    rows: list[dict] = []
+    with fleet_ctx as fleet:
+        driver = LoadDriver(setup, fleet, workdir, args.warmup, args.duration)
+        for round_no in range(1, args.rounds + 1):
+            order = routers if round_no % 2 else list(reversed(routers))
+            rows += measure_target(DIRECT, driver, fleet, concurrencies, modes, round_no, None, [])
+            for name in order:
+                rows += run_router(name, fleet=fleet, driver=driver, concurrencies=concurrencies, modes=modes,
+                                   round_no=round_no, workdir=workdir, policy=args.policy,
+                                   start_timeout=args.start_timeout)
+    env["load_avg_after"] = procs.load_average()
+    best = report.best_rows(rows)
+    return {"setup": setup, "environment": env, "policy": args.policy, "duration_s": args.duration,
+            "warmup_s": args.warmup, "rows": rows, "best": best, "ratios": report.ratios(best)}
+
+
+def _int_list(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--setup", default="ceiling", help="ceiling, sim, or both as 'ceiling,sim'")
+    parser.add_argument("--routers", default=",".join(ROUTER_NAMES))
+    parser.add_argument("--concurrency", type=_int_list, default=[16, 64, 256])
+    parser.add_argument("--duration", type=float, default=10.0, help="measured seconds per point")
+    parser.add_argument("--warmup", type=float, default=2.0, help="unmeasured seconds before each point")
+    parser.add_argument("--stream", action="store_true", help="sim: also measure streaming (TTFT)")
+    parser.add_argument("--rounds", type=int, default=1, help="repeat, alternating router order; best kept")
+    parser.add_argument("--policy", default="random",
+                        help="--policy given to every router (mini_lb only does random); 'none' for defaults")
+    parser.add_argument("--sim-args", default="", help="extra flags for `python -m simulator.fleet`")
+    parser.add_argument("--start-timeout", type=float, default=60.0)
+    parser.add_argument("--out", type=Path, help="JSON result file (default out/bench/routers-SETUP-TIME.json)")
+    args = parser.parse_args(argv)
+    args.policy = None if args.policy in ("", "none", "default") else args.policy
+
+    requested = [r for r in args.routers.split(",") if r]
+    for name in requested:
+        if name not in ROUTER_NAMES:
+            parser.error(f"unknown router {name!r}; choose from {', '.join(ROUTER_NAMES)}")
+    routers, missing = available_routers(requested)
+    for reason in missing:
+        print(f"# skipped {reason}", flush=True)
+    setups = [s for s in args.setup.split(",") if s]
+    for setup in setups:
+        if setup not in ("ceiling", "sim"):
+            parser.error(f"unknown setup {setup!r}")
+
+    stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+    results = []
+    with tempfile.TemporaryDirectory(prefix="bench-routers-") as tmp:
+        for setup in setups:
+            workdir = Path(tmp) / setup
+            workdir.mkdir()
+            result = run_setup(setup, args, routers, workdir)
+            result["skipped"] = missing
+            results.append(result)
+            print(report.render(result), flush=True)
+    out = args.out or REPO_ROOT / "out" / "bench" / f"routers-{'-'.join(setups)}-{stamp}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results if len(results) > 1 else results[0], indent=2))
+    print(f"# results written to {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
