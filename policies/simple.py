@@ -1,0 +1,30 @@
+"""Load-oblivious policies: random (mini_lb's) and round robin."""
+
+from __future__ import annotations
+
+import random
+from typing import Sequence
+
+from .base import Candidate, Policy, RequestInfo
+
+
+class RandomPolicy(Policy):
+    name = "random"
+
+    def __init__(self, rng: random.Random | None = None):
+        self._choice = (rng or random.Random()).choice
+
+    def select(self, candidates: Sequence[Candidate], request: RequestInfo) -> Candidate:
+        return self._choice(candidates)
+
+
+class RoundRobinPolicy(Policy):
+    name = "round_robin"
+
+    def __init__(self) -> None:
+        self._next = 0
+
+    def select(self, candidates: Sequence[Candidate], request: RequestInfo) -> Candidate:
+        index = self._next % len(candidates)
+        self._next = index + 1
+        return candidates[index]

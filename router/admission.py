@@ -1,0 +1,137 @@
+"""Admission: a bound on requests in flight, a bounded wait queue, and the fleet-wide hold.
+
+A request enters when the gate is open and a slot is free; otherwise it waits in a bounded queue with a
+deadline. A weight update closes the gate (`hold`): new requests wait instead of failing, and are let
+through in arrival order when the hold ends. Beyond the queue bound, or past the deadline, the client gets
+503 with Retry-After.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import time
+from contextlib import asynccontextmanager
+
+from .config import AdmissionConfig
+from .errors import ServiceUnavailable, TooManyRequests
+
+
+class Admission:
+    def __init__(self, config: AdmissionConfig, clock=time.monotonic) -> None:
+        self._limit = config.max_concurrent_requests or None
+        self._queue_size = config.queue_size
+        self._timeout = config.queue_timeout_secs
+        self._clock = clock
+        self.active = 0
+        self._waiters: collections.deque[asyncio.Future] = collections.deque()
+        self._holds: set[str] = set()
+        self._open = asyncio.Event()
+        self._open.set()
+        # Figures for the admin API and the weight-update report.
+        self.held_total = 0
+        self.rejected_total = 0
+        self.last_hold_wait_max = 0.0
+
+    # ---- fleet-wide hold -------------------------------------------------------------------------
+    @property
+    def is_open(self) -> bool:
+        return not self._holds
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waiters)
+
+    def hold(self, reason: str) -> None:
+        self._holds.add(reason)
+        self._open.clear()
+
+    def release(self, reason: str) -> None:
+        self._holds.discard(reason)
+        if not self._holds:
+            self._open.set()
+            self._wake()
+
+    async def wait_open(self, deadline: float) -> None:
+        """For retries of requests already admitted: wait for a hold to end, with the request's deadline."""
+        if self.is_open:
+            return
+        remaining = deadline - self._clock()
+        try:
+            await asyncio.wait_for(self._open.wait(), max(remaining, 0))
+        except asyncio.TimeoutError:
+            raise ServiceUnavailable("the fleet is held (weight update in progress) past the request deadline",
+                                     headers={"Retry-After": "5"}) from None
+
+    # ---- slots -----------------------------------------------------------------------------------
+    def _can_enter(self) -> bool:
+        return self.is_open and (self._limit is None or self.active < self._limit)
+
+    def _wake(self) -> None:
+        while self._waiters and self._can_enter():
+            waiter = self._waiters.popleft()
+            if not waiter.done():
+                self.active += 1  # the slot is handed over to the waiter
+                waiter.set_result(None)
+
+    async def _enter(self) -> None:
+        if not self._waiters and self._can_enter():
+            self.active += 1
+            return
+        if len(self._waiters) >= self._queue_size:
+            self.rejected_total += 1
+            if self.is_open:
+                raise TooManyRequests("too many requests in flight and the wait queue is full",
+                                      headers={"Retry-After": "1"})
+            raise ServiceUnavailable("the fleet is held (weight update in progress) and the wait queue is full",
+                                     headers={"Retry-After": "5"})
+        waiter = asyncio.get_running_loop().create_future()
+        self._waiters.append(waiter)
+        self.held_total += 1
+        started = self._clock()
+        try:
+            await asyncio.wait_for(asyncio.shield(waiter), self._timeout)
+        except asyncio.TimeoutError:
+            self.rejected_total += 1
+            if waiter.done() and not waiter.cancelled():
+                self.active -= 1  # handed over just as we gave up
+            waiter.cancel()
+            raise ServiceUnavailable(f"no capacity within the queue timeout ({self._timeout:g} s)",
+                                     headers={"Retry-After": "5"}) from None
+        except asyncio.CancelledError:
+            if waiter.done() and not waiter.cancelled():
+                self.active -= 1
+                self._wake()
+            waiter.cancel()
+            raise
+        finally:
+            try:
+                self._waiters.remove(waiter)
+            except ValueError:
+                pass
+            self.last_hold_wait_max = max(self.last_hold_wait_max, self._clock() - started)
+
+    def _leave(self) -> None:
+        self.active -= 1
+        if self._waiters:
+            self._wake()
+
+    @asynccontextmanager
+    async def slot(self):
+        await self._enter()
+        try:
+            yield
+        finally:
+            self._leave()
+
+    def state(self) -> dict:
+        return {
+            "open": self.is_open,
+            "holds": sorted(self._holds),
+            "active": self.active,
+            "waiting": self.waiting,
+            "max_concurrent_requests": self._limit or 0,
+            "queue_size": self._queue_size,
+            "held_total": self.held_total,
+            "rejected_total": self.rejected_total,
+        }

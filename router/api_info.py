@@ -1,0 +1,121 @@
+"""mini_lb's informational and fleet endpoints: health, info, models, cache flush — done concurrently and
+with the servers' statuses taken into account (mini_lb ignores them)."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Awaitable, Callable, Iterable
+
+from aiohttp import web
+
+from .errors import ServiceUnavailable, json_response
+from .keys import REGISTRY, UPSTREAM
+from .registry import Registry, Role, Worker, WorkerState
+from .upstream import Reply, Upstream
+
+ADMIN_TIMEOUT = 30.0
+
+
+async def fan_out(workers: Iterable[Worker], call: Callable[[Worker], Awaitable[Reply]]) -> list[tuple[Worker, Reply]]:
+    workers = list(workers)
+    replies = await asyncio.gather(*(call(w) for w in workers))
+    return list(zip(workers, replies))
+
+
+def worker_outcomes(results: list[tuple[Worker, Reply]]) -> list[dict]:
+    return [{"url": w.url, "role": w.role.value, "success": r.success(), "status": r.status,
+             "message": r.message()} for w, r in results]
+
+
+def reachable_workers(registry: Registry) -> list[Worker]:
+    """Workers that exist as servers: everything but failed ones (pending ones may be down)."""
+    return [w for w in registry.workers() if w.state is not WorkerState.FAILED]
+
+
+def any_prefill_first(registry: Registry) -> list[Worker]:
+    order = list(registry.routable(Role.PREFILL)) + list(registry.routable(Role.DECODE))
+    order += [w for w in registry.workers() if w not in order and w.state is not WorkerState.FAILED]
+    return order
+
+
+async def health(request: web.Request) -> web.Response:
+    registry = request.app[REGISTRY]
+    pools = {}
+    for role in Role:
+        pools[role.value] = {"routable": len(registry.routable(role)), "total": len(registry.workers(role))}
+    ready = all(p["routable"] > 0 for p in pools.values())
+    body = {"status": "ok" if ready else "unavailable", "pools": pools}
+    if not ready:
+        empty = [name for name, p in pools.items() if p["routable"] == 0]
+        body["message"] = f"no routable worker in pool(s): {', '.join(empty)}"
+    return json_response(body, status=200 if ready else 503)
+
+
+async def health_generate(request: web.Request) -> web.Response:
+    registry, upstream = request.app[REGISTRY], request.app[UPSTREAM]
+    workers = [w for w in registry.workers() if w.routable]
+    if not workers:
+        raise ServiceUnavailable("no routable worker")
+    results = await fan_out(workers, lambda w: upstream.get(w.url, "/health_generate", timeout=ADMIN_TIMEOUT))
+    outcomes = worker_outcomes(results)
+    roles_ok = {role: any(o["success"] for o in outcomes if o["role"] == role.value) for role in Role}
+    ok = all(roles_ok.values()) and all(o["success"] for o in outcomes)
+    return json_response({"success": ok, "workers": outcomes}, status=200 if ok else 503)
+
+
+async def flush_cache(request: web.Request) -> web.Response:
+    registry, upstream = request.app[REGISTRY], request.app[UPSTREAM]
+    query = f"?timeout={request.query['timeout']}" if "timeout" in request.query else ""
+    results = await fan_out(reachable_workers(registry),
+                            lambda w: upstream.post(w.url, "/flush_cache" + query, timeout=ADMIN_TIMEOUT))
+    outcomes = worker_outcomes(results)
+    ok = all(o["success"] for o in outcomes)
+    failed = [o["url"] for o in outcomes if not o["success"]]
+    message = "Cache flushed on every worker." if ok else f"Flush cache failed on {', '.join(failed)}."
+    return json_response({"success": ok, "message": message, "workers": outcomes}, status=200 if ok else 400)
+
+
+async def server_info(request: web.Request) -> web.Response:
+    registry, upstream = request.app[REGISTRY], request.app[UPSTREAM]
+    workers = reachable_workers(registry)
+    results = await fan_out(workers, lambda w: upstream.server_info(w.url, timeout=ADMIN_TIMEOUT))
+    prefill = [r.data for w, r in results if w.role is Role.PREFILL and r.ok]
+    decode = [r.data for w, r in results if w.role is Role.DECODE and r.ok]
+    states = [s for d in decode if isinstance(d, dict) for s in (d.get("internal_states") or [])]
+    if not states:  # what bench_one_batch_server.py expects when decode says nothing
+        states = [{"last_gen_throughput": 0.0, "avg_spec_accept_length": None}]
+    return json_response({"internal_states": states, "prefill": prefill, "decode": decode})
+
+
+async def _first_answer(request: web.Request, call) -> web.Response:
+    registry, upstream = request.app[REGISTRY], request.app[UPSTREAM]
+    last: Reply | None = None
+    for worker in any_prefill_first(registry):
+        reply = await call(upstream, worker)
+        if reply.ok:
+            return json_response(reply.data)
+        last = reply
+    if last is None:
+        raise ServiceUnavailable("There is no server registered")
+    raise ServiceUnavailable(f"no worker answered: {last.message()}")
+
+
+async def model_info(request: web.Request) -> web.Response:
+    return await _first_answer(request, lambda up, w: up.model_info(w.url, timeout=ADMIN_TIMEOUT))
+
+
+async def models(request: web.Request) -> web.Response:
+    return await _first_answer(request, lambda up, w: up.get(w.url, "/v1/models", timeout=ADMIN_TIMEOUT))
+
+
+def setup(app: web.Application) -> None:
+    r = app.router
+    r.add_get("/health", health)
+    r.add_get("/health_generate", health_generate)
+    r.add_route("POST", "/flush_cache", flush_cache)
+    r.add_route("GET", "/flush_cache", flush_cache)
+    r.add_get("/get_server_info", server_info)
+    r.add_get("/server_info", server_info)
+    r.add_get("/get_model_info", model_info)
+    r.add_get("/model_info", model_info)
+    r.add_get("/v1/models", models)

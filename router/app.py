@@ -1,0 +1,134 @@
+"""Builds the router application: the route table, one shared client session, owned background tasks."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Awaitable
+
+import aiohttp
+from aiohttp import web
+
+from policies import make_policy
+
+from . import api_info, api_workers
+from .admission import Admission
+from .config import DISCOVER, RouterConfig
+from .discovery import Discovery
+from .errors import error_middleware
+from .keys import ADMISSION, CONFIG, DISCOVERY, PROXY, REGISTRY, SESSION, TASKS, UPSTREAM
+from .proxy import Proxy
+from .registry import Registry, Role, WorkerState
+from .requests import GENERATE_ROUTES
+from .upstream import Upstream
+
+logger = logging.getLogger(__name__)
+
+
+
+class BackgroundTasks:
+    """Tasks the app owns: kept referenced, cancelled and awaited on clean-up."""
+
+    def __init__(self) -> None:
+        self._tasks: set[asyncio.Task] = set()
+
+    def spawn(self, coro: Awaitable) -> asyncio.Task:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._done)
+        return task
+
+    def _done(self, task: asyncio.Task) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            logger.error("background task failed", exc_info=task.exception())
+
+    def __len__(self) -> int:
+        return len(self._tasks)
+
+    async def close(self) -> None:
+        tasks = list(self._tasks)
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def make_session(config: RouterConfig) -> aiohttp.ClientSession:
+    connector = aiohttp.TCPConnector(
+        limit=config.max_connections,
+        limit_per_host=0,  # the total limit already bounds each worker; a per-host cap would stall bursts
+        ttl_dns_cache=300,
+        keepalive_timeout=30,
+    )
+    return aiohttp.ClientSession(
+        connector=connector,
+        timeout=aiohttp.ClientTimeout(total=None, connect=config.connect_timeout_secs),
+        auto_decompress=False,
+        read_bufsize=2**17,
+    )
+
+
+def create_app(config: RouterConfig, *, registry: Registry | None = None) -> web.Application:
+    app = web.Application(middlewares=[error_middleware], client_max_size=config.admission.max_payload_size)
+    app[CONFIG] = config
+    app[REGISTRY] = registry if registry is not None else Registry()
+    app[TASKS] = BackgroundTasks()
+    app[ADMISSION] = Admission(config.admission)
+    app.cleanup_ctx.append(_session_ctx)
+    app.cleanup_ctx.append(_workers_ctx)
+
+    for route, upstream_path in GENERATE_ROUTES.items():
+        app.router.add_post(route, _generate_handler(route, upstream_path))
+    api_info.setup(app)
+    api_workers.setup(app)
+    return app
+
+
+def _generate_handler(route: str, upstream_path: str):
+    async def handler(request: web.Request) -> web.StreamResponse:
+        return await request.app[PROXY].handle(request, route, upstream_path)
+
+    handler.__name__ = f"generate_{route.strip('/').replace('/', '_')}"
+    return handler
+
+
+async def _session_ctx(app: web.Application):
+    config = app[CONFIG]
+    session = make_session(config)
+    app[SESSION] = session
+    app[UPSTREAM] = Upstream(session)
+    app[PROXY] = Proxy(
+        config=config,
+        registry=app[REGISTRY],
+        session=session,
+        prefill_policy=make_policy(config.prefill_policy),
+        decode_policy=make_policy(config.decode_policy),
+        admission=app[ADMISSION],
+        spawn=app[TASKS].spawn,
+    )
+    yield
+    await app[TASKS].close()
+    await session.close()
+
+
+async def _workers_ctx(app: web.Application):
+    """Register the command line's workers; learn prefill bootstrap ports before serving (bounded)."""
+    config, registry = app[CONFIG], app[REGISTRY]
+    discovery = Discovery(registry, app[UPSTREAM], app[TASKS].spawn, retry_interval=config.health.interval_secs)
+    app[DISCOVERY] = discovery
+    for spec in config.prefill:
+        if spec.bootstrap_port is DISCOVER:
+            worker = registry.add(spec.url, Role.PREFILL, None, state=WorkerState.PENDING,
+                                  reason="learning its bootstrap port")
+            discovery.watch(worker)
+        else:
+            registry.add(spec.url, Role.PREFILL, spec.bootstrap_port)
+    for spec in config.decode:
+        registry.add(spec.url, Role.DECODE, None)
+    if not config.prefill or not config.decode:
+        logger.warning("started with %d prefill and %d decode workers; add workers through POST /workers",
+                       len(config.prefill), len(config.decode))
+    await discovery.settle(config.worker_startup_timeout_secs)
+    yield
+    await discovery.close()

@@ -1,0 +1,160 @@
+"""Frozen configuration: every knob, its default and its validation, in one place."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields, replace
+from urllib.parse import urlsplit
+
+# A prefill whose bootstrap port was not given: ask the server (`disaggregation_bootstrap_port`).
+DISCOVER = "discover"
+
+
+class ConfigError(ValueError):
+    """Every problem found, reported at once."""
+
+    def __init__(self, problems: list[str]):
+        super().__init__("; ".join(problems))
+        self.problems = problems
+
+
+def validate_worker_url(url: object) -> str | None:
+    """Return a problem description, or None when the URL is a usable worker address."""
+    if not isinstance(url, str) or not url:
+        return "worker url must be a non-empty string"
+    try:
+        parts = urlsplit(url)
+        port = parts.port
+    except ValueError as exc:
+        return f"invalid worker url {url!r}: {exc}"
+    if parts.scheme not in ("http", "https"):
+        return f"invalid worker url {url!r}: scheme must be http or https"
+    if not parts.hostname:
+        return f"invalid worker url {url!r}: no host"
+    if port is None:
+        return f"invalid worker url {url!r}: no port"
+    if parts.query or parts.fragment or parts.path not in ("", "/"):
+        return f"invalid worker url {url!r}: must be scheme://host:port only"
+    return None
+
+
+def validate_port(value: object, what: str = "bootstrap_port") -> str | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 65535:
+        return f"{what} must be an integer in 1..65535 or null, got {value!r}"
+    return None
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerSpec:
+    url: str
+    # An int, None (decode uses its own default), or DISCOVER (ask the server).
+    bootstrap_port: int | None | str = None
+
+
+@dataclass(frozen=True, slots=True)
+class HealthConfig:
+    interval_secs: float = 5.0
+    timeout_secs: float = 5.0
+    failure_threshold: int = 3
+    success_threshold: int = 2
+    endpoint: str = "/health"
+    enabled: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class BreakerConfig:
+    failure_threshold: int = 10
+    success_threshold: int = 3
+    timeout_secs: float = 30.0
+    enabled: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class RetryConfig:
+    max_retries: int = 3
+    initial_backoff_ms: float = 50
+    max_backoff_ms: float = 2000
+    backoff_multiplier: float = 2.0
+    jitter_factor: float = 0.2
+    enabled: bool = True
+    # Re-send requests that the router itself aborted (conversion in abort mode, weight update) before
+    # they produced a token, so that the client sees a normal answer.
+    retry_aborted: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class AdmissionConfig:
+    max_concurrent_requests: int = 0  # 0: unbounded
+    queue_size: int = 1024  # requests waiting for a slot or for a fleet-wide hold to end
+    queue_timeout_secs: float = 60.0
+    max_payload_size: int = 256 * 1024 * 1024
+
+
+@dataclass(frozen=True, slots=True)
+class RouterConfig:
+    prefill: tuple[WorkerSpec, ...] = ()
+    decode: tuple[WorkerSpec, ...] = ()
+    host: str = "0.0.0.0"
+    port: int = 30000
+    request_timeout_secs: float = 1800.0
+    connect_timeout_secs: float = 10.0
+    worker_startup_timeout_secs: float = 10.0
+    prefill_policy: str = "random"
+    decode_policy: str = "random"
+    api_key: str | None = None
+    admin_api_key: str | None = None
+    max_connections: int = 8192
+    log_level: str = "info"
+    prometheus_port: int | None = None
+    prometheus_host: str | None = None
+    health: HealthConfig = field(default_factory=HealthConfig)
+    breaker: BreakerConfig = field(default_factory=BreakerConfig)
+    retry: RetryConfig = field(default_factory=RetryConfig)
+    admission: AdmissionConfig = field(default_factory=AdmissionConfig)
+    # Deadlines of the admin flows.
+    drain_timeout_secs: float = 300.0
+    switch_timeout_secs: float = 120.0
+    weight_update_timeout_secs: float = 600.0
+    # Inject a router-made `rid` when the client gave none, so both legs can be aborted by id.
+    inject_rid: bool = True
+
+    def with_(self, **changes) -> "RouterConfig":
+        return replace(self, **changes)
+
+    def problems(self) -> list[str]:
+        found: list[str] = []
+        for role, specs in (("prefill", self.prefill), ("decode", self.decode)):
+            seen: set[str] = set()
+            for spec in specs:
+                if (problem := validate_worker_url(spec.url)) is not None:
+                    found.append(f"--{role}: {problem}")
+                if spec.url.rstrip("/") in seen:
+                    found.append(f"--{role}: {spec.url} given twice")
+                seen.add(spec.url.rstrip("/"))
+                if spec.bootstrap_port is not DISCOVER and (p := validate_port(spec.bootstrap_port)):
+                    found.append(f"--{role} {spec.url}: {p}")
+        both = {s.url.rstrip("/") for s in self.prefill} & {s.url.rstrip("/") for s in self.decode}
+        for url in sorted(both):
+            found.append(f"{url} is given as both prefill and decode")
+        if not 0 < self.port <= 65535:
+            found.append(f"--port must be in 1..65535, got {self.port}")
+        for name in ("request_timeout_secs", "connect_timeout_secs", "drain_timeout_secs",
+                     "switch_timeout_secs", "weight_update_timeout_secs"):
+            if getattr(self, name) <= 0:
+                found.append(f"{name} must be positive")
+        if self.max_connections < 1:
+            found.append("--max-connections must be at least 1")
+        for group in (self.health, self.breaker, self.retry, self.admission):
+            for f in fields(group):
+                value = getattr(group, f.name)
+                if isinstance(value, (int, float)) and not isinstance(value, bool) and value < 0:
+                    found.append(f"{type(group).__name__}.{f.name} must not be negative")
+        if self.admission.max_payload_size < 1:
+            found.append("--max-payload-size must be at least 1")
+        return found
+
+    def validated(self) -> "RouterConfig":
+        if found := self.problems():
+            raise ConfigError(found)
+        return self

@@ -1,0 +1,103 @@
+"""One error hierarchy and its JSON rendering: `{"error": {"message", "type", "code"}}`."""
+
+from __future__ import annotations
+
+import logging
+
+import orjson
+from aiohttp import web
+
+logger = logging.getLogger(__name__)
+
+
+class RouterError(Exception):
+    status = 500
+    type = "internal_error"
+
+    def __init__(self, message: str, *, status: int | None = None, headers: dict | None = None, **details):
+        super().__init__(message)
+        self.message = message
+        if status is not None:
+            self.status = status
+        self.headers = headers or {}
+        self.details = details
+
+    def body(self) -> dict:
+        error = {"message": self.message, "type": self.type, "code": self.status}
+        error.update(self.details)
+        return {"error": error}
+
+
+class BadRequest(RouterError):
+    status = 400
+    type = "invalid_request_error"
+
+
+class Unauthorized(RouterError):
+    status = 401
+    type = "authentication_error"
+
+
+class NotFound(RouterError):
+    status = 404
+    type = "not_found"
+
+
+class Conflict(RouterError):
+    status = 409
+    type = "conflict"
+
+
+class PayloadTooLarge(RouterError):
+    status = 413
+    type = "payload_too_large"
+
+
+class TooManyRequests(RouterError):
+    status = 429
+    type = "rate_limited"
+
+
+class BadGateway(RouterError):
+    status = 502
+    type = "upstream_error"
+
+
+class ServiceUnavailable(RouterError):
+    status = 503
+    type = "unavailable"
+
+
+class GatewayTimeout(RouterError):
+    status = 504
+    type = "timeout"
+
+
+def json_response(body, status: int = 200, headers: dict | None = None) -> web.Response:
+    return web.Response(body=orjson.dumps(body), status=status, content_type="application/json", headers=headers)
+
+
+def error_response(error: RouterError) -> web.Response:
+    return json_response(error.body(), status=error.status, headers=error.headers)
+
+
+@web.middleware
+async def error_middleware(request: web.Request, handler):
+    try:
+        return await handler(request)
+    except RouterError as error:
+        return error_response(error)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        # aiohttp's own 404/405/413: same JSON shape as every other error.
+        return json_response(
+            {"error": {"message": exc.reason if exc.text is None else exc.text.removeprefix(f"{exc.status}: "),
+                       "type": "http_error", "code": exc.status}},
+            status=exc.status,
+            headers={k: v for k, v in exc.headers.items() if k.lower() not in ("content-type", "content-length")},
+        )
+    except Exception:
+        logger.exception("unhandled error on %s %s", request.method, request.path)
+        return json_response({"error": {"message": "internal router error", "type": "internal_error",
+                                        "code": 500}}, status=500)

@@ -1,0 +1,20 @@
+"""Typed keys of the objects the application owns (one module, so handlers need not import app)."""
+
+from __future__ import annotations
+
+import aiohttp
+from aiohttp import web
+
+from .admission import Admission
+from .config import RouterConfig
+from .registry import Registry
+from .upstream import Upstream
+
+CONFIG = web.AppKey("config", RouterConfig)
+REGISTRY = web.AppKey("registry", Registry)
+SESSION = web.AppKey("session", aiohttp.ClientSession)
+UPSTREAM = web.AppKey("upstream", Upstream)
+ADMISSION = web.AppKey("admission", Admission)
+PROXY = web.AppKey("proxy", object)
+TASKS = web.AppKey("tasks", object)
+DISCOVERY = web.AppKey("discovery", object)

@@ -1,0 +1,574 @@
+"""The request path: admit → pick a pair → inject bootstrap fields → dispatch both legs → relay → finish.
+
+Both legs run as tasks of the request; a leg that fails first cancels the other (closing its connection and
+aborting its rids on the server), because the survivor would otherwise wait for a KV transfer that never
+comes. Nothing reaches the client before decode's first event, so every failure up to then can still be
+answered with a plain HTTP error, or retried on another pair with fresh rooms. After the first byte, a
+failure ends the stream with an SSE error event and `[DONE]`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+from dataclasses import dataclass, field
+from typing import Awaitable, Callable
+
+import aiohttp
+import orjson
+from aiohttp import web
+
+from policies import Outcome, Policy, RequestInfo
+
+from . import sse
+from .admission import Admission
+from .config import RouterConfig
+from .errors import BadGateway, BadRequest, GatewayTimeout, RouterError, ServiceUnavailable
+from .logprobs import index_prefill_events, merge_answer, merge_meta
+from .registry import Registry, Role, Worker
+from .requests import RequestShape, assign_rid, inject_bootstrap, prompt_text, shape_of
+
+logger = logging.getLogger(__name__)
+
+# Request headers passed to both legs.
+FORWARDED_HEADERS = ("Authorization", "X-Request-Id")
+JSON_HEADERS = {"Content-Type": "application/json"}
+SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+RETRYABLE_STATUSES = frozenset({502, 503, 504})
+ABORT_TIMEOUT = aiohttp.ClientTimeout(total=5)
+
+
+class LegFailed(Exception):
+    """A leg failed before the client saw a byte; carries what to answer if it is not retried."""
+
+    def __init__(self, worker: Worker, status: int, body: bytes, content_type: str, *, retryable: bool,
+                 reason: str, router_abort: bool = False):
+        super().__init__(reason)
+        self.worker = worker
+        self.status = status
+        self.body = body
+        self.content_type = content_type
+        self.retryable = retryable
+        self.reason = reason
+        self.router_abort = router_abort
+
+    def response(self) -> web.Response:
+        if self.body:
+            return web.Response(body=self.body, status=self.status, content_type=self.content_type or None)
+        return web.json_response({"error": {"message": self.reason, "type": "upstream_error",
+                                            "code": self.status}}, status=self.status,
+                                 dumps=lambda o: orjson.dumps(o).decode())
+
+
+@dataclass(slots=True)
+class RequestRecord:
+    """One client request's outcome, handed to every observer once, at the end."""
+
+    route: str
+    stream: bool
+    status: int = 0
+    started: float = 0.0
+    e2e_s: float = 0.0
+    ttft_s: float | None = None
+    itl_s: float | None = None  # mean gap between decode events after the first
+    events: int = 0
+    attempts: int = 0
+    retries_aborted: int = 0
+    prefill: Worker | None = None
+    decode: Worker | None = None
+    outcome: str = "success"  # success | error | client_disconnect | aborted
+    request_id: str = ""
+    error: str = ""
+    response: web.StreamResponse | None = None  # set once a stream has started
+
+
+@dataclass(slots=True)
+class Attempt:
+    prefill: Worker
+    decode: Worker
+    payload: bytes
+    rids: list[str]
+    epochs: tuple[int, int]
+    tasks: list[asyncio.Task] = field(default_factory=list)
+
+    def router_aborted(self) -> bool:
+        return (self.prefill.abort_epoch, self.decode.abort_epoch) != self.epochs
+
+
+LegObserver = Callable[[Worker, bool], None]  # (worker, ok) for passive health
+RequestObserver = Callable[[RequestRecord], None]
+
+
+class Proxy:
+    def __init__(self, *, config: RouterConfig, registry: Registry, session: aiohttp.ClientSession,
+                 prefill_policy: Policy, decode_policy: Policy, admission: Admission,
+                 spawn: Callable[[Awaitable], asyncio.Task]) -> None:
+        self.config = config
+        self.registry = registry
+        self.session = session
+        self.policies = {Role.PREFILL: prefill_policy, Role.DECODE: decode_policy}
+        self.admission = admission
+        self.spawn = spawn  # owned background tasks (aborts, lingering prefill legs)
+        self.leg_observers: list[LegObserver] = []
+        self.request_observers: list[RequestObserver] = []
+        self._needs_text = prefill_policy.needs_text or decode_policy.needs_text
+        self._timeout = config.request_timeout_secs
+        self._retry = config.retry
+
+    # ---- entry point -----------------------------------------------------------------------------
+    async def handle(self, request: web.Request, route: str, upstream_path: str) -> web.StreamResponse:
+        record = RequestRecord(route=route, stream=False, started=time.monotonic())
+        try:
+            raw = await request.read()
+            try:
+                body = orjson.loads(raw)
+            except orjson.JSONDecodeError as exc:
+                raise BadRequest(f"request body is not valid JSON: {exc}") from None
+            if not isinstance(body, dict):
+                raise BadRequest("request body must be a JSON object")
+            shape = shape_of(route, body)
+            record.stream = shape.stream
+            headers = {h: v for h in FORWARDED_HEADERS if (v := request.headers.get(h)) is not None}
+            record.request_id = headers.get("X-Request-Id", "")
+            info = RequestInfo(route=route, batch_size=shape.batch_size,
+                               text=prompt_text(route, body) if self._needs_text else None)
+            deadline = record.started + self._timeout
+            async with self.admission.slot():
+                try:
+                    async with asyncio.timeout_at(asyncio.get_running_loop().time()
+                                                  + (deadline - time.monotonic())):
+                        response = await self._attempts(request, route, upstream_path, body, shape, headers,
+                                                        info, record, deadline)
+                except TimeoutError:
+                    message = f"request did not finish within {self._timeout:g} s"
+                    if record.response is None:
+                        raise GatewayTimeout(message) from None
+                    record.outcome, record.error = "error", message
+                    await _end_stream_with_error(record.response, message, 504)
+                    response = record.response
+            record.status = response.status
+            return response
+        except RouterError as error:
+            record.status = error.status
+            record.outcome = "error"
+            record.error = error.message
+            raise
+        except asyncio.CancelledError:
+            record.outcome = "client_disconnect"
+            record.status = 499
+            raise
+        finally:
+            record.e2e_s = time.monotonic() - record.started
+            for observe in self.request_observers:
+                observe(record)
+
+    # ---- pair selection ----------------------------------------------------------------------------
+    def select_pair(self, info: RequestInfo) -> tuple[Worker, Worker]:
+        prefills = self.registry.routable(Role.PREFILL)
+        decodes = self.registry.routable(Role.DECODE)
+        if not prefills or not decodes:
+            missing = " and ".join(r for r, pool in (("prefill", prefills), ("decode", decodes)) if not pool)
+            raise ServiceUnavailable(f"no routable {missing} worker", headers={"Retry-After": "1"})
+        prefill = self.policies[Role.PREFILL].select(prefills, info) if len(prefills) > 1 else prefills[0]
+        decode = self.policies[Role.DECODE].select(decodes, info) if len(decodes) > 1 else decodes[0]
+        return prefill, decode
+
+    def _backoff(self, attempt: int) -> float:
+        r = self._retry
+        delay = min(r.initial_backoff_ms * (r.backoff_multiplier ** attempt), r.max_backoff_ms) / 1000
+        return delay * (1 + r.jitter_factor * (2 * random.random() - 1))
+
+    # ---- attempts ----------------------------------------------------------------------------------
+    async def _attempts(self, request, route, upstream_path, body, shape, headers, info, record, deadline):
+        retry = self._retry
+        max_attempts = 1 + (retry.max_retries if retry.enabled else 0)
+        aborted_retries = 0
+        attempt_no = 0
+        while True:
+            if attempt_no:
+                await self.admission.wait_open(deadline)
+            prefill, decode = self.select_pair(info)
+            payload_body = dict(body)
+            inject_bootstrap(payload_body, shape, prefill)
+            rids = assign_rid(payload_body, shape, self.config.inject_rid)
+            attempt = Attempt(prefill, decode, orjson.dumps(payload_body), rids,
+                              (prefill.abort_epoch, decode.abort_epoch))
+            record.prefill, record.decode = prefill, decode
+            record.attempts += 1
+            try:
+                if shape.stream:
+                    return await self._stream(request, upstream_path, attempt, shape, headers, record)
+                return await self._unary(upstream_path, attempt, shape, headers, record)
+            except LegFailed as failure:
+                if failure.router_abort and retry.retry_aborted and aborted_retries < 16:
+                    # The router aborted this pair (conversion or weight update) before any token: re-send.
+                    aborted_retries += 1
+                    record.retries_aborted += 1
+                    logger.info("re-sending request aborted by the router on %s (%s)", failure.worker.url,
+                                failure.reason)
+                    continue
+                attempt_no += 1
+                if failure.retryable and attempt_no < max_attempts:
+                    logger.warning("attempt %d failed on %s: %s; retrying on another pair", attempt_no,
+                                   failure.worker.url, failure.reason)
+                    await asyncio.sleep(self._backoff(attempt_no - 1))
+                    continue
+                record.outcome = "error"
+                record.error = failure.reason
+                return failure.response()
+
+    # ---- legs --------------------------------------------------------------------------------------
+    def _open_leg(self, worker: Worker, role: Role, coro) -> "Leg":
+        self.registry.acquire(worker)
+        return Leg(self, worker, role, asyncio.ensure_future(coro))
+
+    def _leg_done(self, worker: Worker, role: Role, outcome: Outcome) -> None:
+        self.registry.release(worker)
+        ok = outcome is not Outcome.ERROR
+        if not ok:
+            worker.failures_total += 1
+        for observe in self.leg_observers:
+            observe(worker, ok)
+        self.policies[role].on_complete(worker, outcome)
+
+    def _abort_on(self, worker: Worker, rids: list[str]) -> None:
+        if rids:
+            self.spawn(self._send_aborts(worker, rids))
+
+    async def _send_aborts(self, worker: Worker, rids: list[str]) -> None:
+        url = worker.url + "/abort_request"
+        for rid in rids:
+            try:
+                async with self.session.post(url, data=orjson.dumps({"rid": rid}), headers=JSON_HEADERS,
+                                             timeout=ABORT_TIMEOUT) as resp:
+                    await resp.read()
+            except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+                logger.debug("abort of %s on %s failed: %s", rid, worker.url, exc)
+
+    def _failure(self, leg: "Leg", attempt: Attempt) -> LegFailed | None:
+        """Classify a finished leg task: None if it answered 200."""
+        task, worker, role = leg.task, leg.worker, leg.role
+        router_abort = attempt.router_aborted()
+        if task.cancelled():
+            exc: BaseException | None = asyncio.CancelledError("leg cancelled")
+        else:
+            exc = task.exception()
+        if exc is not None:
+            if not isinstance(exc, (aiohttp.ClientError, asyncio.TimeoutError, OSError, asyncio.CancelledError)):
+                raise exc
+            return LegFailed(worker, 502, b"", "", retryable=True, router_abort=router_abort,
+                             reason=f"{role} {worker.url} failed: {type(exc).__name__}: {exc}")
+        status, body, content_type = task.result()[:3]
+        if status == 200:
+            return None
+        retryable = status in RETRYABLE_STATUSES or (router_abort and status >= 500)
+        text = body[:300].decode(errors="replace")
+        return LegFailed(worker, status, body, content_type, retryable=retryable, router_abort=router_abort,
+                         reason=f"{role} {worker.url} answered {status}: {text}")
+
+    def _conclude(self, leg: "Leg", attempt: Attempt) -> LegFailed | None:
+        """Close a finished leg, counting its outcome; return its failure if any."""
+        failure = self._failure(leg, attempt)
+        leg.finish(Outcome.SUCCESS if failure is None else Outcome.ERROR)
+        return failure
+
+    async def _finish_later(self, leg: "Leg", attempt: Attempt) -> None:
+        """A prefill leg still running after decode answered: keep it counted until it ends."""
+        try:
+            await asyncio.wait({leg.task})
+            self._conclude(leg, attempt)
+        except asyncio.CancelledError:  # router shutting down
+            leg.cancel(attempt.rids)
+            raise
+        except Exception:
+            leg.finish(Outcome.ERROR)
+
+    def _post(self, worker: Worker, path: str, attempt: Attempt, headers: dict):
+        return self.session.post(worker.url + path, data=attempt.payload, headers={**JSON_HEADERS, **headers})
+
+    # ---- non-streaming -----------------------------------------------------------------------------
+    async def _unary_leg(self, worker: Worker, path: str, attempt: Attempt, headers) -> tuple[int, bytes, str]:
+        async with self._post(worker, path, attempt, headers) as resp:
+            return resp.status, await resp.read(), resp.content_type
+
+    async def _unary(self, path, attempt: Attempt, shape: RequestShape, headers, record) -> web.Response:
+        p = self._open_leg(attempt.prefill, Role.PREFILL, self._unary_leg(attempt.prefill, path, attempt, headers))
+        d = self._open_leg(attempt.decode, Role.DECODE, self._unary_leg(attempt.decode, path, attempt, headers))
+        try:
+            while d.is_open:
+                await asyncio.wait([leg.task for leg in (p, d) if leg.is_open],
+                                   return_when=asyncio.FIRST_COMPLETED)
+                for leg, other in ((p, d), (d, p)):
+                    if leg.is_open and leg.task.done():
+                        failure = self._conclude(leg, attempt)
+                        if failure is not None:
+                            other.cancel(attempt.rids)
+                            raise failure
+            status, body, content_type = d.task.result()
+            if attempt.router_aborted():
+                answer = orjson.loads(body)
+                if _aborted_before_first_token(answer):
+                    p.cancel(attempt.rids)
+                    raise LegFailed(d.worker, status, body, content_type, retryable=False, router_abort=True,
+                                    reason="aborted by the router before the first token")
+            if shape.return_logprob:
+                if p.is_open:
+                    await asyncio.wait({p.task})
+                    self._conclude(p, attempt)
+                if not p.task.cancelled() and p.task.exception() is None and p.task.result()[0] == 200:
+                    answer = orjson.loads(body)
+                    merge_answer(orjson.loads(p.task.result()[1]), answer)
+                    body = orjson.dumps(answer)
+            if p.is_open:
+                p.detach()
+                self.spawn(self._finish_later(p, attempt))
+            return web.Response(body=body, status=status, content_type=content_type or "application/json")
+        except asyncio.CancelledError:
+            # The client went away (or the deadline passed): stop both legs on the servers too.
+            p.cancel(attempt.rids)
+            d.cancel(attempt.rids)
+            raise
+        finally:
+            p.ensure_closed()
+            d.ensure_closed()
+
+    # ---- streaming ---------------------------------------------------------------------------------
+    async def _prefill_stream_leg(self, worker: Worker, path: str, attempt: Attempt, headers,
+                                  keep_events: bool) -> tuple[int, bytes, str, list]:
+        """Read prefill's whole answer (it streams one token); keep its events when logprobs are merged."""
+        async with self._post(worker, path, attempt, headers) as resp:
+            body = await resp.read()
+            events = []
+            if resp.status == 200 and keep_events:
+                splitter = sse.EventSplitter()
+                events = [e for raw in splitter.feed(body + b"\n\n") if (e := sse.parse_event(raw)) is not None]
+            return resp.status, body, resp.content_type, events
+
+    async def _decode_first_event(self, worker: Worker, path: str, attempt: Attempt, headers):
+        """Open decode's stream and read up to its first complete event.
+
+        Returns (status, error body, content type, (response, events, splitter) or None)."""
+        resp = await self._post(worker, path, attempt, headers)
+        try:
+            if resp.status != 200:
+                return resp.status, await resp.read(), resp.content_type, None
+            splitter = sse.EventSplitter()
+            async for chunk in resp.content.iter_any():
+                events = splitter.feed(chunk)
+                if events:
+                    opened, resp = resp, None  # ownership passes to the caller
+                    return 200, b"", opened.content_type, (opened, events, splitter)
+            raise aiohttp.ClientPayloadError("decode stream ended before its first event")
+        finally:
+            if resp is not None:
+                resp.close()
+
+    async def _stream(self, request: web.Request, path, attempt: Attempt, shape: RequestShape, headers,
+                      record: RequestRecord) -> web.StreamResponse:
+        p = self._open_leg(attempt.prefill, Role.PREFILL,
+                           self._prefill_stream_leg(attempt.prefill, path, attempt, headers, shape.return_logprob))
+        d = self._open_leg(attempt.decode, Role.DECODE, self._decode_first_event(attempt.decode, path, attempt, headers))
+        d_resp: aiohttp.ClientResponse | None = None
+        try:
+            # Phase 1: until decode's first event, any failure is answered (or retried) as plain HTTP.
+            while not d.task.done():
+                await asyncio.wait([leg.task for leg in (p, d) if leg.is_open and not leg.task.done()],
+                                   return_when=asyncio.FIRST_COMPLETED)
+                if p.is_open and p.task.done():
+                    failure = self._conclude(p, attempt)
+                    if failure is not None:
+                        d.cancel(attempt.rids)
+                        raise failure
+            failure = self._failure(d, attempt)
+            if failure is not None:
+                d.finish(Outcome.ERROR)
+                p.cancel(attempt.rids)
+                raise failure
+            d_resp, events, splitter = d.task.result()[3]
+            if attempt.router_aborted() and _aborted_before_first_token(sse.parse_event(events[0])):
+                d.finish(Outcome.CANCELLED)
+                p.cancel(attempt.rids)
+                raise LegFailed(d.worker, 200, b"", "", retryable=False, router_abort=True,
+                                reason="aborted by the router before the first token")
+
+            # Phase 2: the client sees a stream from here on.
+            prefill_first: dict[int, dict] = {}
+            if shape.return_logprob:
+                if p.is_open:
+                    await asyncio.wait({p.task})
+                    self._conclude(p, attempt)
+                if not p.task.cancelled() and p.task.exception() is None:
+                    prefill_first = index_prefill_events(p.task.result()[3])
+            response = web.StreamResponse(status=200, headers=SSE_HEADERS)
+            record.response = response
+            await response.prepare(request)
+            first_at = time.monotonic()
+            record.ttft_s = first_at - record.started
+            ok = await self._relay(response, d_resp, events, splitter, prefill_first, record, first_at)
+            d.finish(Outcome.SUCCESS if ok else Outcome.ERROR)
+            if p.is_open:
+                p.detach()
+                self.spawn(self._finish_later(p, attempt))
+            return response
+        except (asyncio.CancelledError, ClientGone):
+            record.outcome = "client_disconnect"
+            p.cancel(attempt.rids)
+            d.cancel(attempt.rids)
+            raise
+        finally:
+            if d_resp is not None:
+                d_resp.close()
+            elif d.task.done() and not d.task.cancelled() and d.task.exception() is None:
+                opened = d.task.result()[3]
+                if opened is not None:
+                    opened[0].close()
+            p.ensure_closed()
+            d.ensure_closed()
+
+    async def _relay(self, response: web.StreamResponse, d_resp: aiohttp.ClientResponse, events: list[bytes],
+                     splitter: sse.EventSplitter, prefill_first: dict[int, dict], record: RequestRecord,
+                     first_at: float) -> bool:
+        """Relay decode's stream; True if it ended with [DONE]. Mid-stream failure → error event + [DONE]."""
+        merge = bool(prefill_first)
+        last_at = first_at
+        saw_done = False
+
+        async def write(data: bytes) -> None:
+            try:
+                await response.write(data)
+            except (ConnectionResetError, ConnectionError) as exc:
+                raise ClientGone(str(exc)) from None
+
+        def rewrite(raw_events: list[bytes]) -> bytes:
+            nonlocal saw_done
+            out = []
+            for raw in raw_events:
+                if sse.is_done(raw):
+                    saw_done = True
+                elif merge:
+                    payload = sse.parse_event(raw)
+                    if isinstance(payload, dict):
+                        merge_meta(prefill_first.get(payload.get("index", 0)), payload)
+                        raw = sse.event(payload)
+                out.append(raw)
+            return b"".join(out)
+
+        try:
+            await write(rewrite(events))
+            record.events = len(events)
+            if merge:
+                async for chunk in d_resp.content.iter_any():
+                    new = splitter.feed(chunk)
+                    if new:
+                        last_at = time.monotonic()
+                        record.events += len(new)
+                        await write(rewrite(new))
+            else:
+                # Relay bytes as they come; only the tail is inspected for the final [DONE].
+                tail = splitter.rest()
+                if tail:
+                    await write(tail)
+                async for chunk in d_resp.content.iter_any():
+                    last_at = time.monotonic()
+                    record.events += chunk.count(b"data:")
+                    await write(chunk)
+                    tail = (tail + chunk)[-64:]
+                saw_done = saw_done or tail.rstrip(b"\r\n").endswith(sse.DONE.rstrip(b"\n"))
+        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            if isinstance(exc, ConnectionResetError):
+                raise
+            record.outcome = "error"
+            record.error = f"decode stream failed: {exc}"
+            logger.warning("decode %s failed mid-stream: %s", record.decode.url if record.decode else "?", exc)
+            await write(sse.error_event(f"decode worker failed mid-stream: {type(exc).__name__}: {exc}") + sse.DONE)
+            return False
+        if record.events > 1:
+            record.itl_s = (last_at - first_at) / (record.events - 1)
+        if not saw_done:
+            record.outcome = "error"
+            record.error = "decode stream ended without [DONE]"
+            await write(sse.error_event("decode worker closed the stream before [DONE]") + sse.DONE)
+            return False
+        try:
+            await response.write_eof()
+        except (ConnectionResetError, ConnectionError) as exc:
+            raise ClientGone(str(exc)) from None
+        return True
+
+
+async def _end_stream_with_error(response: web.StreamResponse, message: str, code: int) -> None:
+    try:
+        await response.write(sse.error_event(message, code=code, type_="timeout") + sse.DONE)
+        await response.write_eof()
+    except (ConnectionResetError, ConnectionError, RuntimeError):
+        pass
+
+
+class ClientGone(Exception):
+    """Writing to the client failed: it disconnected."""
+
+
+class Leg:
+    """One leg of a request: its task and its hold on the worker, released exactly once."""
+
+    __slots__ = ("proxy", "worker", "role", "task", "is_open", "detached")
+
+    def __init__(self, proxy: Proxy, worker: Worker, role: Role, task: asyncio.Task) -> None:
+        self.proxy, self.worker, self.role, self.task = proxy, worker, role, task
+        self.is_open = True
+        self.detached = False
+
+    def finish(self, outcome: Outcome) -> None:
+        if self.is_open:
+            self.is_open = False
+            self.proxy._leg_done(self.worker, self.role, outcome)
+
+    def cancel(self, rids: list[str]) -> None:
+        """Stop the leg here and on its server (the other leg failed, or the client left)."""
+        if self.is_open:
+            if not self.task.done():
+                self.task.cancel()
+            self.proxy._abort_on(self.worker, rids)
+            self.finish(Outcome.CANCELLED)
+
+    def detach(self) -> None:
+        """Ownership moved to a background task that will finish the leg."""
+        self.detached = True
+
+    def ensure_closed(self) -> None:
+        """Last resort on unexpected errors: never leak a count or a task."""
+        if self.is_open and not self.detached:
+            if not self.task.done():
+                self.task.cancel()
+            self.finish(Outcome.ERROR)
+
+
+def _aborted_before_first_token(answer: object) -> bool:
+    """True when every sequence of an answer (or a stream's first event) was aborted with no output."""
+    items = answer if isinstance(answer, list) else [answer]
+    if not items:
+        return False
+    for item in items:
+        if not isinstance(item, dict):
+            return False
+        meta = item.get("meta_info")
+        if isinstance(meta, dict):
+            reason = meta.get("finish_reason")
+            if not (isinstance(reason, dict) and reason.get("type") == "abort"):
+                return False
+            if meta.get("completion_tokens") or item.get("output_ids") or item.get("text"):
+                return False
+            continue
+        choices = item.get("choices")
+        if isinstance(choices, list) and choices:
+            for choice in choices:
+                if choice.get("finish_reason") != "abort":
+                    return False
+                content = (choice.get("message") or choice.get("delta") or {}).get("content") or choice.get("text")
+                if content:
+                    return False
+            continue
+        return False
+    return True

@@ -1,0 +1,191 @@
+"""Typed client for one SGLang server's control surface (not the request path).
+
+Knows the endpoint names of each server version (0.5.23 renamed `/get_server_info` to `/server_info` and
+`/get_model_info` to `/model_info`, keeping the old names with a deprecation warning; `/get_load` became
+`/v1/loads`) and where each fact lives (the live role is in `/model_info`, the weight version in the
+answers' meta_info and `/server_info`'s internal states).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+import orjson
+
+logger = logging.getLogger(__name__)
+
+JSON_HEADERS = {"Content-Type": "application/json"}
+
+
+@dataclass(slots=True)
+class Reply:
+    """One answer of a server: status (0 when unreachable), parsed JSON (or None) and raw text."""
+
+    status: int
+    data: Any
+    text: str
+
+    @property
+    def ok(self) -> bool:
+        return 200 <= self.status < 300
+
+    def message(self) -> str:
+        if isinstance(self.data, dict):
+            msg = self.data.get("message")
+            if msg is None and isinstance(self.data.get("error"), dict):
+                msg = self.data["error"].get("message")
+            if msg is not None:
+                return str(msg)
+        return self.text[:500]
+
+    def success(self) -> bool:
+        """SGLang control answers: 200 and `success` not false."""
+        if not self.ok:
+            return False
+        if isinstance(self.data, dict) and self.data.get("success") is False:
+            return False
+        return True
+
+
+@dataclass(slots=True)
+class Load:
+    running: int
+    waiting: int
+    used_tokens: int | None = None
+    token_usage: float | None = None
+
+    @property
+    def idle(self) -> bool:
+        return self.running == 0 and self.waiting == 0
+
+
+class Upstream:
+    def __init__(self, session: aiohttp.ClientSession, timeout: float = 10.0) -> None:
+        self.session = session
+        self.timeout = timeout
+
+    async def call(self, method: str, url: str, path: str, body: Any = None, *, timeout: float | None = None,
+                   headers: dict | None = None) -> Reply:
+        kwargs: dict = {"timeout": aiohttp.ClientTimeout(total=timeout or self.timeout)}
+        if body is not None:
+            kwargs["data"] = orjson.dumps(body)
+            kwargs["headers"] = {**JSON_HEADERS, **(headers or {})}
+        elif headers:
+            kwargs["headers"] = headers
+        try:
+            async with self.session.request(method, url + path, **kwargs) as resp:
+                raw = await resp.read()
+                status = resp.status
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+            return Reply(0, None, f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__)
+        text = raw.decode(errors="replace")
+        try:
+            data = orjson.loads(raw) if raw else None
+        except orjson.JSONDecodeError:
+            data = None
+        return Reply(status, data, text)
+
+    async def get(self, url: str, path: str, **kw) -> Reply:
+        return await self.call("GET", url, path, **kw)
+
+    async def post(self, url: str, path: str, body: Any = None, **kw) -> Reply:
+        return await self.call("POST", url, path, {} if body is None else body, **kw)
+
+    async def _get_renamed(self, url: str, new: str, old: str, **kw) -> Reply:
+        reply = await self.get(url, new, **kw)
+        if reply.status in (404, 405):
+            reply = await self.get(url, old, **kw)
+        return reply
+
+    # ---- info ------------------------------------------------------------------------------------
+    async def server_info(self, url: str, **kw) -> Reply:
+        return await self._get_renamed(url, "/server_info", "/get_server_info", **kw)
+
+    async def model_info(self, url: str, **kw) -> Reply:
+        return await self._get_renamed(url, "/model_info", "/get_model_info", **kw)
+
+    async def health(self, url: str, path: str = "/health", **kw) -> Reply:
+        return await self.get(url, path, **kw)
+
+    async def load(self, url: str, **kw) -> Load | None:
+        """Running and waiting requests summed over DP ranks; None if the server tells nothing."""
+        reply = await self.get(url, "/v1/loads", **kw)
+        if reply.ok and reply.data is not None:
+            ranks = reply.data.get("loads", reply.data) if isinstance(reply.data, dict) else reply.data
+            if isinstance(ranks, dict):
+                ranks = [ranks]
+            if isinstance(ranks, list) and ranks and all(isinstance(r, dict) for r in ranks):
+                usage = [r.get("token_usage") for r in ranks if isinstance(r.get("token_usage"), (int, float))]
+                return Load(
+                    running=sum(int(r.get("num_running_reqs") or 0) for r in ranks),
+                    waiting=sum(int(r.get("num_waiting_reqs") or 0) for r in ranks),
+                    used_tokens=sum(int(r.get("num_used_tokens") or 0) for r in ranks),
+                    token_usage=max(usage) if usage else None,
+                )
+        reply = await self.get(url, "/get_load", **kw)
+        if reply.ok and reply.data is not None:
+            items = reply.data if isinstance(reply.data, list) else [reply.data]
+            tokens = sum(int(i.get("load") or 0) for i in items if isinstance(i, dict))
+            running = sum(int(i.get("num_reqs") or 0) for i in items if isinstance(i, dict))
+            waiting = sum(int(i.get("num_waiting_reqs") or 0) for i in items if isinstance(i, dict))
+            return Load(running=running or (1 if tokens else 0), waiting=waiting, used_tokens=tokens)
+        return None
+
+    # ---- control ---------------------------------------------------------------------------------
+    async def abort(self, url: str, *, rid: str | None = None, abort_all: bool = False, **kw) -> Reply:
+        body: dict = {"abort_all": True} if abort_all else {"rid": rid}
+        return await self.post(url, "/abort_request", body, **kw)
+
+
+def bootstrap_port_of(server_info: Any) -> int | None:
+    if isinstance(server_info, dict):
+        port = server_info.get("disaggregation_bootstrap_port")
+        if isinstance(port, int) and not isinstance(port, bool):
+            return port
+    return None
+
+
+def live_role_of(model_info: Any, server_info: Any = None) -> str | None:
+    """The role the server has now: `/model_info` (0.5.23), else `/server_info` internal state, else launch."""
+    if isinstance(model_info, dict) and isinstance(model_info.get("disaggregation_mode"), str):
+        return model_info["disaggregation_mode"]
+    if isinstance(server_info, dict):
+        states = server_info.get("internal_states")
+        if isinstance(states, list) and states and isinstance(states[0], dict):
+            mode = states[0].get("disaggregation_mode")
+            if isinstance(mode, str):
+                return mode
+        mode = server_info.get("disaggregation_mode")
+        if isinstance(mode, str):
+            return mode
+    return None
+
+
+def weight_version_of(server_info: Any, model_info: Any = None) -> str | None:
+    """0.5.23 keeps `/model_info`'s weight_version at the launch value after an update; internal states
+    and answers carry the live one, so prefer those."""
+    if isinstance(server_info, dict):
+        states = server_info.get("internal_states")
+        if isinstance(states, list) and states and isinstance(states[0], dict):
+            version = states[0].get("weight_version")
+            if version is not None:
+                return str(version)
+        if server_info.get("weight_version") is not None:
+            return str(server_info["weight_version"])
+    if isinstance(model_info, dict) and model_info.get("weight_version") is not None:
+        return str(model_info["weight_version"])
+    return None
+
+
+def switch_api_of(server_info: Any) -> str | None:
+    if not isinstance(server_info, dict):
+        return None
+    if server_info.get("enable_pd_role_switch"):
+        return "pd_role_switch"
+    if server_info.get("enable_pd_convert"):
+        return "convert_pd_role"
+    return None

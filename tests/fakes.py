@@ -1,0 +1,162 @@
+"""A programmable stand-in for one SGLang server, for deterministic router tests.
+
+It records every request it receives and answers like SGLang (shapes of 0.5.23), with knobs to fail,
+hang, or cut a stream. It does not implement the PD transfer (the simulator does): a decode fake answers
+on its own, unless `wait_for_prefill` links it to prefill fakes that must have seen the same room.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+
+import orjson
+from aiohttp import web
+
+
+@dataclass
+class Behaviour:
+    status: int = 200  # status of /generate-like answers
+    error_body: dict | None = None
+    hang: bool = False  # never answer (until released)
+    stream_chunks: int = 3
+    cut_after: int | None = None  # streaming: close the connection after this many chunks
+    delay_s: float = 0.0
+    abort_before_first_token: bool = False  # answer like an aborted request
+
+
+class FakeWorker:
+    def __init__(self, role: str, *, bootstrap_port: int | None = 8998, weight_version: str = "default"):
+        self.role = role
+        self.bootstrap_port = bootstrap_port
+        self.weight_version = weight_version
+        self.behaviour = Behaviour()
+        self.requests: list[tuple[str, dict | None]] = []
+        self.aborts: list[dict] = []
+        self.rooms_seen: set[int] = set()
+        self.release = asyncio.Event()  # opens hanging requests
+        self.in_handler = 0
+        self.disconnects = 0
+        self.url = ""
+        self._runner: web.AppRunner | None = None
+        self.linked_prefills: list["FakeWorker"] = []
+
+    # ---- lifecycle -------------------------------------------------------------------------------
+    async def start(self) -> "FakeWorker":
+        app = web.Application()
+        for path in ("/generate", "/v1/completions", "/v1/chat/completions"):
+            app.router.add_post(path, self._generate)
+        app.router.add_post("/abort_request", self._abort)
+        app.router.add_get("/health", self._ok)
+        app.router.add_get("/health_generate", self._ok)
+        app.router.add_post("/flush_cache", self._flush)
+        app.router.add_get("/server_info", self._server_info)
+        app.router.add_get("/get_server_info", self._server_info)
+        app.router.add_get("/model_info", self._model_info)
+        app.router.add_get("/get_model_info", self._model_info)
+        app.router.add_get("/v1/models", self._models)
+        self._runner = web.AppRunner(app, handler_cancellation=True)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]
+        self.url = f"http://127.0.0.1:{port}"
+        return self
+
+    async def stop(self) -> None:
+        self.release.set()
+        if self._runner is not None:
+            await self._runner.cleanup()
+
+    # ---- helpers ---------------------------------------------------------------------------------
+    def bodies(self, path: str = "/generate") -> list[dict]:
+        return [b for p, b in self.requests if p == path]
+
+    def _answer(self, body: dict, index: int | None = None, n_tokens: int = 3) -> dict:
+        rid = body.get("rid")
+        if isinstance(rid, list):
+            rid = rid[index or 0]
+        tokens = [] if self.behaviour.abort_before_first_token else list(range(n_tokens))
+        finish = ({"type": "abort", "message": "Aborted", "status_code": None}
+                  if self.behaviour.abort_before_first_token else {"type": "length", "length": n_tokens})
+        meta = {"id": rid, "finish_reason": finish, "prompt_tokens": 4, "completion_tokens": len(tokens),
+                "weight_version": self.weight_version, "role": self.role}
+        if body.get("return_logprob"):
+            meta["input_token_logprobs"] = [[-1.0, 1, None]] if self.role == "prefill" else []
+            meta["output_token_logprobs"] = [[-0.5, t, None] for t in tokens]
+        answer = {"text": "".join(f" t{t}" for t in tokens), "output_ids": tokens, "meta_info": meta}
+        if index is not None:
+            answer["index"] = index
+        return answer
+
+    # ---- handlers --------------------------------------------------------------------------------
+    async def _generate(self, request: web.Request) -> web.StreamResponse:
+        body = orjson.loads(await request.read())
+        self.requests.append((request.path, body))
+        rooms = body.get("bootstrap_room")
+        for room in rooms if isinstance(rooms, list) else [rooms]:
+            self.rooms_seen.add(room)
+        self.in_handler += 1
+        try:
+            b = self.behaviour
+            if b.delay_s:
+                await asyncio.sleep(b.delay_s)
+            if b.hang:
+                await self.release.wait()
+            if b.status != 200:
+                return web.json_response(b.error_body or {"error": {"message": f"fake {self.role} failure"}},
+                                         status=b.status)
+            batch = isinstance(body.get("text"), list) or (
+                isinstance(body.get("input_ids"), list) and body["input_ids"] and isinstance(body["input_ids"][0], list))
+            n_tokens = 1 if self.role == "prefill" else 3
+            if not body.get("stream"):
+                if batch:
+                    size = len(body.get("text") or body.get("input_ids"))
+                    return web.json_response([self._answer(body, i, n_tokens) for i in range(size)],
+                                             dumps=lambda o: orjson.dumps(o).decode())
+                return web.json_response(self._answer(body, None, n_tokens), dumps=lambda o: orjson.dumps(o).decode())
+            response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await response.prepare(request)
+            chunks = 1 if self.role == "prefill" else b.stream_chunks
+            for i in range(chunks):
+                if b.cut_after is not None and i >= b.cut_after:
+                    request.transport.close()
+                    return response
+                await response.write(b"data: " + orjson.dumps(self._answer(body, None, i + 1)) + b"\n\n")
+                await asyncio.sleep(0)
+            await response.write(b"data: [DONE]\n\n")
+            await response.write_eof()
+            return response
+        except asyncio.CancelledError:
+            self.disconnects += 1
+            raise
+        finally:
+            self.in_handler -= 1
+
+    async def _abort(self, request: web.Request) -> web.Response:
+        self.aborts.append(orjson.loads(await request.read() or b"{}"))
+        return web.Response(status=200)
+
+    async def _ok(self, request: web.Request) -> web.Response:
+        return web.Response(status=200)
+
+    async def _flush(self, request: web.Request) -> web.Response:
+        if self.in_handler:
+            return web.Response(status=400, text="Flush cache failed.")
+        return web.Response(status=200, text="Cache flushed.")
+
+    async def _server_info(self, request: web.Request) -> web.Response:
+        return web.json_response({
+            "disaggregation_mode": self.role,
+            "disaggregation_bootstrap_port": self.bootstrap_port,
+            "internal_states": [{"weight_version": self.weight_version, "disaggregation_mode": self.role,
+                                 "last_gen_throughput": 1.0}],
+            "version": "0.5.23",
+        })
+
+    async def _model_info(self, request: web.Request) -> web.Response:
+        return web.json_response({"model_path": "fake-model", "weight_version": self.weight_version,
+                                  "disaggregation_mode": self.role})
+
+    async def _models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{"id": "fake-model", "object": "model"}]})
