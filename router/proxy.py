@@ -165,9 +165,14 @@ class Proxy:
                 observe(record)
 
     # ---- pair selection ----------------------------------------------------------------------------
-    def select_pair(self, info: RequestInfo) -> tuple[Worker, Worker]:
+    def select_pair(self, info: RequestInfo, avoid: set[Worker] | None = None) -> tuple[Worker, Worker]:
+        """Pick one routable prefill and decode; `avoid` holds workers that already failed this request
+        (used only while the pool has others)."""
         prefills = self.registry.routable(Role.PREFILL)
         decodes = self.registry.routable(Role.DECODE)
+        if avoid:
+            prefills = tuple(w for w in prefills if w not in avoid) or prefills
+            decodes = tuple(w for w in decodes if w not in avoid) or decodes
         if not prefills or not decodes:
             missing = " and ".join(r for r, pool in (("prefill", prefills), ("decode", decodes)) if not pool)
             raise ServiceUnavailable(f"no routable {missing} worker", headers={"Retry-After": "1"})
@@ -186,10 +191,11 @@ class Proxy:
         max_attempts = 1 + (retry.max_retries if retry.enabled else 0)
         aborted_retries = 0
         attempt_no = 0
+        failed: set[Worker] = set()
         while True:
-            if attempt_no:
+            if attempt_no or aborted_retries:
                 await self.admission.wait_open(deadline)
-            prefill, decode = self.select_pair(info)
+            prefill, decode = self.select_pair(info, failed)
             payload_body = dict(body)
             inject_bootstrap(payload_body, shape, prefill)
             rids = assign_rid(payload_body, shape, self.config.inject_rid)
@@ -210,6 +216,7 @@ class Proxy:
                                 failure.reason)
                     continue
                 attempt_no += 1
+                failed.add(failure.worker)
                 if failure.retryable and attempt_no < max_attempts:
                     logger.warning("attempt %d failed on %s: %s; retrying on another pair", attempt_no,
                                    failure.worker.url, failure.reason)

@@ -1,0 +1,11 @@
+#!/usr/bin/env bash
+# Create .venv (Python 3.11+) and install pd-router with its test extra. Idempotent.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-$(command -v python3.11 || command -v python3)}
+if [ ! -x .venv/bin/python ]; then
+  "$PYTHON" -m venv .venv
+fi
+.venv/bin/python -m pip install -q --disable-pip-version-check --upgrade pip >/dev/null 2>&1 || true
+.venv/bin/python -m pip install -q --disable-pip-version-check -e '.[test,loadtest]'
+echo "pd-router installed in $(pwd)/.venv"
