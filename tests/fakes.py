@@ -26,8 +26,16 @@ class Behaviour:
 
 
 class FakeWorker:
-    def __init__(self, role: str, *, bootstrap_port: int | None = 8998, weight_version: str = "default"):
+    def __init__(self, role: str, *, bootstrap_port: int | None = 8998, weight_version: str = "default",
+                 api: str = "0.5.23"):
         self.role = role
+        self.launch_role = role  # /server_info's top level keeps the launch role, as 0.5.23 does
+        # Role switching: "0.5.23" serves /pd_role_switch, "convert" the earlier design's /convert_pd_role.
+        self.api = api
+        self.switch_calls: list[dict] = []
+        self.switch_fault: str | None = None  # "safe" | "unsafe" | "noop" (success without changing role)
+        self.not_idle_refusals = 0  # refuse this many switches as "not idle" (like 0.5.23's deferred KV release)
+        self.convert_bootstrap_port = 9500  # the port a decode converted by /convert_pd_role reports
         self.bootstrap_port = bootstrap_port
         self.weight_version = weight_version
         self.behaviour = Behaviour()
@@ -55,6 +63,9 @@ class FakeWorker:
         app.router.add_get("/model_info", self._model_info)
         app.router.add_get("/get_model_info", self._model_info)
         app.router.add_get("/v1/models", self._models)
+        app.router.add_get("/v1/loads", self._loads)
+        if self.api in ("0.5.23", "convert"):
+            app.router.add_post("/pd_role_switch" if self.api == "0.5.23" else "/convert_pd_role", self._switch)
         self._runner = web.AppRunner(app, handler_cancellation=True)
         await self._runner.setup()
         site = web.TCPSite(self._runner, "127.0.0.1", 0)
@@ -145,9 +156,43 @@ class FakeWorker:
             return web.Response(status=400, text="Flush cache failed.")
         return web.Response(status=200, text="Cache flushed.")
 
+    async def _loads(self, request: web.Request) -> web.Response:
+        return web.json_response({"loads": [{"num_running_reqs": self.in_handler, "num_waiting_reqs": 0}]})
+
+    async def _switch(self, request: web.Request) -> web.Response:
+        """0.5.23's /pd_role_switch (or /convert_pd_role: the opposite role, a new bootstrap port)."""
+        body = orjson.loads(await request.read() or b"{}")
+        self.switch_calls.append(body)
+        old = self.role
+        new = body.get("new_role") if self.api == "0.5.23" else ("prefill" if old == "decode" else "decode")
+
+        def answer(status: int, success: bool, message: str, safe: bool = False, **extra) -> web.Response:
+            return web.json_response({"success": success, "message": message, "old_role": old, "new_role": new,
+                                      "safe_to_restore": safe, **extra}, status=status)
+
+        if self.in_handler or self.not_idle_refusals:
+            self.not_idle_refusals = max(self.not_idle_refusals - 1, 0)
+            return answer(400, False, "instance is not idle; drain all requests before switching", True)
+        if self.api == "0.5.23" and new == "decode" and body.get("decode_cuda_graph_memory_gb") is None:
+            return answer(400, False, "decode_cuda_graph_memory_gb is required before capturing decode graphs",
+                          True)
+        if self.switch_fault == "safe":
+            return answer(400, False, "injected refusal", True)
+        if self.switch_fault == "unsafe":
+            self.role = "broken"
+            return answer(400, False, "role switch failed; instance unhealthy, restart required", False)
+        if self.switch_fault != "noop":
+            self.role = new
+        if self.api == "convert":
+            port = self.convert_bootstrap_port if new == "prefill" else None
+            return web.json_response({"success": True, "message": "ok", "bootstrap_port": port})
+        return answer(200, True, "ok")
+
     async def _server_info(self, request: web.Request) -> web.Response:
         return web.json_response({
-            "disaggregation_mode": self.role,
+            "disaggregation_mode": self.launch_role,
+            "enable_pd_role_switch": self.api == "0.5.23",
+            "enable_pd_convert": self.api == "convert",
             "disaggregation_bootstrap_port": self.bootstrap_port,
             "internal_states": [{"weight_version": self.weight_version, "disaggregation_mode": self.role,
                                  "last_gen_throughput": 1.0}],
