@@ -11,7 +11,7 @@ from aiohttp import web
 
 from policies import make_policy
 
-from . import api_conversion, api_info, api_workers
+from . import api_conversion, api_info, api_workers, health
 from .admission import Admission
 from .config import DISCOVER, RouterConfig
 from .discovery import Discovery
@@ -83,6 +83,7 @@ def create_app(config: RouterConfig, *, registry: Registry | None = None) -> web
     api_info.setup(app)
     api_workers.setup(app)
     api_conversion.setup(app)
+    health.setup(app)
     return app
 
 

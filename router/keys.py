@@ -18,3 +18,4 @@ ADMISSION = web.AppKey("admission", Admission)
 PROXY = web.AppKey("proxy", object)
 TASKS = web.AppKey("tasks", object)
 DISCOVERY = web.AppKey("discovery", object)
+HEALTH = web.AppKey("health", object)  # router.health.HealthMonitor

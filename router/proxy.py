@@ -54,6 +54,11 @@ class LegFailed(Exception):
         self.reason = reason
         self.router_abort = router_abort
 
+    @property
+    def worker_fault(self) -> bool:
+        """Unreachable or 5xx, and not caused by the router's own abort: counts against the worker."""
+        return self.status >= 500 and not self.router_abort
+
     def response(self) -> web.Response:
         if self.body:
             return web.Response(body=self.body, status=self.status, content_type=self.content_type or None)
@@ -97,7 +102,9 @@ class Attempt:
         return (self.prefill.abort_epoch, self.decode.abort_epoch) != self.epochs
 
 
-LegObserver = Callable[[Worker, bool], None]  # (worker, ok) for passive health
+# (worker, verdict) for passive health: True served, False failed by the worker's fault (unreachable, 5xx,
+# stream cut), None no verdict (cancelled, client error, router abort).
+LegObserver = Callable[[Worker, "bool | None"], None]
 RequestObserver = Callable[[RequestRecord], None]
 
 
@@ -144,7 +151,7 @@ class Proxy:
                 except TimeoutError:
                     message = f"request did not finish within {self._timeout:g} s"
                     if record.response is None:
-                        raise GatewayTimeout(message) from None
+                        raise GatewayTimeout(message, **_pair_of(record)) from None
                     record.outcome, record.error = "error", message
                     await _end_stream_with_error(record.response, message, 504)
                     response = record.response
@@ -231,13 +238,16 @@ class Proxy:
         self.registry.acquire(worker)
         return Leg(self, worker, role, asyncio.ensure_future(coro))
 
-    def _leg_done(self, worker: Worker, role: Role, outcome: Outcome) -> None:
+    def _leg_done(self, worker: Worker, role: Role, outcome: Outcome, fault: bool = True) -> None:
         self.registry.release(worker)
-        ok = outcome is not Outcome.ERROR
-        if not ok:
-            worker.failures_total += 1
+        if outcome is Outcome.SUCCESS:
+            verdict: bool | None = True
+        else:
+            verdict = False if outcome is Outcome.ERROR and fault else None
+            if outcome is Outcome.ERROR:
+                worker.failures_total += 1
         for observe in self.leg_observers:
-            observe(worker, ok)
+            observe(worker, verdict)
         self.policies[role].on_complete(worker, outcome)
 
     def _abort_on(self, worker: Worker, rids: list[str]) -> None:
@@ -278,7 +288,10 @@ class Proxy:
     def _conclude(self, leg: "Leg", attempt: Attempt) -> LegFailed | None:
         """Close a finished leg, counting its outcome; return its failure if any."""
         failure = self._failure(leg, attempt)
-        leg.finish(Outcome.SUCCESS if failure is None else Outcome.ERROR)
+        if failure is None:
+            leg.finish(Outcome.SUCCESS)
+        else:
+            leg.finish(Outcome.ERROR, fault=failure.worker_fault)
         return failure
 
     async def _finish_later(self, leg: "Leg", attempt: Attempt) -> None:
@@ -290,7 +303,7 @@ class Proxy:
             leg.cancel(attempt.rids)
             raise
         except Exception:
-            leg.finish(Outcome.ERROR)
+            leg.finish(Outcome.ERROR, fault=False)
 
     def _post(self, worker: Worker, path: str, attempt: Attempt, headers: dict):
         return self.session.post(worker.url + path, data=attempt.payload, headers={**JSON_HEADERS, **headers})
@@ -390,7 +403,7 @@ class Proxy:
                         raise failure
             failure = self._failure(d, attempt)
             if failure is not None:
-                d.finish(Outcome.ERROR)
+                d.finish(Outcome.ERROR, fault=failure.worker_fault)
                 p.cancel(attempt.rids)
                 raise failure
             d_resp, events, splitter = d.task.result()[3]
@@ -505,6 +518,12 @@ class Proxy:
         return True
 
 
+def _pair_of(record: RequestRecord) -> dict:
+    """The pair an error happened on, for the error body (operators and the soak run attribute failures)."""
+    return {"prefill": record.prefill.url if record.prefill else None,
+            "decode": record.decode.url if record.decode else None}
+
+
 async def _end_stream_with_error(response: web.StreamResponse, message: str, code: int) -> None:
     try:
         await response.write(sse.error_event(message, code=code, type_="timeout") + sse.DONE)
@@ -527,10 +546,11 @@ class Leg:
         self.is_open = True
         self.detached = False
 
-    def finish(self, outcome: Outcome) -> None:
+    def finish(self, outcome: Outcome, fault: bool = True) -> None:
+        """`fault`: whether an ERROR outcome counts against the worker (passive health)."""
         if self.is_open:
             self.is_open = False
-            self.proxy._leg_done(self.worker, self.role, outcome)
+            self.proxy._leg_done(self.worker, self.role, outcome, fault)
 
     def cancel(self, rids: list[str]) -> None:
         """Stop the leg here and on its server (the other leg failed, or the client left)."""
@@ -549,7 +569,7 @@ class Leg:
         if self.is_open and not self.detached:
             if not self.task.done():
                 self.task.cancel()
-            self.finish(Outcome.ERROR)
+            self.finish(Outcome.ERROR, fault=False)
 
 
 def _aborted_before_first_token(answer: object) -> bool:

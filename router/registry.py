@@ -73,6 +73,9 @@ class Worker:
     bootstrap_host: str
     state: WorkerState = WorkerState.ACTIVE
     healthy: bool = True
+    # Set by the health monitor: why the worker is (un)healthy, and its circuit breaker's phase.
+    health_reason: str = ""
+    breaker: str = "closed"
     # Router-side count of requests holding this worker (selection → last byte or client gone).
     inflight: int = 0
     # Bumped on every change of role, port or state, so that stale asynchronous results can be discarded.
@@ -105,6 +108,8 @@ class Worker:
             "state": self.state.value,
             "state_reason": self.state_reason,
             "is_healthy": self.healthy,
+            "health_reason": self.health_reason,
+            "breaker": self.breaker,
             "routable": self.routable,
             "inflight": self.inflight,
             "load": self.inflight,
@@ -219,14 +224,22 @@ class Registry:
         logger.info("worker %s %s: %s -> %s (%s)", worker.id, worker.url, old, state, reason or "-")
         self._emit("state", worker, old=old.value, new=state.value, reason=reason)
 
-    def set_health(self, worker: Worker, healthy: bool, reason: str = "") -> None:
+    def set_health(self, worker: Worker, healthy: bool, reason: str = "", *, breaker: str | None = None) -> None:
+        """Health is separate from state: probes and the circuit breaker decide it (router/health.py)."""
+        breaker_changed = breaker is not None and breaker != worker.breaker
+        if breaker_changed:
+            worker.breaker = breaker
         if worker.healthy is healthy:
+            worker.health_reason = reason
+            if breaker_changed:
+                self._emit("health", worker, healthy=healthy, reason=reason, breaker=breaker)
             return
         worker.healthy = healthy
+        worker.health_reason = reason
         self._refresh(worker.role)
         logger.warning("worker %s %s is now %s (%s)", worker.id, worker.url,
                        "healthy" if healthy else "unhealthy", reason or "-")
-        self._emit("health", worker, healthy=healthy, reason=reason)
+        self._emit("health", worker, healthy=healthy, reason=reason, breaker=worker.breaker)
 
     def move(self, worker: Worker, role: Role, bootstrap_port: int | None, state: WorkerState, reason: str) -> None:
         """Put a worker into the other pool (after a verified role switch)."""

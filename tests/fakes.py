@@ -23,6 +23,9 @@ class Behaviour:
     cut_after: int | None = None  # streaming: close the connection after this many chunks
     delay_s: float = 0.0
     abort_before_first_token: bool = False  # answer like an aborted request
+    health_status: int = 200  # status of GET /health
+    health_hang: bool = False  # GET /health never answers (until health_release is set)
+    health_script: list = field(default_factory=list)  # statuses for the next /health calls, in order
 
 
 class FakeWorker:
@@ -43,6 +46,10 @@ class FakeWorker:
         self.aborts: list[dict] = []
         self.rooms_seen: set[int] = set()
         self.release = asyncio.Event()  # opens hanging requests
+        self.health_release = asyncio.Event()  # opens hanging health probes
+        self.health_calls = 0
+        self.health_in_flight = 0
+        self.health_in_flight_max = 0
         self.in_handler = 0
         self.disconnects = 0
         self.url = ""
@@ -55,7 +62,7 @@ class FakeWorker:
         for path in ("/generate", "/v1/completions", "/v1/chat/completions"):
             app.router.add_post(path, self._generate)
         app.router.add_post("/abort_request", self._abort)
-        app.router.add_get("/health", self._ok)
+        app.router.add_get("/health", self._health)
         app.router.add_get("/health_generate", self._ok)
         app.router.add_post("/flush_cache", self._flush)
         app.router.add_get("/server_info", self._server_info)
@@ -76,6 +83,7 @@ class FakeWorker:
 
     async def stop(self) -> None:
         self.release.set()
+        self.health_release.set()
         if self._runner is not None:
             await self._runner.cleanup()
 
@@ -147,6 +155,20 @@ class FakeWorker:
     async def _abort(self, request: web.Request) -> web.Response:
         self.aborts.append(orjson.loads(await request.read() or b"{}"))
         return web.Response(status=200)
+
+    async def _health(self, request: web.Request) -> web.Response:
+        self.health_calls += 1
+        self.health_in_flight += 1
+        self.health_in_flight_max = max(self.health_in_flight_max, self.health_in_flight)
+        script = self.behaviour.health_script
+        # The answer is decided on arrival, even if it is held.
+        status = script.pop(0) if script else self.behaviour.health_status
+        try:
+            if self.behaviour.health_hang:
+                await self.health_release.wait()
+            return web.Response(status=status)
+        finally:
+            self.health_in_flight -= 1
 
     async def _ok(self, request: web.Request) -> web.Response:
         return web.Response(status=200)

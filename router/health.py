@@ -1,0 +1,374 @@
+"""Worker health: active probes, passive failure counting, and a circuit breaker per worker.
+
+The decisions are pure functions of (state, observation, config, now) -> new state, with one test per
+transition (tests/test_health_rules.py); `HealthMonitor` only applies them:
+- probes: every `interval` each worker's health endpoint is asked, with a timeout, one probe in flight per
+  worker (a slow worker is never stacked with probes). `failure_threshold` failed probes in a row make a
+  worker unhealthy (its first probe failing is enough for a worker that never passed one);
+  `success_threshold` passes in a row bring it back. A probe whose worker changed meanwhile (the registry's
+  revision moved: state change, role switch, removal) is discarded.
+- breaker: the proxy reports every leg's verdict (`Proxy.leg_observers`); `failure_threshold` worker faults
+  in a row open it (the worker leaves routing), after `timeout` it goes half-open (traffic again), and
+  `success_threshold` served legs close it, while one fault re-opens it.
+- the worker is routable by health while its probes pass, its breaker is not open, and (when it rejoins)
+  its weight version matches the fleet's: `registry.set_health` keeps the request path an O(1) read.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+import time
+from collections import Counter
+from dataclasses import dataclass
+from typing import Callable
+
+from .config import BreakerConfig, HealthConfig
+from .registry import Registry, Worker, WorkerState
+from .upstream import Upstream, weight_version_of
+
+logger = logging.getLogger(__name__)
+
+# States in which a flow is talking to the server (switching its role, updating weights): its answers to
+# probes are the flow's business, and a probe would only see a server in transition.
+UNPROBED_STATES = frozenset({WorkerState.PENDING, WorkerState.CONVERTING, WorkerState.VERIFYING,
+                             WorkerState.PAUSED})
+INFO_TIMEOUT = 5.0
+
+
+# ---- pure rules ------------------------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class ProbeState:
+    healthy: bool = True
+    failures: int = 0  # failed probes in a row
+    successes: int = 0  # passed probes in a row while unhealthy
+    proven: bool = False  # a probe has passed since the worker was registered
+
+
+def after_probe(state: ProbeState, ok: bool, config: HealthConfig) -> ProbeState:
+    """The probe state after one probe result."""
+    if ok:
+        if state.healthy:
+            return state if state.proven and not state.failures else ProbeState(proven=True)
+        successes = state.successes + 1
+        if successes >= max(config.success_threshold, 1):
+            return ProbeState(proven=True)
+        return ProbeState(healthy=False, successes=successes, proven=state.proven)
+    failures = state.failures + 1
+    if not state.healthy:
+        return ProbeState(healthy=False, failures=failures, proven=state.proven)
+    if failures >= max(config.failure_threshold, 1) or not state.proven:
+        return ProbeState(healthy=False, failures=failures, proven=state.proven)
+    return ProbeState(healthy=True, failures=failures, proven=True)
+
+
+class Phase(str, enum.Enum):
+    CLOSED = "closed"
+    OPEN = "open"
+    HALF_OPEN = "half_open"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+@dataclass(frozen=True, slots=True)
+class BreakerState:
+    phase: Phase = Phase.CLOSED
+    failures: int = 0  # worker faults in a row (closed)
+    successes: int = 0  # served legs in a row (half-open)
+    opened_at: float = 0.0
+
+
+CLOSED = BreakerState()
+
+
+def breaker_after_verdict(state: BreakerState, ok: bool, now: float, config: BreakerConfig) -> BreakerState:
+    """The breaker after one leg's verdict (True served, False the worker's fault)."""
+    if state.phase is Phase.OPEN:
+        return state  # a leg dispatched before the breaker opened: it says nothing new
+    if state.phase is Phase.HALF_OPEN:
+        if not ok:
+            return BreakerState(Phase.OPEN, opened_at=now)
+        successes = state.successes + 1
+        if successes >= max(config.success_threshold, 1):
+            return CLOSED
+        return BreakerState(Phase.HALF_OPEN, successes=successes)
+    if ok:
+        return CLOSED if state.failures else state
+    failures = state.failures + 1
+    if failures >= max(config.failure_threshold, 1):
+        return BreakerState(Phase.OPEN, failures=failures, opened_at=now)
+    return BreakerState(Phase.CLOSED, failures=failures)
+
+
+def breaker_after_time(state: BreakerState, now: float, config: BreakerConfig) -> BreakerState:
+    """An open breaker goes half-open once its timeout has passed."""
+    if state.phase is Phase.OPEN and now - state.opened_at >= config.timeout_secs:
+        return BreakerState(Phase.HALF_OPEN)
+    return state
+
+
+def fleet_weight_version(versions: list[str | None]) -> str | None:
+    """The version the routable fleet agrees on: the only one reported, else None (no agreement to keep)."""
+    known = Counter(v for v in versions if v is not None)
+    return next(iter(known)) if len(known) == 1 else None
+
+
+def rejoin_refusal(version: str | None, fleet_version: str | None) -> str | None:
+    """Why a worker coming back may not rejoin yet: its weights differ from the fleet's (None: it may)."""
+    if fleet_version is None or version is None or version == fleet_version:
+        return None
+    return f"weight version {version!r} differs from the fleet's {fleet_version!r}"
+
+
+def health_verdict(probe: ProbeState, breaker: BreakerState, refusal: str | None) -> tuple[bool, str]:
+    """Routable by health, and why not."""
+    if not probe.healthy:
+        return False, f"{probe.failures} failed health probe(s)" if probe.failures else "health probes failing"
+    if breaker.phase is Phase.OPEN:
+        return False, f"circuit breaker open after {breaker.failures} failure(s)"
+    if refusal is not None:
+        return False, refusal
+    return True, "half-open: trial traffic" if breaker.phase is Phase.HALF_OPEN else "healthy"
+
+
+# ---- the monitor ------------------------------------------------------------------------------------------
+class WorkerHealth:
+    """The monitor's per-worker record (mutable; the rules above produce its states)."""
+
+    __slots__ = ("worker", "probe", "breaker", "refusal", "epoch", "probe_task", "timer", "probes",
+                 "stale_probes", "breaker_opened")
+
+    def __init__(self, worker: Worker) -> None:
+        self.worker = worker
+        self.probe = ProbeState()
+        self.breaker = CLOSED
+        self.refusal: str | None = None
+        self.epoch = 0  # bumped on reset, so that in-flight probes of the old life are discarded
+        self.probe_task: asyncio.Task | None = None
+        self.timer: asyncio.TimerHandle | None = None
+        self.probes = 0
+        self.stale_probes = 0
+        self.breaker_opened = 0
+
+    def to_dict(self) -> dict:
+        return {
+            "worker_id": self.worker.id, "url": self.worker.url, "healthy": self.worker.healthy,
+            "reason": self.worker.health_reason, "probe": {"healthy": self.probe.healthy,
+                                                           "failures": self.probe.failures,
+                                                           "successes": self.probe.successes},
+            "breaker": {"phase": self.breaker.phase.value, "failures": self.breaker.failures,
+                        "successes": self.breaker.successes, "opened_total": self.breaker_opened},
+            "refusal": self.refusal, "probes_total": self.probes, "stale_probes_total": self.stale_probes,
+        }
+
+
+class HealthMonitor:
+    def __init__(self, registry: Registry, upstream: Upstream, health: HealthConfig, breaker: BreakerConfig,
+                 *, clock: Callable[[], float] = time.monotonic) -> None:
+        self.registry = registry
+        self.upstream = upstream
+        self.health = health
+        self.breaker = breaker
+        self.clock = clock
+        self._records: dict[str, WorkerHealth] = {}
+        self._loop_task: asyncio.Task | None = None
+        self._closed = False
+        registry.subscribe(self._on_registry_event)
+
+    # ---- lifecycle --------------------------------------------------------------------------------------
+    def start(self) -> None:
+        for worker in self.registry.workers():
+            self._track(worker)
+        if self.health.enabled:
+            self._loop_task = asyncio.ensure_future(self._run())
+
+    async def close(self) -> None:
+        self._closed = True
+        tasks = [t for t in (self._loop_task, *(r.probe_task for r in self._records.values())) if t is not None]
+        for record in self._records.values():
+            if record.timer is not None:
+                record.timer.cancel()
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _run(self) -> None:
+        interval = max(self.health.interval_secs, 0.01)
+        while True:
+            await asyncio.sleep(interval)
+            for record in list(self._records.values()):
+                self._probe_soon(record)
+
+    # ---- registry events --------------------------------------------------------------------------------
+    def _track(self, worker: Worker) -> None:
+        if worker.id not in self._records:
+            self._records[worker.id] = record = WorkerHealth(worker)
+            self._probe_soon(record)
+
+    def _on_registry_event(self, event: str, worker: Worker, details: dict) -> None:
+        if self._closed:
+            return
+        if event == "added":
+            self._track(worker)
+        elif event == "removed":
+            record = self._records.pop(worker.id, None)
+            if record is not None:
+                if record.timer is not None:
+                    record.timer.cancel()
+                if record.probe_task is not None:
+                    record.probe_task.cancel()
+        elif event == "moved":
+            # A verified role switch: the old role's failure history says nothing about the new one.
+            record = self._records.get(worker.id)
+            if record is not None:
+                self._reset(record, "role switched")
+        elif event == "state" and details.get("old") == WorkerState.PENDING.value:
+            record = self._records.get(worker.id)
+            if record is not None:
+                self._probe_soon(record)
+
+    def _reset(self, record: WorkerHealth, reason: str) -> None:
+        record.epoch += 1
+        record.probe = ProbeState()
+        record.breaker = CLOSED
+        record.refusal = None
+        if record.timer is not None:
+            record.timer.cancel()
+            record.timer = None
+        self._apply(record, reason)
+
+    # ---- applying decisions -----------------------------------------------------------------------------
+    def _apply(self, record: WorkerHealth, cause: str = "") -> None:
+        healthy, reason = health_verdict(record.probe, record.breaker, record.refusal)
+        if cause and not healthy:
+            reason = f"{reason} ({cause})"
+        self.registry.set_health(record.worker, healthy, reason, breaker=record.breaker.phase.value)
+
+    # ---- passive: leg verdicts from the request path (hot: keep the common case to two lookups) ---------
+    def on_leg(self, worker: Worker, verdict: bool | None) -> None:
+        if verdict is None or not self.breaker.enabled:
+            return
+        record = self._records.get(worker.id)
+        if record is None or record.worker is not worker:
+            return
+        state = record.breaker
+        if verdict and state is CLOSED:
+            return
+        if worker.state is not WorkerState.ACTIVE:
+            return  # draining or converting: failures there are the flow's doing
+        new = breaker_after_verdict(state, verdict, self.clock(), self.breaker)
+        if new == state:
+            return
+        record.breaker = new
+        if new.phase is not state.phase:
+            logger.warning("worker %s %s: circuit breaker %s -> %s", worker.id, worker.url, state.phase, new.phase)
+            if new.phase is Phase.OPEN:
+                record.breaker_opened += 1
+                self._schedule_half_open(record)
+            self._apply(record, "request failures" if new.phase is Phase.OPEN else "")
+
+    def _schedule_half_open(self, record: WorkerHealth) -> None:
+        if record.timer is not None:
+            record.timer.cancel()
+        opened = record.breaker
+        delay = max(opened.opened_at + self.breaker.timeout_secs - self.clock(), 0.0)
+        record.timer = asyncio.get_running_loop().call_later(delay, self._half_open, record, opened)
+
+    def _half_open(self, record: WorkerHealth, opened: BreakerState) -> None:
+        record.timer = None
+        if record.breaker is not opened or self._records.get(record.worker.id) is not record:
+            return
+        new = breaker_after_time(opened, self.clock(), self.breaker)
+        if new is opened:  # the clock disagrees with the timer (an injected clock): try again later
+            self._schedule_half_open(record)
+            return
+        record.breaker = new
+        logger.info("worker %s %s: circuit breaker half-open, trial traffic", record.worker.id, record.worker.url)
+        self._apply(record)
+
+    # ---- active probes ----------------------------------------------------------------------------------
+    def _probe_soon(self, record: WorkerHealth) -> None:
+        if (self._closed or not self.health.enabled or record.worker.state in UNPROBED_STATES
+                or (record.probe_task is not None and not record.probe_task.done())):
+            return
+        record.probe_task = asyncio.ensure_future(self._probe(record))
+
+    async def _probe(self, record: WorkerHealth) -> None:
+        worker, epoch, revision = record.worker, record.epoch, record.worker.revision
+        reply = await self.upstream.health(worker.url, self.health.endpoint, timeout=self.health.timeout_secs)
+        ok = reply.ok
+        record.probes += 1
+        if not self._current(record, epoch, revision):
+            record.stale_probes += 1
+            return
+        before = record.probe
+        record.probe = after_probe(before, ok, self.health)
+        if not ok and before.healthy and record.probe.healthy:
+            logger.info("worker %s %s: health probe failed (%d/%d): %s", worker.id, worker.url,
+                        record.probe.failures, self.health.failure_threshold, reply.message() or reply.status)
+        refusal = record.refusal
+        if record.probe.healthy and (not before.healthy or refusal is not None):
+            record.refusal = await self._rejoin_refusal(worker)
+            if not self._current(record, epoch, None):
+                record.stale_probes += 1
+                return
+        if record.probe.healthy is not before.healthy or record.refusal != refusal:
+            cause = "" if ok else (reply.message() or f"HTTP {reply.status}")
+            self._apply(record, cause[:200])
+
+    def _current(self, record: WorkerHealth, epoch: int, revision: int | None) -> bool:
+        worker = record.worker
+        return (not self._closed and record.epoch == epoch and self._records.get(worker.id) is record
+                and (revision is None or worker.revision == revision))
+
+    async def _rejoin_refusal(self, worker: Worker) -> str | None:
+        """A worker coming back must carry the fleet's weights (it may have missed an update while away)."""
+        others = [w.weight_version for w in self.registry.workers() if w is not worker and w.routable]
+        fleet = fleet_weight_version(others)
+        if fleet is None:
+            return None
+        reply = await self.upstream.server_info(worker.url, timeout=min(self.health.timeout_secs, INFO_TIMEOUT))
+        version = weight_version_of(reply.data if reply.ok else None)
+        if version is not None and version != worker.weight_version and self.registry.find(worker.id) is worker:
+            self.registry.update_info(worker, weight_version=version)
+        return rejoin_refusal(version, fleet)
+
+    # ---- views ------------------------------------------------------------------------------------------
+    def state(self) -> dict:
+        return {"probes": {"enabled": self.health.enabled, "interval_secs": self.health.interval_secs,
+                           "timeout_secs": self.health.timeout_secs, "endpoint": self.health.endpoint},
+                "breaker": {"enabled": self.breaker.enabled, "failure_threshold": self.breaker.failure_threshold,
+                            "success_threshold": self.breaker.success_threshold,
+                            "timeout_secs": self.breaker.timeout_secs},
+                "workers": [r.to_dict() for r in self._records.values()]}
+
+    def record(self, worker: Worker) -> WorkerHealth | None:
+        return self._records.get(worker.id)
+
+
+# ---- wiring -----------------------------------------------------------------------------------------------
+async def _health_ctx(app) -> object:
+    from .keys import CONFIG, HEALTH, PROXY, REGISTRY, UPSTREAM
+
+    config = app[CONFIG]
+    monitor = HealthMonitor(app[REGISTRY], app[UPSTREAM], config.health, config.breaker)
+    app[HEALTH] = monitor
+    app[PROXY].leg_observers.append(monitor.on_leg)
+    monitor.start()
+    yield
+    await monitor.close()
+
+
+async def health_state(request) -> object:
+    from .errors import json_response
+    from .keys import HEALTH
+
+    return json_response(request.app[HEALTH].state())
+
+
+def setup(app) -> None:
+    """Start the monitor after the session (it needs the upstream client and the proxy); `GET /admin/health`."""
+    app.cleanup_ctx.append(_health_ctx)
+    app.router.add_get("/admin/health", health_state)
