@@ -79,7 +79,6 @@ SERVER_OPTION_CHECKS: dict[str, Check] = {
     "decode_cuda_graph_bs": positive_int_list,
     "decode_cuda_graph_memory_gb": non_negative_number,
     "bootstrap_port": port,
-    "check_idle": boolean,
     "disable_radix_cache": boolean,
     "disable_cuda_graph": boolean,
 }

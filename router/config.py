@@ -78,8 +78,9 @@ class RetryConfig:
     backoff_multiplier: float = 2.0
     jitter_factor: float = 0.2
     enabled: bool = True
-    # Re-send requests that the router itself aborted (conversion in abort mode, weight update) before
-    # they produced a token, so that the client sees a normal answer.
+    # Re-send requests that the router itself aborted (conversion in abort mode, weight update) before the
+    # client saw a token (a whole non-streaming answer, or a stream before its first token), so that the
+    # client sees a normal answer.
     retry_aborted: bool = True
 
 

@@ -327,12 +327,11 @@ class Proxy:
                             other.cancel(attempt.rids)
                             raise failure
             status, body, content_type = d.task.result()
-            if attempt.router_aborted():
-                answer = orjson.loads(body)
-                if _aborted_before_first_token(answer):
-                    p.cancel(attempt.rids)
-                    raise LegFailed(d.worker, status, body, content_type, retryable=False, router_abort=True,
-                                    reason="aborted by the router before the first token")
+            if attempt.router_aborted() and _router_aborted_answer(body):
+                # Nothing has reached the client yet, so even a partial answer can be re-sent whole.
+                p.cancel(attempt.rids)
+                raise LegFailed(d.worker, status, body, content_type, retryable=False, router_abort=True,
+                                reason="aborted by the router before the client saw a token")
             if shape.return_logprob:
                 if p.is_open:
                     await asyncio.wait({p.task})
@@ -570,6 +569,27 @@ class Leg:
             if not self.task.done():
                 self.task.cancel()
             self.finish(Outcome.ERROR, fault=False)
+
+
+def _router_aborted_answer(body: bytes) -> bool:
+    """A whole (non-streaming) answer in which some sequence ended with finish_reason abort."""
+    try:
+        answer = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return False
+    for item in answer if isinstance(answer, list) else [answer]:
+        if not isinstance(item, dict):
+            continue
+        meta = item.get("meta_info")
+        if isinstance(meta, dict):
+            reason = meta.get("finish_reason")
+            if isinstance(reason, dict) and reason.get("type") == "abort":
+                return True
+        choices = item.get("choices")
+        if isinstance(choices, list) and any(isinstance(c, dict) and c.get("finish_reason") == "abort"
+                                             for c in choices):
+            return True
+    return False
 
 
 def _aborted_before_first_token(answer: object) -> bool:

@@ -57,10 +57,13 @@ class Load:
     waiting: int
     used_tokens: int | None = None
     token_usage: float | None = None
+    # 0.5.23's PD queues (prefill bootstrap/inflight, decode prealloc/transfer/retracted): requests there are
+    # in neither running nor waiting, yet the server is not idle (a role switch refuses).
+    queued: int = 0
 
     @property
     def idle(self) -> bool:
-        return self.running == 0 and self.waiting == 0
+        return self.running == 0 and self.waiting == 0 and self.queued == 0
 
 
 class Upstream:
@@ -125,6 +128,7 @@ class Upstream:
                     waiting=sum(int(r.get("num_waiting_reqs") or 0) for r in ranks),
                     used_tokens=sum(int(r.get("num_used_tokens") or 0) for r in ranks),
                     token_usage=max(usage) if usage else None,
+                    queued=sum(_pd_queued(r) for r in ranks),
                 )
         reply = await self.get(url, "/get_load", **kw)
         if reply.ok and reply.data is not None:
@@ -139,6 +143,14 @@ class Upstream:
     async def abort(self, url: str, *, rid: str | None = None, abort_all: bool = False, **kw) -> Reply:
         body: dict = {"abort_all": True} if abort_all else {"rid": rid}
         return await self.post(url, "/abort_request", body, **kw)
+
+
+def _pd_queued(rank: dict) -> int:
+    queues = rank.get("disaggregation")
+    if not isinstance(queues, dict):
+        return 0
+    return sum(v for k, v in queues.items()
+               if k.endswith("_queue_reqs") and isinstance(v, int) and not isinstance(v, bool))
 
 
 def bootstrap_port_of(server_info: Any) -> int | None:

@@ -188,9 +188,12 @@ class FakeWorker:
         old = self.role
         new = body.get("new_role") if self.api == "0.5.23" else ("prefill" if old == "decode" else "decode")
 
-        def answer(status: int, success: bool, message: str, safe: bool = False, **extra) -> web.Response:
+        def answer(status: int, success: bool, message: str, safe: bool = False) -> web.Response:
+            if self.api == "convert":  # the earlier design says nothing about safety
+                return web.json_response({"success": success, "message": message, "bootstrap_port": None},
+                                         status=status)
             return web.json_response({"success": success, "message": message, "old_role": old, "new_role": new,
-                                      "safe_to_restore": safe, **extra}, status=status)
+                                      "safe_to_restore": safe}, status=status)
 
         if self.in_handler or self.not_idle_refusals:
             self.not_idle_refusals = max(self.not_idle_refusals - 1, 0)

@@ -56,7 +56,7 @@ async def test_decode_to_prefill_with_convert_api_routes_with_the_new_bootstrap_
     assert resp.status == 200, body
     assert (body["success"], body["old_role"], body["new_role"]) == (True, "decode", "prefill")
     assert body["bootstrap_port"] == d2.convert_bootstrap_port != d2.bootstrap_port
-    assert d2.switch_calls == [{"server_url": d2.url, "check_idle": True, "disable_cuda_graph": True}]
+    assert d2.switch_calls == [{"server_url": d2.url, "disable_cuda_graph": True}]
     # Route through the converted prefill only: the old one leaves the fleet.
     resp = await client.delete(f"/workers/{worker_of(client, p1).id}")
     assert resp.status == 200

@@ -47,6 +47,7 @@ VERIFY_TIMEOUT_SECS = 15.0
 HISTORY_SIZE = 100
 ABORT_REPEAT_SECS = 1.0  # abort mode: abort again if the worker is not idle by then (a request slipped in)
 INFO_TIMEOUT = 5.0
+HEALTH_TIMEOUT = 25.0  # 0.5.23's /health runs a 1-token generation and waits up to 20 s for progress
 POLL_FIRST, POLL_MAX = 0.02, 0.5
 SWITCH_RETRY_FIRST, SWITCH_RETRY_MAX = 0.1, 2.0
 
@@ -55,7 +56,6 @@ SERVER_OPTIONS: dict[str, str] = {
     "decode_cuda_graph_bs": PD_ROLE_SWITCH,
     "decode_cuda_graph_memory_gb": PD_ROLE_SWITCH,
     "bootstrap_port": CONVERT_PD_ROLE,
-    "check_idle": CONVERT_PD_ROLE,
     "disable_radix_cache": CONVERT_PD_ROLE,
     "disable_cuda_graph": CONVERT_PD_ROLE,
 }
@@ -320,7 +320,7 @@ class Conversions:
                     on_timeout=lambda s: StepFailed(f"the server did not switch within {s.deadline_s:g} s "
                                                     f"({s.message or 'no answer'})", safe=None, status=504))
             except StepFailed as failure:
-                if not await self._switched_anyway(conversion, worker, failure):
+                if not await self._recover(conversion, worker, failure, may_resume=switch_called):
                     return
                 answer = {}
             self._set(worker, conversion, WorkerState.VERIFYING, "verify", "reading its live role back")
@@ -331,7 +331,7 @@ class Conversions:
                     conversion, "verify", verify_timeout, lambda s: self._verify(conversion, worker, answer, s, seen),
                     on_timeout=lambda s: self._verify_timeout(conversion, s, seen))
             except StepFailed as failure:
-                self._end_failed(conversion, worker, failure, failure.safe is True)
+                await self._recover(conversion, worker, failure, may_resume=False)
                 return
             self._activate(conversion, worker, port)
         except asyncio.CancelledError:
@@ -447,7 +447,8 @@ class Conversions:
             if conversion.new_role is Role.DECODE:
                 body.setdefault("decode_cuda_graph_memory_gb", DEFAULT_DECODE_CUDA_GRAPH_MEMORY_GB)
             return body
-        return {"server_url": worker.url, "check_idle": True, **options, **plan.raw_server_options}
+        # (its `check_idle: true` only asks whether the server is idle: never sent)
+        return {"server_url": worker.url, **options, **plan.raw_server_options}
 
     async def _switch_with(self, api: str, conversion: Conversion, worker: Worker, plan: Plan, step: Step) -> dict:
         body = self._switch_body(api, conversion, worker, plan)
@@ -488,20 +489,28 @@ class Conversions:
         role = live_role_of(model.data if model.ok else None, server.data if server.ok else None)
         return role, server if server.ok else None
 
-    async def _switched_anyway(self, conversion: Conversion, worker: Worker, failure: StepFailed) -> bool:
-        """After a failed step: True if the server did switch (go on to verify), else end the flow."""
-        if failure.safe is None:
+    async def _recover(self, conversion: Conversion, worker: Worker, failure: StepFailed, *,
+                       may_resume: bool) -> bool:
+        """After a failed step: True if the server did switch after all (go on verifying), else end the flow,
+        in the old pool when the server is known unchanged, else `failed`."""
+        safe, message = failure.safe, failure.message
+        if safe is None:
+            # Unknown: nothing changed only if the server still reports its old role and is healthy.
             live, _ = await self._live_role(worker)
-            if live == conversion.new_role.value:
-                conversion.notes.append(f"{failure.message}; but the server reports role {live}: verifying")
-                logger.warning("conversion %s: %s, yet the server reports the new role", conversion.id,
-                               failure.message)
+            if may_resume and live == conversion.new_role.value:
+                conversion.notes.append(f"{message}; but the server reports role {live}: verifying")
+                logger.warning("conversion %s: %s, yet the server reports the new role", conversion.id, message)
                 return True
-            safe = live == conversion.old_role.value
-            message = f"{failure.message}; live role now {live or 'unknown'}"
-            self._end_failed(conversion, worker, StepFailed(message, safe=safe, status=failure.status), safe)
-            return False
-        self._end_failed(conversion, worker, failure, failure.safe)
+            if live == conversion.old_role.value:
+                health = await self.upstream.health(worker.url, timeout=HEALTH_TIMEOUT)
+                safe = health.ok
+                message += f"; the server still reports role {live}"
+                if not health.ok:
+                    message += f" but /health answered {health.status or 'nothing'}"
+            else:
+                safe = False
+                message += f"; the server reports role {live or 'nothing'}"
+        self._end_failed(conversion, worker, StepFailed(message, safe=safe, status=failure.status), safe)
         return False
 
     # ---- verification and activation ---------------------------------------------------------------
@@ -533,9 +542,9 @@ class Conversions:
 
     def _verify_timeout(self, conversion: Conversion, step: Step, seen: dict) -> StepFailed:
         live = seen.get("live")
-        if live == conversion.old_role.value:
+        if live == conversion.old_role.value:  # nothing changed, if it is healthy: _recover checks
             return StepFailed(f"the switch answered success but the server still reports role {live} after "
-                              f"{step.deadline_s:g} s", safe=True, status=502)
+                              f"{step.deadline_s:g} s", safe=None, status=502)
         return StepFailed(f"the server's role could not be confirmed within {step.deadline_s:g} s "
                           f"(it reports {live or 'nothing'})", safe=False, status=504)
 
