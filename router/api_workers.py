@@ -10,6 +10,7 @@ from urllib.parse import unquote
 import orjson
 from aiohttp import web
 
+from .access import JSON_BODY
 from .config import DISCOVER, validate_port, validate_worker_url
 from .errors import BadRequest, Conflict, NotFound, json_response
 from .keys import DISCOVERY, REGISTRY, UPSTREAM
@@ -22,6 +23,8 @@ BUSY_STATES = (WorkerState.DRAINING, WorkerState.ABORTING, WorkerState.CONVERTIN
 
 
 async def read_json_object(request: web.Request) -> dict:
+    if (parsed := request.get(JSON_BODY)) is not None:  # already checked by the access middleware
+        return parsed
     raw = await request.read()
     if not raw.strip():
         return {}

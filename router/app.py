@@ -12,6 +12,7 @@ from aiohttp import web
 from policies import make_policy
 
 from . import api_conversion, api_info, api_workers, health
+from .access import make_access_middleware
 from .admission import Admission
 from .config import DISCOVER, RouterConfig
 from .discovery import Discovery
@@ -70,7 +71,8 @@ def make_session(config: RouterConfig) -> aiohttp.ClientSession:
 
 
 def create_app(config: RouterConfig, *, registry: Registry | None = None) -> web.Application:
-    app = web.Application(middlewares=[error_middleware], client_max_size=config.admission.max_payload_size)
+    app = web.Application(middlewares=[error_middleware, make_access_middleware(config)],
+                          client_max_size=config.admission.max_payload_size)
     app[CONFIG] = config
     app[REGISTRY] = registry if registry is not None else Registry()
     app[TASKS] = BackgroundTasks()

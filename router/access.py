@@ -1,0 +1,139 @@
+"""Who may call which route, and what a control call must send: one classification for the whole app.
+
+Every route is PUBLIC (health and read-only info, /metrics), GENERATION (the proxied routes), or ADMIN —
+and ADMIN is the default, so an endpoint added later (conversion, weight updates, anything under /admin)
+is protected without anyone remembering to protect it.
+
+Keys follow sgl-router (smg's `auth_middleware`, the code sglang-router 0.3.2 is built from): with
+`--api-key`, the generation routes *and* the control routes need `Authorization: Bearer KEY`; health,
+models and server info stay open. pd-router adds `--admin-api-key`: when given, the control routes need
+that key instead (the generation key does not open them), and generation accepts either key. With no key
+at all everything is open, as with mini_lb. Keys are compared in constant time.
+
+Control calls that carry a body must send a JSON object: anything else is 400 before the handler runs
+(the parsed body is kept under `JSON_BODY` so handlers do not parse it twice).
+"""
+
+from __future__ import annotations
+
+import enum
+import hmac
+from typing import Iterable
+
+import orjson
+from aiohttp import web
+
+from .config import RouterConfig
+from .errors import BadRequest, Unauthorized
+from .requests import GENERATE_ROUTES
+
+
+class Access(str, enum.Enum):
+    PUBLIC = "public"
+    GENERATION = "generation"
+    ADMIN = "admin"
+
+
+# Canonical route paths (aiohttp's `resource.canonical`) that anyone may call.
+PUBLIC_ROUTES = frozenset({
+    "/health", "/health_generate", "/liveness", "/readiness",
+    "/v1/models", "/get_model_info", "/model_info", "/get_server_info", "/server_info",
+    "/metrics",
+})
+GENERATION_ROUTES = frozenset(GENERATE_ROUTES)
+
+# The control call's parsed body (a typed request key where aiohttp has them, 3.13+).
+JSON_BODY = web.RequestKey("json_body", dict) if hasattr(web, "RequestKey") else "pd_router.json_body"
+
+
+def classify(canonical_path: str) -> Access:
+    if canonical_path in PUBLIC_ROUTES:
+        return Access.PUBLIC
+    if canonical_path in GENERATION_ROUTES:
+        return Access.GENERATION
+    return Access.ADMIN
+
+
+def route_access(request: web.Request) -> Access | None:
+    """The access class of the matched route; None when nothing matched (404/405: nothing to protect)."""
+    resource = request.match_info.route.resource
+    if resource is None:
+        return None
+    return classify(resource.canonical)
+
+
+def required_keys(access: Access, config: RouterConfig) -> tuple[bytes, ...]:
+    """The keys that open a route of this class; empty: open to anyone."""
+    api = config.api_key.encode() if config.api_key else None
+    admin = config.admin_api_key.encode() if config.admin_api_key else None
+    if access is Access.GENERATION:
+        return tuple(k for k in (api, admin) if k) if api else ()
+    if access is Access.ADMIN:
+        key = admin or api
+        return (key,) if key else ()
+    return ()
+
+
+def bearer_token(header: str | None) -> bytes | None:
+    if not header:
+        return None
+    scheme, _, token = header.strip().partition(" ")
+    if scheme.lower() != "bearer" or not token.strip():
+        return None
+    return token.strip().encode()
+
+
+def key_matches(token: bytes | None, keys: Iterable[bytes]) -> bool:
+    """Constant time in the token's content: every key is compared, whatever matched before."""
+    matched = False
+    for key in keys:
+        matched |= hmac.compare_digest(token or b"", key)
+    return matched and token is not None
+
+
+async def checked_json_body(request: web.Request) -> dict | None:
+    """A control call's body: None when empty, a dict when a JSON object, else 400."""
+    if not request.body_exists:
+        return None
+    raw = await request.read()
+    if not raw.strip():
+        return None
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise BadRequest(f"request body is not valid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise BadRequest(f"request body must be a JSON object, got {type(body).__name__}")
+    return body
+
+
+def make_access_middleware(config: RouterConfig):
+    keys = {access: required_keys(access, config) for access in Access}
+
+    @web.middleware
+    async def access_middleware(request: web.Request, handler):
+        access = route_access(request)
+        if access is None or access is Access.PUBLIC:
+            return await handler(request)
+        wanted = keys[access]
+        if wanted and not key_matches(bearer_token(request.headers.get("Authorization")), wanted):
+            what = "an admin API key" if access is Access.ADMIN else "an API key"
+            raise Unauthorized(f"{request.method} {request.path} needs {what}: 'Authorization: Bearer KEY'",
+                               headers={"WWW-Authenticate": "Bearer"})
+        if access is Access.ADMIN:
+            body = await checked_json_body(request)
+            if body is not None:
+                request[JSON_BODY] = body
+        return await handler(request)
+
+    return access_middleware
+
+
+def routes_by_access(app: web.Application) -> dict[Access, list[tuple[str, str]]]:
+    """(method, canonical path) of every registered route, by class: for tests and the README."""
+    out: dict[Access, list[tuple[str, str]]] = {access: [] for access in Access}
+    for route in app.router.routes():
+        if route.method == "HEAD" or route.resource is None:
+            continue
+        out[classify(route.resource.canonical)].append((route.method, route.resource.canonical))
+    return out
