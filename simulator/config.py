@@ -1,0 +1,150 @@
+"""Settings of one simulated worker, and the command-line flags that set them.
+
+Defaults are the real server's (SGLang 0.5.23) wherever it has one: a 300 s bootstrap and KV
+wait, 15 one-second bootstrap retries on decode, a 1 s ``/health`` probe, a 30 s deferred KV
+release after an aborted PD request. Tests shorten the ones they exercise.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import asdict, dataclass, field, fields, replace
+from typing import Any
+
+ROLES = ("prefill", "decode", "null")
+APIS = ("0.5.23", "convert")
+VERSIONS = ("0.4.9", "0.5.6", "0.5.23")
+
+
+@dataclass(frozen=True)
+class Timing:
+    """Simulated compute time; all zero means answers are as fast as the HTTP stack allows."""
+
+    prefill_overhead_s: float = 0.0  # fixed cost of one prefill
+    prefill_per_token_s: float = 0.0  # per input token
+    decode_step_s: float = 0.0  # one decode step with a single running request
+    decode_step_per_running_s: float = 0.0  # added per running request (batch cost)
+    kv_transfer_s: float = 0.0  # prefill -> decode transfer of one room
+
+    def prefill_time(self, input_tokens: int) -> float:
+        return self.prefill_overhead_s + self.prefill_per_token_s * input_tokens
+
+    def decode_step_time(self, running: int) -> float:
+        return self.decode_step_s + self.decode_step_per_running_s * max(running, 1)
+
+    @property
+    def zero(self) -> bool:
+        return not any(asdict(self).values())
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    role: str = "prefill"
+    host: str = "127.0.0.1"
+    port: int = 0
+    bootstrap_port: int | None = 8998  # None: no bootstrap listener (non-PD or decode without role switch)
+    api: str = "0.5.23"
+    sglang_version: str = "0.5.23"
+    enable_pd_role_switch: bool = False
+    model_path: str = "sim/tiny-llama"
+    served_model_name: str | None = None
+    context_length: int = 8192
+    max_running_requests: int = 2048
+    max_total_tokens: int = 262144
+    default_max_new_tokens: int = 128
+    weight_version: str = "default"
+    enable_metrics: bool = False
+    timing: Timing = field(default_factory=Timing)
+    # PD protocol deadlines (SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT / _WAITING_TIMEOUT)
+    bootstrap_timeout_s: float = 300.0
+    kv_wait_timeout_s: float = 300.0
+    bootstrap_retries: int = 15
+    bootstrap_retry_interval_s: float = 1.0
+    # after an aborted PD request a decode server holds KV until prefill acks (30 s on real)
+    deferred_release_s: float = 30.0
+    # /health sends a 1-token probe and checks for progress after this long (1 s on real)
+    health_check_s: float = 1.0
+    health_timeout_s: float = 20.0
+    role_switch_s: float = 0.0  # how long a successful switch takes (0.1-0.6 s on real CPU servers)
+    convert_bootstrap_base: int = 8998  # /convert_pd_role: first port tried for a new listener
+    startup_s: float = 0.0  # /health answers 503 this long after start ("slow start")
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        problems = []
+        if self.role not in ROLES:
+            problems.append(f"role must be one of {ROLES}, got {self.role!r}")
+        if self.api not in APIS:
+            problems.append(f"api must be one of {APIS}, got {self.api!r}")
+        if self.sglang_version not in VERSIONS:
+            problems.append(f"sglang_version must be one of {VERSIONS}, got {self.sglang_version!r}")
+        if self.max_running_requests < 1 or self.max_total_tokens < 1:
+            problems.append("max_running_requests and max_total_tokens must be positive")
+        if problems:
+            raise ValueError("; ".join(problems))
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or self.model_path
+
+    @property
+    def version_tuple(self) -> tuple[int, ...]:
+        return tuple(int(p) for p in self.sglang_version.split("."))
+
+    def at_least(self, version: str) -> bool:
+        return self.version_tuple >= tuple(int(p) for p in version.split("."))
+
+    def with_(self, **changes: Any) -> "WorkerConfig":
+        timing_changes = {k: changes.pop(k) for k in list(changes) if k in _TIMING_FIELDS}
+        cfg = replace(self, **changes)
+        if timing_changes:
+            cfg = replace(cfg, timing=replace(cfg.timing, **timing_changes))
+        return cfg
+
+
+_TIMING_FIELDS = {f.name for f in fields(Timing)}
+_SKIP_FLAGS = {"timing"}
+
+
+def add_worker_flags(parser: argparse.ArgumentParser, *, single: bool = True) -> None:
+    """Flags for every WorkerConfig field (and Timing's); ``single`` adds role/host/port."""
+    defaults = WorkerConfig()
+    for f in fields(WorkerConfig):
+        if f.name in _SKIP_FLAGS or (not single and f.name in ("role", "port", "bootstrap_port")):
+            continue
+        _add_flag(parser, f.name, getattr(defaults, f.name))
+    for f in fields(Timing):
+        _add_flag(parser, f.name, getattr(defaults.timing, f.name))
+
+
+def _add_flag(parser: argparse.ArgumentParser, name: str, default: Any) -> None:
+    flag = "--" + name.replace("_", "-")
+    if name == "bootstrap_port":
+        parser.add_argument(flag, "--disaggregation-bootstrap-port", type=_port_or_none, default=default,
+                            dest=name, help="bootstrap listener port ('none': no listener)")
+    elif name == "role":
+        parser.add_argument(flag, "--disaggregation-mode", choices=ROLES, default=default, dest=name)
+    elif name == "api":
+        parser.add_argument(flag, choices=APIS, default=default, dest=name)
+    elif name == "sglang_version":
+        parser.add_argument(flag, choices=VERSIONS, default=default, dest=name)
+    elif isinstance(default, bool):
+        parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, dest=name)
+    elif isinstance(default, float):
+        parser.add_argument(flag, type=float, default=default, dest=name)
+    elif isinstance(default, int):
+        parser.add_argument(flag, type=int, default=default, dest=name)
+    else:
+        parser.add_argument(flag, default=default, dest=name)
+
+
+def _port_or_none(value: str) -> int | None:
+    return None if value.lower() in ("none", "null", "") else int(value)
+
+
+def config_from_args(args: argparse.Namespace, **overrides: Any) -> WorkerConfig:
+    values = {f.name: getattr(args, f.name) for f in fields(WorkerConfig) if hasattr(args, f.name)}
+    timing = Timing(**{f.name: getattr(args, f.name) for f in fields(Timing) if hasattr(args, f.name)})
+    values.update(overrides)
+    values.pop("timing", None)
+    return WorkerConfig(timing=timing, **values)

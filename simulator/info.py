@@ -1,0 +1,171 @@
+"""Info and load answers: ``/server_info``, ``/model_info``, ``/v1/loads``, ``/get_load``.
+
+The field sets come from a real 0.5.23 server (``data/sglang_0_5_23_info.json``); the simulator
+fills in what it models. As on the real server, ``/server_info``'s top level is the launch
+config (stale after a role switch) while ``internal_states[0]``, ``/model_info`` and
+``/v1/loads`` show the live role and weight version.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import time
+from datetime import datetime, timezone
+from functools import lru_cache
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .worker import Worker
+
+_DATA = Path(__file__).with_name("data") / "sglang_0_5_23_info.json"
+
+
+@lru_cache(maxsize=1)
+def _template() -> dict[str, Any]:
+    return json.loads(_DATA.read_text())
+
+
+def _launch_command(worker: "Worker") -> str:
+    cfg = worker.config
+    parts = [f"--model-path {cfg.model_path}", f"--host {cfg.host}", f"--port {worker.port}",
+             f"--max-total-tokens {cfg.max_total_tokens}"]
+    if cfg.role != "null":
+        parts.append(f"--disaggregation-mode {cfg.role}")
+    if worker.launch_bootstrap_port is not None:
+        parts.append(f"--disaggregation-bootstrap-port {worker.launch_bootstrap_port}")
+    if cfg.enable_pd_role_switch:
+        parts.append("--enable-pd-role-switch")
+    return " ".join(parts)
+
+
+def server_args(worker: "Worker") -> dict[str, Any]:
+    """The launch arguments as ``/server_info`` reports them (never changed by a role switch)."""
+    cfg = worker.config
+    args = copy.deepcopy(_template()["server_args"])
+    args.update({
+        "model_path": cfg.model_path,
+        "tokenizer_path": cfg.model_path,
+        "served_model_name": cfg.model_name,
+        "host": cfg.host,
+        "port": worker.port,
+        "context_length": cfg.context_length,
+        "max_running_requests": cfg.max_running_requests,
+        "max_total_tokens": cfg.max_total_tokens,
+        "max_total_num_tokens": cfg.max_total_tokens,
+        "weight_version": cfg.weight_version,
+        "disaggregation_mode": cfg.role,
+        "disaggregation_bootstrap_port": worker.launch_bootstrap_port,
+        "enable_pd_role_switch": cfg.enable_pd_role_switch,
+        "enable_metrics": cfg.enable_metrics,
+        "launch_command": _launch_command(worker),
+        "device": "sim",
+        "random_seed": cfg.seed,
+    })
+    args["startup_time"] = {"load_weight": 0.0, "kv_cache_allocation": 0.0, "scheduler_e2e": 0.0,
+                            "cuda_graph": args["startup_time"]["cuda_graph"], "tokenizer_e2e": 0.0} \
+        if isinstance(args.get("startup_time"), dict) else args.get("startup_time")
+    return args
+
+
+def internal_state(worker: "Worker", args: dict[str, Any]) -> dict[str, Any]:
+    tpl = _template()
+    engine = worker.engine
+    top_only = set(tpl["top_level_only"])
+    state = {k: v for k, v in args.items() if k not in top_only}
+    state.update(copy.deepcopy(tpl["internal_state_overrides"]))
+    if isinstance(state.get("startup_time"), dict):
+        state["startup_time"] = {k: v for k, v in state["startup_time"].items() if k != "tokenizer_e2e"}
+    state.update(copy.deepcopy(tpl["internal_state_extra"]))
+    state.update({
+        "model_path": engine.model_path,
+        "weight_version": engine.weight_version,
+        "disaggregation_mode": engine.role,
+        "disaggregation_bootstrap_port": worker.bootstrap_port,
+        "effective_max_running_requests_per_dp": worker.config.max_running_requests,
+        "last_gen_throughput": engine.last_gen_throughput,
+    })
+    state["memory_usage"]["token_capacity"] = worker.config.max_total_tokens
+    return state
+
+
+def server_info(worker: "Worker") -> dict[str, Any]:
+    args = server_args(worker)
+    out = dict(args)
+    out["internal_states"] = [internal_state(worker, args)]
+    out["version"] = worker.config.sglang_version
+    if worker.config.at_least("0.5.23"):
+        out["frontend"] = "python"
+    return out
+
+
+def model_info(worker: "Worker") -> dict[str, Any]:
+    cfg = worker.config
+    engine = worker.engine
+    if not cfg.at_least("0.5.23"):
+        # 0.5.6 / 0.4.9: no live role, the launch weight_version
+        return {"model_path": engine.model_path, "tokenizer_path": cfg.model_path, "is_generation": True,
+                "preferred_sampling_params": None, "weight_version": engine.model_version,
+                "has_image_understanding": False, "has_audio_understanding": False}
+    info = copy.deepcopy(_template()["model_info"])
+    info.update({
+        "model_path": engine.model_path,
+        "served_model_name": engine.model_path if engine.model_path != cfg.model_path else cfg.model_name,
+        "tokenizer_path": cfg.model_path,
+        "weight_version": engine.model_version,
+        "disaggregation_mode": engine.role,
+    })
+    return info
+
+
+def _load_row(worker: "Worker") -> dict[str, Any]:
+    cfg = worker.config
+    engine = worker.engine
+    load = engine.load()
+    row = copy.deepcopy(_template()["load"])
+    used = load["used_tokens"]
+    row.update({
+        "timestamp": time.time(),
+        "num_running_reqs": load["running"],
+        "num_waiting_reqs": load["waiting"],
+        "num_used_tokens": used,
+        "num_total_tokens": used,
+        "max_total_num_tokens": cfg.max_total_tokens,
+        "max_running_requests": cfg.max_running_requests,
+        "token_usage": round(used / cfg.max_total_tokens, 4),
+        "gen_throughput": engine.last_gen_throughput,
+        "decode_moments": row["decode_moments"] if engine.role == "decode" else None,
+    })
+    row["memory"]["token_capacity"] = cfg.max_total_tokens
+    disagg = row["disaggregation"]
+    disagg["mode"] = engine.role
+    for key in ("prefill_bootstrap_queue_reqs", "prefill_inflight_queue_reqs", "decode_prealloc_queue_reqs",
+                "decode_transfer_queue_reqs", "decode_retracted_queue_reqs"):
+        disagg[key] = load[key]
+    row["queues"]["waiting"] = load["waiting"]
+    row["queues"]["retracted"] = load["decode_retracted_queue_reqs"]
+    return row
+
+
+def v1_loads(worker: "Worker") -> dict[str, Any]:
+    return {
+        "timestamp": datetime.now(timezone.utc).isoformat(),
+        "version": worker.config.sglang_version,
+        "accelerator": None,
+        "num_accelerators": 1,
+        "loads": [_load_row(worker)],
+    }
+
+
+def get_load(worker: "Worker") -> Any:
+    """``/get_load`` of 0.4.9 (tokens) and 0.5.6 (one row per DP rank)."""
+    load = worker.engine.load()
+    queued_tokens = sum(len(r.input_ids) for r in worker.engine.requests.values()
+                        if not r.kv_tokens)
+    if worker.config.sglang_version == "0.4.9":
+        return {"load": load["used_tokens"] + queued_tokens}
+    waiting = load["waiting"] + load["prefill_bootstrap_queue_reqs"] + load["decode_prealloc_queue_reqs"] \
+        + load["decode_transfer_queue_reqs"]
+    return [{"rid": None, "http_worker_ipc": None, "dp_rank": 0, "num_reqs": load["running"] + waiting,
+             "num_waiting_reqs": waiting, "num_tokens": load["used_tokens"] + queued_tokens}]

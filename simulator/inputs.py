@@ -1,0 +1,187 @@
+"""Turn a ``/generate`` body into scheduled items, as SGLang's GenerateReqInput normalises it.
+
+- ``text`` (str or list) or ``input_ids`` (list or list of lists); ``sampling_params`` (dict or list).
+- ``rid``: a str (batch: ``rid_i``), a list (one per prompt) or absent (uuid hex each).
+- ``n > 1`` turns one prompt into a batch of n samples.
+- bootstrap fields: a scalar room with a batch becomes ``room + i``; lists are per item.
+Errors carry SGLang's messages; ``BodyError`` is a pydantic-style 400, ``ValueError`` the plain one.
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from .tokens import encode
+
+
+class BodyError(Exception):
+    """The body fails schema validation (pydantic in SGLang): a list of error dicts."""
+
+    def __init__(self, errors: list[dict]) -> None:
+        super().__init__(str(errors))
+        self.errors = errors
+
+
+@dataclass
+class ItemSpec:
+    rid: str
+    input_ids: list[int]
+    max_new_tokens: int
+    stop: list[str]
+    stop_token_ids: list[int] | None
+    return_logprob: bool
+    top_logprobs_num: int
+    logprob_start_len: int
+    bootstrap_host: str | None
+    bootstrap_port: int | None
+    bootstrap_room: int | None
+
+
+@dataclass
+class GenerateCall:
+    items: list[ItemSpec]
+    is_single: bool
+    stream: bool
+    parallel_sample_num: int
+
+
+def _check_types(body: dict) -> None:
+    text = body.get("text")
+    if text is not None and not isinstance(text, str) and not (
+            isinstance(text, list) and all(isinstance(t, str) for t in text)):
+        raise BodyError([
+            {"type": "string_type", "loc": ("body", "text", "str"), "msg": "Input should be a valid string",
+             "input": text},
+            {"type": "list_type", "loc": ("body", "text", "list[str]"), "msg": "Input should be a valid list",
+             "input": text},
+        ])
+    ids = body.get("input_ids")
+    if ids is not None and not isinstance(ids, list):
+        raise BodyError([{"type": "list_type", "loc": ("body", "input_ids"), "msg": "Input should be a valid list",
+                          "input": ids}])
+    sp = body.get("sampling_params")
+    if sp is not None and not isinstance(sp, (dict, list)):
+        raise BodyError([{"type": "dict_type", "loc": ("body", "sampling_params"),
+                          "msg": "Input should be a valid dictionary", "input": sp}])
+
+
+def _per_item(value: Any, num: int, batch_size: int, n: int, default: Any) -> list:
+    if value is None:
+        return [default] * num
+    if isinstance(value, list):
+        return value * n if n > 1 else value
+    return [value] * num
+
+
+def parse_generate(body: Any, *, default_max_new_tokens: int, context_length: int,
+                   default_bootstrap_port: int | None) -> GenerateCall:
+    if not isinstance(body, dict):
+        raise BodyError([{"type": "model_attributes_type", "loc": ("body",),
+                          "msg": "Input should be a valid dictionary or object to extract fields from",
+                          "input": body}])
+    _check_types(body)
+    text = body.get("text")
+    input_ids = body.get("input_ids")
+    if text is None and input_ids is None and body.get("input_embeds") is None:
+        raise ValueError("Either text, input_ids or input_embeds should be provided.")
+    if text is not None:
+        is_single = isinstance(text, str)
+        prompts: list = [text] if is_single else list(text)
+        tokenized = None
+    else:
+        if input_ids is None or len(input_ids) == 0:
+            raise ValueError("input_ids cannot be empty.")
+        is_single = isinstance(input_ids[0], int)
+        tokenized = [input_ids] if is_single else list(input_ids)
+        prompts = tokenized
+    batch_size = len(prompts)
+
+    sp = body.get("sampling_params")
+    if isinstance(sp, list):
+        n = sp[0].get("n", 1) if sp else 1
+        if any(p.get("n", 1) != n for p in sp):
+            raise ValueError("The parallel_sample_num should be the same for all samples in sample params.")
+    else:
+        n = (sp or {}).get("n", 1)
+    n = n or 1
+    if n > 1 and is_single:
+        is_single = False
+    num = batch_size * n
+
+    # rids
+    rid = body.get("rid")
+    if is_single:
+        if rid is not None and not isinstance(rid, str):
+            raise ValueError("The rid should be a string or a list of strings.")
+        rids = [rid or uuid.uuid4().hex]
+    elif rid is None:
+        rids = [uuid.uuid4().hex for _ in range(num)]
+    elif isinstance(rid, str):
+        rids = [f"{rid}_{i}" for i in range(num)]
+    elif isinstance(rid, list):
+        if len(rid) != batch_size:
+            raise ValueError("The specified rids length mismatch with the batch_size for batch processing.")
+        rids = list(rid)
+    else:
+        raise ValueError("The rid should be a string or a list of strings.")
+    if len(set(rids)) != len(rids):
+        seen: dict[str, int] = {}
+        for r in rids:
+            seen[r] = seen.get(r, 0) + 1
+        raise ValueError(f"Duplicate request IDs detected within the request: {[r for r, c in seen.items() if c > 1]}")
+    if n > 1:
+        # parallel sampling: every sample gets a fresh rid (TokenizerManager._handle_batch_request)
+        rids = [uuid.uuid4().hex for _ in range(num)]
+
+    prompts = prompts * n if n > 1 else prompts
+    params = _per_item(sp, num, batch_size, n, {})
+    stream = bool(body.get("stream", False))
+    return_logprob = _per_item(body.get("return_logprob"), num, batch_size, n, False)
+    top_k = _per_item(body.get("top_logprobs_num"), num, batch_size, n, 0)
+    start_len = _per_item(body.get("logprob_start_len"), num, batch_size, n, -1)
+
+    hosts = body.get("bootstrap_host")
+    ports = body.get("bootstrap_port")
+    rooms = body.get("bootstrap_room")
+    hosts = [hosts] * num if not isinstance(hosts, list) else (hosts * n if n > 1 else hosts)
+    ports = [ports] * num if not isinstance(ports, list) else (ports * n if n > 1 else ports)
+    if rooms is None:
+        rooms = [None] * num
+    elif not isinstance(rooms, list):
+        rooms = [rooms + i for i in range(num)] if not is_single else [rooms]
+    else:
+        rooms = rooms * n if n > 1 else rooms
+
+    items: list[ItemSpec] = []
+    for i in range(num):
+        p = params[i] if i < len(params) else {}
+        max_new = p.get("max_new_tokens", default_max_new_tokens)
+        if max_new is None:
+            max_new = default_max_new_tokens
+        if not isinstance(max_new, int) or isinstance(max_new, bool):
+            raise ValueError(f"max_new_tokens must be an integer, got {max_new!r}.")
+        if max_new < 0:
+            raise ValueError(f"max_new_tokens must be at least 0, got {max_new}.")
+        ids = list(prompts[i]) if tokenized is not None else encode(prompts[i])
+        if len(ids) + max_new > context_length:
+            raise ValueError(
+                f"Requested token count exceeds the model's maximum context length of {context_length} tokens. "
+                f"You requested a total of {len(ids) + max_new} tokens: {len(ids)} tokens from the input messages "
+                f"and {max_new} tokens for the completion. Please reduce the number of tokens in the input "
+                "messages or the completion to fit within the limit.")
+        stop = p.get("stop") or []
+        if isinstance(stop, str):
+            stop = [stop]
+        port = ports[i] if i < len(ports) else None
+        items.append(ItemSpec(
+            rid=rids[i], input_ids=ids, max_new_tokens=max_new, stop=list(stop),
+            stop_token_ids=p.get("stop_token_ids"),
+            return_logprob=bool(return_logprob[i]), top_logprobs_num=int(top_k[i] or 0),
+            logprob_start_len=int(-1 if start_len[i] is None else start_len[i]),
+            bootstrap_host=hosts[i] if i < len(hosts) else None,
+            bootstrap_port=port if port is not None else default_bootstrap_port,
+            bootstrap_room=rooms[i] if i < len(rooms) else None,
+        ))
+    return GenerateCall(items=items, is_single=is_single, stream=stream, parallel_sample_num=n)

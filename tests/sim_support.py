@@ -1,0 +1,81 @@
+"""Helpers for the simulator tests: a PD client that does what a router does, and waiting on state."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from typing import Any, Callable
+
+import aiohttp
+import orjson
+
+from simulator.fleet import Fleet, WorkerHandle
+
+# short PD deadlines so failure paths finish in well under a second
+FAST = dict(health_check_s=0.0, bootstrap_retries=3, bootstrap_retry_interval_s=0.02, deferred_release_s=0.0)
+
+
+def pd_body(body: dict, prefill: WorkerHandle, *, room: Any = None, port: Any = "prefill",
+            host: str = "127.0.0.1") -> dict:
+    out = dict(body)
+    out["bootstrap_host"] = host
+    out["bootstrap_port"] = prefill.bootstrap_port if port == "prefill" else port
+    out["bootstrap_room"] = random.getrandbits(62) if room is None else room
+    return out
+
+
+async def post(session: aiohttp.ClientSession, url: str, body: Any, **kw: Any) -> tuple[int, Any]:
+    async with session.post(url, data=orjson.dumps(body), headers={"Content-Type": "application/json"}, **kw) as r:
+        raw = await r.read()
+        if r.content_type == "text/event-stream":
+            return r.status, parse_sse(raw)
+        try:
+            return r.status, orjson.loads(raw)
+        except orjson.JSONDecodeError:
+            return r.status, raw.decode()
+
+
+async def get(session: aiohttp.ClientSession, url: str) -> tuple[int, Any]:
+    async with session.get(url) as r:
+        raw = await r.read()
+        try:
+            return r.status, orjson.loads(raw)
+        except orjson.JSONDecodeError:
+            return r.status, raw.decode()
+
+
+def parse_sse(raw: bytes) -> list:
+    events = []
+    for line in raw.split(b"\n"):
+        if line.startswith(b"data: "):
+            payload = line[6:]
+            events.append("[DONE]" if payload == b"[DONE]" else orjson.loads(payload))
+    return events
+
+
+async def pd_generate(session: aiohttp.ClientSession, fleet: Fleet, body: dict, *, p: int = 0, d: int = 0,
+                      path: str = "/generate", room: Any = None) -> tuple[tuple[int, Any], tuple[int, Any]]:
+    """Send one PD request the way a router does: same body (with bootstrap fields) to P and D at once."""
+    full = pd_body(body, fleet.prefill[p], room=room)
+    return await asyncio.gather(post(session, fleet.prefill[p].url + path, full),
+                                post(session, fleet.decode[d].url + path, full))
+
+
+async def wait_until(predicate: Callable[[], Any], timeout: float = 5.0, interval: float = 0.005) -> Any:
+    """Await until ``predicate()`` (sync or async) is truthy; returns its value or raises TimeoutError."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if asyncio.iscoroutine(value):
+            value = await value
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise TimeoutError("condition not met")
+        await asyncio.sleep(interval)
+
+
+def rids_in(state: dict, *phases: str) -> list[str]:
+    by_phase = state["rids_by_phase"]
+    return [rid for phase in (phases or by_phase.keys()) for rid in by_phase.get(phase, [])]
