@@ -2,21 +2,24 @@
 
 from __future__ import annotations
 
+import random
 from typing import Callable
 
-from .base import Outcome, Policy, RequestInfo
+from .base import Outcome, Policy, RequestInfo, ServerLoad, effective_load
+from .cache_aware import CacheAwarePolicy
 from .load import LeastInflightPolicy, PowerOfTwoPolicy
+from .params import PolicyParams
 from .simple import RandomPolicy, RoundRobinPolicy
 
+# name -> build(params, rng) -> Policy
 _FACTORIES: dict[str, Callable[..., Policy]] = {
-    RandomPolicy.name: RandomPolicy,
-    RoundRobinPolicy.name: RoundRobinPolicy,
-    LeastInflightPolicy.name: LeastInflightPolicy,
-    PowerOfTwoPolicy.name: PowerOfTwoPolicy,
+    cls.name: cls.build
+    for cls in (RandomPolicy, RoundRobinPolicy, LeastInflightPolicy, PowerOfTwoPolicy, CacheAwarePolicy)
 }
 
 
 def register_policy(name: str, factory: Callable[..., Policy]) -> None:
+    """`factory(params, rng)` makes a policy."""
     _FACTORIES[name] = factory
 
 
@@ -24,12 +27,13 @@ def available_policies() -> set[str]:
     return set(_FACTORIES)
 
 
-def make_policy(name: str, **options) -> Policy:
+def make_policy(name: str, params: PolicyParams | None = None, *, rng: random.Random | None = None) -> Policy:
     try:
         factory = _FACTORIES[name]
     except KeyError:
         raise ValueError(f"unknown policy {name!r}; choose from {', '.join(sorted(_FACTORIES))}") from None
-    return factory(**options)
+    return factory(params or PolicyParams(), rng)
 
 
-__all__ = ["Outcome", "Policy", "RequestInfo", "available_policies", "make_policy", "register_policy"]
+__all__ = ["Outcome", "Policy", "PolicyParams", "RequestInfo", "ServerLoad", "available_policies",
+           "effective_load", "make_policy", "register_policy"]

@@ -27,6 +27,26 @@ class RequestInfo:
     batch_size: int = 1
 
 
+@dataclass(frozen=True, slots=True)
+class ServerLoad:
+    """What a server last reported about its own load (`/v1/loads`, or `/get_load` on old servers).
+
+    Written onto the worker by the router's load monitor; policies only read it. `inflight_at` is the
+    router's own in-flight count when the snapshot was taken, so that requests routed since can be added
+    to the server's (older) figure without counting them twice.
+    """
+
+    running: int
+    waiting: int
+    token_usage: float | None = None  # KV cache usage in [0, 1], when the server reports it
+    inflight_at: int = 0
+    taken_at: float = 0.0  # monotonic time of the snapshot
+
+    @property
+    def requests(self) -> int:
+        return self.running + self.waiting
+
+
 @runtime_checkable
 class Candidate(Protocol):
     id: str
@@ -34,11 +54,30 @@ class Candidate(Protocol):
     inflight: int
 
 
+def effective_load(worker: Candidate) -> int:
+    """Requests on a worker, by the router's count and, when known, the server's own report.
+
+    The server sees traffic the router does not (other routers, direct clients) but reports it late; the
+    router's count is current but partial. Estimate: the server's figure plus what the router routed since
+    the snapshot, never less than the router's own count. O(1).
+    """
+    inflight = worker.inflight
+    load = getattr(worker, "server_load", None)
+    if load is None:
+        return inflight
+    return max(inflight, load.requests + inflight - load.inflight_at)
+
+
 class Policy:
     """Base class: subclasses implement `select`; the hooks are no-ops by default."""
 
     name = "base"
     needs_text = False  # set True to receive the prompt text in RequestInfo
+
+    @classmethod
+    def build(cls, params, rng=None) -> "Policy":
+        """Make one from the validated PolicyParams (and a seeded RNG in tests); override to use them."""
+        return cls()
 
     def select(self, candidates: Sequence[Candidate], request: RequestInfo) -> Candidate:
         raise NotImplementedError
@@ -48,6 +87,12 @@ class Policy:
 
     def on_worker_removed(self, worker: Candidate) -> None:
         """Called when a worker leaves the pool (removed, converted, failed)."""
+
+    # Periodic upkeep (cache_aware's eviction), run by the router in an owned task; None: no upkeep.
+    maintenance_interval: float | None = None
+
+    def maintain(self) -> None:
+        """Called every `maintenance_interval` seconds."""
 
     def state(self) -> dict:
         """What the admin API shows about this policy."""

@@ -6,6 +6,7 @@ import random
 from typing import Sequence
 
 from .base import Candidate, Policy, RequestInfo
+from .params import PolicyParams
 
 
 class RandomPolicy(Policy):
@@ -13,6 +14,10 @@ class RandomPolicy(Policy):
 
     def __init__(self, rng: random.Random | None = None):
         self._choice = (rng or random.Random()).choice
+
+    @classmethod
+    def build(cls, params: PolicyParams, rng: random.Random | None = None) -> "RandomPolicy":
+        return cls(rng)
 
     def select(self, candidates: Sequence[Candidate], request: RequestInfo) -> Candidate:
         return self._choice(candidates)

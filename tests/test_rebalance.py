@@ -1,0 +1,198 @@
+"""The rebalancer's decision core: one table row per guard, streaks, convergence without flapping."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from policies.rebalance import (
+    BUSY, CONFIRMATIONS, COOLDOWN, DEADBAND, FAILURE_COOLDOWN, FLOOR, MARGIN, NO_CANDIDATE, NO_SIGNAL, WARMUP,
+    Mode, Observation, RebalanceConfig, RebalanceState, UnknownFields, WorkerView, conversion_ended, decide,
+    initial_state, pool_pressure,
+)
+
+NOW = 1000.0
+# Guards off unless a row turns one on, so each row shows one guard at work.
+BASE = RebalanceConfig(warmup_secs=0, confirmations=1, cooldown_secs=0, failure_cooldown_secs=0,
+                       queue_target=4, min_pressure=1.0, min_improvement=0.2)
+
+
+def views(role: str, *waiting: int, inflight: tuple[int, ...] = (), **kw) -> tuple[WorkerView, ...]:
+    inflight = inflight or (0,) * len(waiting)
+    return tuple(WorkerView(f"{role[0]}{i}", inflight=f, running=0, waiting=w, **kw)
+                 for i, (w, f) in enumerate(zip(waiting, inflight)))
+
+
+def observe(prefill=None, decode=None, **kw) -> Observation:
+    prefill = views("prefill", 8, 8) if prefill is None else prefill  # queue term 2.0: hot
+    decode = views("decode", 0, 0, inflight=(3, 1)) if decode is None else decode  # idle: cold
+    return Observation(now=NOW, prefill=prefill, decode=decode, **kw)
+
+
+STARTED = initial_state(NOW - 3600)
+
+CASES = [
+    # name, config changes, state, observation, action, guards
+    ("converts when every guard passes", {}, STARTED, observe(), "convert", ()),
+    ("no_signal: decode reports nothing", {}, STARTED,
+     observe(decode=(WorkerView("d0"), WorkerView("d1"))), "hold", (NO_SIGNAL,)),
+    ("deadband: hot pool under min_pressure", {}, STARTED,
+     observe(prefill=views("prefill", 2, 2)), "hold", (DEADBAND,)),
+    ("margin: the bottleneck would only move", {}, STARTED,
+     observe(decode=views("decode", 4, 3)), "hold", (MARGIN,)),
+    ("warmup", {"warmup_secs": 30}, initial_state(NOW - 5), observe(), "hold", (WARMUP,)),
+    ("busy: one conversion at a time", {}, STARTED, observe(busy="d1 converting"), "hold", (BUSY,)),
+    ("cooldown after a conversion", {"cooldown_secs": 60}, replace(STARTED, last_conversion_at=NOW - 10),
+     observe(), "hold", (COOLDOWN,)),
+    ("cooldown over", {"cooldown_secs": 60}, replace(STARTED, last_conversion_at=NOW - 61),
+     observe(), "convert", ()),
+    ("failure cooldown", {"failure_cooldown_secs": 300}, replace(STARTED, last_failure_at=NOW - 100),
+     observe(), "hold", (FAILURE_COOLDOWN,)),
+    ("floor: the donor pool is at its minimum", {}, STARTED,
+     observe(decode=views("decode", 0)), "hold", (FLOOR,)),
+    ("floor: a larger minimum", {"min_decode": 2}, STARTED, observe(), "hold", (FLOOR,)),
+    ("confirmations: first sighting", {"confirmations": 3}, STARTED, observe(), "hold", (CONFIRMATIONS,)),
+    ("confirmations: third sighting", {"confirmations": 3},
+     replace(STARTED, streak=2, streak_direction="to_prefill"), observe(), "convert", ()),
+    ("confirmations: the streak was the other way", {"confirmations": 2},
+     replace(STARTED, streak=5, streak_direction="to_decode"), observe(), "hold", (CONFIRMATIONS,)),
+    ("no_candidate", {}, STARTED,
+     observe(decode=views("decode", 0, 0, convertible=False)), "hold", (NO_CANDIDATE,)),
+    ("every hold guard that fires is named", {"warmup_secs": 30, "cooldown_secs": 60, "confirmations": 2},
+     replace(initial_state(NOW - 5), last_conversion_at=NOW - 1), observe(busy="w9"), "hold",
+     (WARMUP, BUSY, COOLDOWN, CONFIRMATIONS)),
+    ("decode hot: a prefill server moves", {}, STARTED,
+     observe(prefill=views("prefill", 0, 0, 0), decode=views("decode", 9, 9)), "convert", ()),
+    ("latency alone is a signal", {"itl_target_secs": 0.05}, STARTED,
+     observe(prefill=views("prefill", 0, 0), decode=views("decode", 0, 0), itl_s=0.2), "convert", ()),
+]
+
+
+@pytest.mark.parametrize("name,changes,state,obs,action,guards", CASES, ids=[c[0] for c in CASES])
+def test_guards(name, changes, state, obs, action, guards):
+    decision = decide(obs, state, replace(BASE, **changes))
+    assert decision.action == action, decision.reason
+    assert decision.guards == guards, decision.reason
+    assert decision.reason  # every decision says why
+    if action == "hold":
+        assert decision.worker_id is None
+        assert decision.state.last_conversion_at == state.last_conversion_at
+    else:
+        assert decision.state.last_conversion_at == NOW and decision.state.conversions == state.conversions + 1
+
+
+def test_convert_names_the_least_busy_server_and_the_prediction():
+    decision = decide(observe(), STARTED, BASE)
+    assert (decision.worker_id, decision.from_role, decision.to_role) == ("d1", "decode", "prefill")
+    assert decision.direction == "to_prefill"
+    # prefill 2.0 over 2 servers -> 3 servers: 1.33; decode 0 -> 0: predicted worst 1.33, 33 % better
+    assert decision.predicted_worst == pytest.approx(4 / 3, abs=1e-3)
+    assert decision.improvement == pytest.approx(1 / 3, abs=1e-3)
+    assert "d1" in decision.reason and decision.pressures["prefill"]["queue"] == 2.0
+    d = decision.to_dict()
+    assert d["guards"] == [] and "state" not in d and d["worker_id"] == "d1"
+
+
+def test_hold_guards_keep_the_streak_but_signal_guards_reset_it():
+    config = replace(BASE, confirmations=3, cooldown_secs=60)
+    state = replace(STARTED, last_conversion_at=NOW - 1)
+    for expected in (1, 2, 3, 4):  # cooldown holds; the sustained signal keeps counting
+        decision = decide(observe(), state, config)
+        assert decision.guards == (COOLDOWN,) + ((CONFIRMATIONS,) if expected < 3 else ())
+        assert decision.streak == expected
+        state = decision.state
+    quiet = decide(observe(prefill=views("prefill", 0, 0)), state, config)
+    assert quiet.guards == (DEADBAND,) and quiet.state.streak == 0
+
+
+def test_a_sustained_signal_converts_once_then_cools_down():
+    config = replace(BASE, confirmations=3, cooldown_secs=60)
+    state = STARTED
+    actions = []
+    for tick in range(8):
+        decision = decide(replace(observe(), now=NOW + tick * 5), state, config)
+        actions.append(decision.action)
+        state = decision.state
+    assert actions == ["hold", "hold", "convert", "hold", "hold", "hold", "hold", "hold"]
+    assert state.conversions == 1
+
+
+def test_conversion_ended_starts_the_cooldowns_from_the_end():
+    state = replace(STARTED, streak=2, streak_direction="to_prefill")
+    ok = conversion_ended(state, NOW, ok=True)
+    assert (ok.last_conversion_at, ok.streak, ok.last_failure_at) == (NOW, 0, None)
+    failed = conversion_ended(state, NOW, ok=False)
+    assert (failed.last_failure_at, failed.streak, failed.last_conversion_at) == (NOW, 0, None)
+    assert decide(observe(), failed, replace(BASE, failure_cooldown_secs=10)).guards == (FAILURE_COOLDOWN,)
+
+
+class Plant:
+    """A toy fleet: each pool's queue per server is its demand divided by its size."""
+
+    def __init__(self, prefill: int, decode: int):
+        self.sizes = {"prefill": prefill, "decode": decode}
+
+    def observation(self, now: float, demand: dict) -> Observation:
+        pools = {}
+        for role, n in self.sizes.items():
+            per = demand[role] / n
+            pools[role] = tuple(WorkerView(f"{role[0]}{i}", waiting=round(per), running=0) for i in range(n))
+        return Observation(now=now, prefill=pools["prefill"], decode=pools["decode"])
+
+    def apply(self, decision) -> None:
+        self.sizes[decision.from_role] -= 1
+        self.sizes[decision.to_role] += 1
+
+
+@pytest.mark.parametrize("demand,start,margin,expected_sizes,conversions", [
+    ({"prefill": 12, "decode": 12}, (2, 2), 0.2, (2, 2), 0),  # balanced: nothing to do
+    ({"prefill": 18, "decode": 6}, (2, 2), 0.2, (3, 1), 1),  # prefill-heavy: one D->P, then stays
+    ({"prefill": 4, "decode": 30}, (3, 3), 0.25, (2, 4), 1),  # decode-heavy: a 5th D would gain only 20 %
+    ({"prefill": 0, "decode": 60}, (3, 3), 0.2, (1, 5), 2),  # no prefill load at all: down to the floor
+    ({"prefill": 13, "decode": 11}, (2, 2), 0.2, (2, 2), 0),  # a near-balance sits in the margin
+])
+def test_converges_without_flapping(demand, start, margin, expected_sizes, conversions):
+    config = replace(BASE, confirmations=2, cooldown_secs=20, min_pressure=1.0, min_improvement=margin)
+    plant = Plant(*start)
+    state = initial_state(0)
+    directions = []
+    for tick in range(60):
+        decision = decide(plant.observation(tick * 5.0, demand), state, config)
+        state = decision.state
+        if decision.convert:
+            plant.apply(decision)
+            directions.append(decision.direction)
+    assert (plant.sizes["prefill"], plant.sizes["decode"]) == expected_sizes
+    assert len(directions) == conversions
+    assert len(set(directions)) <= 1, f"flapped: {directions}"
+
+
+def test_pool_pressure_terms():
+    config = RebalanceConfig(queue_target=4, kv_target=0.8)
+    workers = (WorkerView("a", waiting=4, kv_usage=0.4), WorkerView("b", waiting=0, kv_usage=0.8))
+    value, terms = pool_pressure(workers, 0.5, 1.0, config)
+    assert terms == pytest.approx({"latency": 0.5, "queue": 0.5, "kv": 0.75}) and value == pytest.approx(0.75)
+    assert pool_pressure((WorkerView("a"),), None, 1.0, config) == (None, {})
+
+
+@pytest.mark.parametrize("changes,fragment", [
+    ({"mode": "sometimes"}, "mode"),
+    ({"interval_secs": 0}, "interval_secs"),
+    ({"confirmations": 0}, "confirmations"),
+    ({"min_decode": 0}, "min_decode"),
+    ({"min_improvement": 1.0}, "min_improvement"),
+    ({"cooldown_secs": -1}, "cooldown_secs"),
+    ({"ttft_target_secs": True}, "ttft_target_secs"),
+])
+def test_config_is_validated(changes, fragment):
+    with pytest.raises(ValueError, match=fragment):
+        RebalanceConfig().with_changes(changes)
+
+
+def test_config_rejects_unknown_keys_and_parses_the_mode():
+    with pytest.raises(UnknownFields, match="bogus"):
+        RebalanceConfig().with_changes({"bogus": 1, "mode": "enabled"})
+    config = RebalanceConfig().with_changes({"mode": "enabled", "cooldown_secs": 5})
+    assert config.mode is Mode.ENABLED and config.to_dict()["mode"] == "enabled"
+    assert len(RebalanceConfig(interval_secs=0, confirmations=0, min_improvement=2).problems()) == 3
