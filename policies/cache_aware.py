@@ -75,6 +75,9 @@ class PrefixIndex:
         return evicted
 
 
+_EMPTY = PrefixIndex()
+
+
 class CacheAwarePolicy(Policy):
     name = "cache_aware"
     needs_text = True
@@ -98,10 +101,8 @@ class CacheAwarePolicy(Policy):
         return cls(params)
 
     def _index(self, worker: Candidate) -> PrefixIndex:
-        index = self._indexes.get(worker.id)
-        if index is None:
-            index = self._indexes[worker.id] = PrefixIndex()
-        return index
+        """The worker's index; a shared empty one (never written) for a worker that has none yet."""
+        return self._indexes.get(worker.id, _EMPTY)
 
     def imbalanced(self, loads: list[int]) -> bool:
         low, high = min(loads), max(loads)
@@ -130,7 +131,9 @@ class CacheAwarePolicy(Policy):
         self.prompt_chars += len(text)
         self.matched_chars += min(matched[chosen] * self._chunk, len(text))
         worker = candidates[chosen]
-        index = self._index(worker)
+        index = self._indexes.get(worker.id)
+        if index is None:
+            index = self._indexes[worker.id] = PrefixIndex()
         index.insert(hashes)
         if len(index) > 2 * self._max_entries:  # the sweep is late: bound memory now
             self.evicted += index.trim(self._max_entries)

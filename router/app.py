@@ -11,7 +11,7 @@ from aiohttp import web
 
 from policies import make_policy
 
-from . import api_conversion, api_info, api_workers, health
+from . import api_conversion, api_info, api_workers, health, policy_runtime
 from .access import make_access_middleware
 from .admission import Admission
 from .config import DISCOVER, RouterConfig
@@ -86,6 +86,7 @@ def create_app(config: RouterConfig, *, registry: Registry | None = None) -> web
     api_workers.setup(app)
     api_conversion.setup(app)
     health.setup(app)
+    policy_runtime.setup(app)
     return app
 
 
@@ -106,8 +107,8 @@ async def _session_ctx(app: web.Application):
         config=config,
         registry=app[REGISTRY],
         session=session,
-        prefill_policy=make_policy(config.prefill_policy),
-        decode_policy=make_policy(config.decode_policy),
+        prefill_policy=make_policy(config.prefill_policy, config.policy_params),
+        decode_policy=make_policy(config.decode_policy, config.policy_params),
         admission=app[ADMISSION],
         spawn=app[TASKS].spawn,
     )

@@ -12,6 +12,7 @@ import os
 
 from policies import available_policies
 
+from . import cli_policies
 from .config import (
     DISCOVER,
     AdmissionConfig,
@@ -116,6 +117,7 @@ def build_parser() -> argparse.ArgumentParser:
     add("--switch-timeout-secs", type=float, default=120.0)
     add("--weight-update-timeout-secs", type=float, default=600.0)
     add("--no-inject-rid", action="store_true", help="do not add a router-made rid to requests without one")
+    cli_policies.add_flags(p)
     return p
 
 
@@ -210,6 +212,9 @@ def config_from_args(argv: list[str] | None = None, env: dict | None = None) -> 
         switch_timeout_secs=args.switch_timeout_secs,
         weight_update_timeout_secs=args.weight_update_timeout_secs,
         inject_rid=not args.no_inject_rid,
+        policy_params=cli_policies.policy_params_from_args(args),
+        load_monitor=cli_policies.load_monitor_from_args(args),
+        rebalance=cli_policies.rebalance_from_args(args),
     )
     problems.extend(config.problems())
     if problems:

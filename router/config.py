@@ -5,6 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields, replace
 from urllib.parse import urlsplit
 
+from policies.params import PolicyParams
+from policies.rebalance import RebalanceConfig
+
 # A prefill whose bootstrap port was not given: ask the server (`disaggregation_bootstrap_port`).
 DISCOVER = "discover"
 
@@ -93,6 +96,23 @@ class AdmissionConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class LoadMonitorConfig:
+    """Polling of the servers' own load reports (for power_of_two, cache_aware and the rebalancer)."""
+
+    enabled: bool = True
+    interval_secs: float = 1.0
+    timeout_secs: float = 2.0
+
+    def problems(self) -> list[str]:
+        found = []
+        if not self.interval_secs > 0:
+            found.append(f"--load-poll-interval-secs must be positive, got {self.interval_secs}")
+        if not self.timeout_secs > 0:
+            found.append(f"--load-poll-timeout-secs must be positive, got {self.timeout_secs}")
+        return found
+
+
+@dataclass(frozen=True, slots=True)
 class RouterConfig:
     prefill: tuple[WorkerSpec, ...] = ()
     decode: tuple[WorkerSpec, ...] = ()
@@ -113,6 +133,9 @@ class RouterConfig:
     breaker: BreakerConfig = field(default_factory=BreakerConfig)
     retry: RetryConfig = field(default_factory=RetryConfig)
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
+    policy_params: PolicyParams = field(default_factory=PolicyParams)
+    load_monitor: LoadMonitorConfig = field(default_factory=LoadMonitorConfig)
+    rebalance: RebalanceConfig = field(default_factory=RebalanceConfig)
     # Deadlines of the admin flows.
     drain_timeout_secs: float = 300.0
     switch_timeout_secs: float = 120.0
@@ -153,6 +176,8 @@ class RouterConfig:
                     found.append(f"{type(group).__name__}.{f.name} must not be negative")
         if self.admission.max_payload_size < 1:
             found.append("--max-payload-size must be at least 1")
+        for group in (self.policy_params, self.load_monitor, self.rebalance):
+            found.extend(group.problems())
         return found
 
     def validated(self) -> "RouterConfig":

@@ -14,8 +14,11 @@ import itertools
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Iterable
+from typing import TYPE_CHECKING, Callable, Iterable
 from urllib.parse import urlsplit
+
+if TYPE_CHECKING:
+    from policies import ServerLoad
 
 logger = logging.getLogger(__name__)
 
@@ -92,6 +95,8 @@ class Worker:
     abort_epoch: int = 0
     requests_total: int = 0
     failures_total: int = 0
+    # The server's own last load report (router/load_monitor.py writes it; policies read it). None: unknown.
+    server_load: ServerLoad | None = None
     _idle: asyncio.Event = field(default_factory=asyncio.Event, repr=False)
 
     @property

@@ -1,0 +1,86 @@
+"""Polls every worker's own load report (`/v1/loads`, `/get_load` on older servers) at an interval and keeps
+the latest on the worker (`worker.server_load`), where policies and the rebalancer read it without I/O.
+
+A poll that fails or times out clears the snapshot (a stale figure is worse than none: policies then fall
+back to the router's own counts). A result that comes back after the worker changed (its revision moved:
+converted, removed, re-registered) is dropped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Callable
+
+from policies import ServerLoad
+
+from .config import LoadMonitorConfig
+from .registry import Registry, Worker, WorkerState
+from .upstream import Upstream
+
+logger = logging.getLogger(__name__)
+
+# Workers worth asking: everything registered and reachable in principle.
+_SKIPPED_STATES = frozenset({WorkerState.PENDING, WorkerState.FAILED})
+
+
+class LoadMonitor:
+    def __init__(self, registry: Registry, upstream: Upstream, config: LoadMonitorConfig, *,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.registry = registry
+        self.upstream = upstream
+        self.config = config
+        self.clock = clock
+        self.rounds = 0
+        self.polls = 0
+        self.failures = 0
+        self.last_round_at: float | None = None
+
+    async def poll_once(self) -> None:
+        """One round: every worker at once, each bounded by the poll timeout."""
+        workers = [w for w in self.registry.workers() if w.state not in _SKIPPED_STATES]
+        if workers:
+            await asyncio.gather(*(self._poll(w) for w in workers))
+        self.rounds += 1
+        self.last_round_at = self.clock()
+
+    async def _poll(self, worker: Worker) -> None:
+        revision, inflight_at = worker.revision, worker.inflight
+        self.polls += 1
+        try:
+            load = await asyncio.wait_for(self.upstream.load(worker.url, timeout=self.config.timeout_secs),
+                                          self.config.timeout_secs)
+        except (asyncio.TimeoutError, ValueError, TypeError, AttributeError) as exc:
+            logger.debug("load poll of %s failed: %s", worker.url, exc)
+            load = None
+        if worker.revision != revision or self.registry.find(worker.id) is not worker:
+            return  # the worker changed while we asked: this answer describes something else
+        if load is None:
+            self.failures += 1
+            worker.server_load = None
+            return
+        worker.server_load = ServerLoad(running=load.running, waiting=load.waiting, token_usage=load.token_usage,
+                                        inflight_at=inflight_at, taken_at=self.clock())
+
+    async def run(self) -> None:
+        """Poll forever at the interval (a slow round delays the next one rather than overlapping it)."""
+        while True:
+            started = self.clock()
+            try:
+                await self.poll_once()
+            except Exception:  # never let one bad round end the monitor
+                logger.exception("load poll round failed")
+            await asyncio.sleep(max(0.0, self.config.interval_secs - (self.clock() - started)))
+
+    def state(self) -> dict:
+        return {
+            "enabled": self.config.enabled,
+            "interval_secs": self.config.interval_secs,
+            "timeout_secs": self.config.timeout_secs,
+            "rounds": self.rounds,
+            "polls": self.polls,
+            "failures": self.failures,
+            "last_round_age_secs": None if self.last_round_at is None
+            else round(self.clock() - self.last_round_at, 3),
+        }

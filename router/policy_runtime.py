@@ -1,0 +1,68 @@
+"""What policies and the rebalancer need beside the request path, started with the app and stopped with it:
+the load monitor, the policies' periodic upkeep (cache_aware's eviction), the rebalancer's loop; and telling
+a policy when a worker leaves its pool (removed, or moved by a conversion) so it can drop what it holds."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from aiohttp import web
+
+from policies import Policy
+
+from . import api_policies
+from .keys import CONFIG, CONVERTER, LOAD_MONITOR, PROXY, REBALANCER, REGISTRY, TASKS, UPSTREAM
+from .load_monitor import LoadMonitor
+from .rebalancer import Rebalancer
+from .registry import Role, Worker
+
+logger = logging.getLogger(__name__)
+
+
+def setup(app: web.Application) -> None:
+    """Call after the session and workers contexts: this one needs the proxy and the upstream client."""
+    app.cleanup_ctx.append(_runtime_ctx)
+    api_policies.setup(app)
+
+
+def forget_departed(policies: dict[Role, Policy]):
+    """A registry listener: a worker removed or moved out of a pool is forgotten by that pool's policy."""
+
+    def listener(event: str, worker: Worker, details: dict) -> None:
+        if event == "removed":
+            policies[worker.role].on_worker_removed(worker)
+        elif event == "moved":
+            policies[Role(details["old_role"])].on_worker_removed(worker)
+
+    return listener
+
+
+async def _upkeep(policy: Policy) -> None:
+    while True:
+        await asyncio.sleep(policy.maintenance_interval)
+        try:
+            policy.maintain()
+        except Exception:
+            logger.exception("upkeep of policy %s failed", policy.name)
+
+
+async def _runtime_ctx(app: web.Application):
+    config, registry, proxy, spawn = app[CONFIG], app[REGISTRY], app[PROXY], app[TASKS].spawn
+    tasks: list[asyncio.Task] = []
+    monitor = LoadMonitor(registry, app[UPSTREAM], config.load_monitor)
+    app[LOAD_MONITOR] = monitor
+    if config.load_monitor.enabled:
+        tasks.append(spawn(monitor.run()))
+    for policy in {id(p): p for p in proxy.policies.values()}.values():
+        if policy.maintenance_interval:
+            tasks.append(spawn(_upkeep(policy)))
+    registry.subscribe(forget_departed(proxy.policies))
+    rebalancer = Rebalancer(registry, config.rebalance, converter=app.get(CONVERTER), spawn=spawn)
+    proxy.request_observers.append(rebalancer.window.observe)
+    app[REBALANCER] = rebalancer
+    tasks.append(spawn(rebalancer.run()))
+    yield
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)

@@ -1,0 +1,173 @@
+"""Policies inside the router (fake workers): every policy routes, cache_aware keeps prefixes together,
+power_of_two reads the servers' reports, the admin API shows and changes policy and rebalancer state."""
+
+from __future__ import annotations
+
+import pytest
+
+from policies import ServerLoad
+from router.cli import config_from_args
+from router.config import ConfigError, LoadMonitorConfig
+from router.keys import LOAD_MONITOR, PROXY, REBALANCER
+from router.registry import Role
+
+from .helpers import wait_for
+
+NO_POLL = {"load_monitor": LoadMonitorConfig(enabled=False)}
+
+
+def received(workers) -> list[int]:
+    return [len(w.bodies()) for w in workers]
+
+
+@pytest.mark.parametrize("policy", ["random", "round_robin", "least_inflight", "power_of_two", "cache_aware"])
+async def test_every_policy_routes_through_the_router(fake_fleet, make_router, policy):
+    p1, p2, d1, d2 = await fake_fleet(2, 2)
+    client = await make_router([p1, p2], [d1, d2], prefill_policy=policy, decode_policy=policy)
+    for i in range(12):
+        resp = await client.post("/generate", json={"text": f"prompt number {i} " * 3})
+        assert resp.status == 200
+    assert sum(received([p1, p2])) == 12 and sum(received([d1, d2])) == 12
+    if policy in ("round_robin", "power_of_two"):  # sequential requests: both get some
+        assert all(received([p1, p2])) and all(received([d1, d2]))
+    await wait_for(lambda: all(w.inflight == 0 for w in client.registry.workers()))
+
+
+async def test_cache_aware_keeps_each_shared_prefix_on_one_prefill(fake_fleet, make_router):
+    p1, p2, d = await fake_fleet(2, 1)
+    client = await make_router([p1, p2], [d], prefill_policy="cache_aware", **NO_POLL)
+    systems = {"A": "You are a pirate. Always answer in pirate speech, with nautical metaphors. ",
+               "B": "You are a lawyer. Answer formally, cite statutes, and add a disclaimer at the end. "}
+    for i in range(10):
+        for key, system in systems.items():
+            resp = await client.post("/v1/chat/completions", json={
+                "model": "m", "messages": [{"role": "system", "content": system},
+                                           {"role": "user", "content": f"question {key}{i}"}]})
+            assert resp.status == 200
+    where = {key: set() for key in systems}
+    for worker in (p1, p2):
+        for body in worker.bodies("/v1/chat/completions"):
+            where[body["messages"][1]["content"][9]].add(worker.url)
+    assert all(len(urls) == 1 for urls in where.values()), where
+    assert where["A"] != where["B"], "two prefixes, two idle prefills: they spread"
+    state = client.app[PROXY].policies[Role.PREFILL].state()
+    assert state["decisions"]["cache_hit"] == 18 and state["decisions"]["cache_miss"] == 2
+
+
+async def test_power_of_two_avoids_a_server_that_reports_load(fake_fleet, make_router):
+    p, d1, d2 = await fake_fleet(1, 2)
+    client = await make_router([p], [d1, d2], decode_policy="power_of_two", **NO_POLL)
+    busy = client.registry.find(d1.url)
+    busy.server_load = ServerLoad(running=40, waiting=10)  # traffic the router did not send
+    for i in range(6):
+        assert (await client.post("/generate", json={"text": f"q{i}"})).status == 200
+    assert received([d1, d2]) == [0, 6]
+
+
+async def test_cache_aware_forgets_a_removed_worker(fake_fleet, make_router):
+    p1, p2, d = await fake_fleet(2, 1)
+    client = await make_router([p1, p2], [d], prefill_policy="cache_aware", **NO_POLL)
+    assert (await client.post("/generate", json={"text": "some prompt text"})).status == 200
+    policy = client.app[PROXY].policies[Role.PREFILL]
+    (holder,) = policy.state()["trees"]
+    assert (await client.delete(f"/workers/{holder}")).status == 200
+    assert holder not in policy.state()["trees"]
+
+
+async def test_admin_policies_shows_each_pool(fake_fleet, make_router):
+    p, d = await fake_fleet(1, 1)
+    client = await make_router([p], [d], prefill_policy="cache_aware", decode_policy="power_of_two")
+    resp = await client.get("/admin/policies")
+    assert resp.status == 200
+    body = await resp.json()
+    assert body["pools"]["prefill"]["policy"]["name"] == "cache_aware"
+    assert body["pools"]["decode"]["policy"]["name"] == "power_of_two"
+    assert body["pools"]["decode"]["workers"][0]["url"] == d.url
+    assert body["params"]["cache_threshold"] == 0.3
+    # the fakes serve no load endpoint: the monitor keeps polling and counts failures, routing goes on
+    monitor = client.app[LOAD_MONITOR]
+    await wait_for(lambda: monitor.failures >= 2)
+    assert body["load_monitor"]["enabled"] is True
+    assert all(w.server_load is None for w in client.registry.workers())
+    assert (await client.post("/generate", json={"text": "still routed"})).status == 200
+
+
+async def test_admin_rebalancer_get_and_put(fake_fleet, make_router):
+    p, d = await fake_fleet(1, 1)
+    client = await make_router([p], [d])
+    body = await (await client.get("/admin/rebalancer")).json()
+    assert body["mode"] == "advisory" and body["config"]["cooldown_secs"] == 60
+    resp = await client.put("/admin/rebalancer", json={"mode": "enabled", "cooldown_secs": 120})
+    assert resp.status == 200
+    body = await resp.json()
+    assert (body["mode"], body["config"]["cooldown_secs"]) == ("enabled", 120)
+    assert client.app[REBALANCER].config.cooldown_secs == 120
+
+
+@pytest.mark.parametrize("payload,status,fragment", [
+    ({"bogus": 1}, 400, "bogus"),
+    ({}, 400, "at least one field"),
+    ([1, 2], 400, "JSON object"),
+    ({"mode": "sometimes"}, 422, "mode"),
+    ({"confirmations": 0}, 422, "confirmations"),
+])
+async def test_admin_rebalancer_rejects_bad_bodies(fake_fleet, make_router, payload, status, fragment):
+    p, d = await fake_fleet(1, 1)
+    client = await make_router([p], [d])
+    resp = await client.put("/admin/rebalancer", json=payload)
+    assert resp.status == status
+    assert fragment in (await resp.json())["error"]["message"]
+    assert client.app[REBALANCER].config.mode.value == "advisory"
+
+
+async def test_admin_rebalancer_limit_is_validated(fake_fleet, make_router):
+    p, d = await fake_fleet(1, 1)
+    client = await make_router([p], [d])
+    assert (await client.get("/admin/rebalancer?limit=x")).status == 400
+    assert (await client.get("/admin/rebalancer?limit=0")).status == 200
+
+
+async def test_the_rebalancer_sees_latencies_measured_by_the_router(fake_fleet, make_router):
+    p, d = await fake_fleet(1, 1)
+    client = await make_router([p], [d])
+    for i in range(4):
+        resp = await client.post("/generate", json={"text": f"q{i}", "stream": True})
+        assert resp.status == 200
+        await resp.read()
+    ttft, itl, samples = client.app[REBALANCER].window.summary(client.app[REBALANCER].clock(), 1)
+    assert samples == 4 and ttft is not None and itl is not None
+
+
+def test_policy_and_rebalancer_flags():
+    c = config_from_args("--prefill http://a:1 --decode http://c:3 --policy cache_aware --cache-threshold 0.5 "
+                         "--balance-abs-threshold 32 --balance-rel-threshold 1.0001 --max-tree-size 1024 "
+                         "--eviction-interval-secs 30 --rebalance enabled --rebalance-cooldown-secs 90 "
+                         "--rebalance-min-decode 2 --load-poll-interval-secs 0.5".split(), env={})
+    p = c.policy_params
+    assert (p.cache_threshold, p.balance_abs_threshold, p.balance_rel_threshold, p.max_tree_size,
+            p.eviction_interval_secs) == (0.5, 32, 1.0001, 1024, 30)
+    assert (c.rebalance.mode.value, c.rebalance.cooldown_secs, c.rebalance.min_decode) == ("enabled", 90, 2)
+    assert c.load_monitor.interval_secs == 0.5 and c.prefill_policy == "cache_aware"
+
+
+def test_bad_policy_flags_are_all_reported():
+    with pytest.raises(ConfigError) as info:
+        config_from_args("--prefill http://a:1 --decode http://c:3 --cache-threshold 2 "
+                         "--balance-rel-threshold 0.5 --rebalance-confirmations 0 "
+                         "--load-poll-interval-secs 0".split(), env={})
+    text = str(info.value)
+    for fragment in ("--cache-threshold", "--balance-rel-threshold", "confirmations", "--load-poll-interval"):
+        assert fragment in text
+
+
+async def test_least_inflight_routes_around_a_worker_still_holding_a_request(fake_fleet, make_router):
+    p1, p2, d = await fake_fleet(2, 1)
+    client = await make_router([p1, p2], [d], prefill_policy="least_inflight", **NO_POLL)
+    p1.behaviour.hang = True  # the first prefill leg stays open after decode has answered
+    assert (await client.post("/generate", json={"text": "first"})).status == 200
+    await wait_for(lambda: p1.in_handler == 1)
+    for i in range(3):
+        assert (await client.post("/generate", json={"text": f"next {i}"})).status == 200
+    assert received([p1, p2]) == [1, 3]
+    p1.release.set()
+    await wait_for(lambda: all(w.inflight == 0 for w in client.registry.workers()))

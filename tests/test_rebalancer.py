@@ -1,0 +1,195 @@
+"""The rebalancer's outer loop with a fake clock: observation from the registry, advisory vs enabled,
+one conversion at a time, failures, the latency window."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import replace
+
+import pytest
+
+from policies import ServerLoad
+from policies.rebalance import BUSY, COOLDOWN, FAILURE_COOLDOWN, Mode, RebalanceConfig
+from router.proxy import RequestRecord
+from router.rebalancer import ConversionResult, LatencyWindow, Rebalancer
+from router.registry import Registry, Role, WorkerState
+
+from .helpers import wait_for
+
+
+class Clock:
+    def __init__(self, now: float = 100.0):
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class FakeConverter:
+    """Moves the worker like the conversion flow would, after the test opens the gate."""
+
+    def __init__(self, registry: Registry, ok: bool = True):
+        self.registry, self.ok = registry, ok
+        self.calls: list[tuple[str, Role, str]] = []
+        self.gate = asyncio.Event()
+
+    async def convert(self, worker, to_role, *, reason):
+        self.calls.append((worker.id, to_role, reason))
+        self.registry.set_state(worker, WorkerState.CONVERTING, "rebalancer")
+        await self.gate.wait()
+        if not self.ok:
+            self.registry.set_state(worker, WorkerState.ACTIVE, "switch refused")
+            return ConversionResult(False, "server refused the switch")
+        self.registry.move(worker, to_role, 9999 if to_role is Role.PREFILL else None, WorkerState.ACTIVE,
+                           "converted")
+        return ConversionResult(True, "converted")
+
+
+CONFIG = RebalanceConfig(warmup_secs=0, confirmations=2, cooldown_secs=60, failure_cooldown_secs=300,
+                         queue_target=4, min_samples=3)
+
+
+def fleet(prefill_waiting=(8, 8), decode_waiting=(0, 0)) -> Registry:
+    registry = Registry()
+    for i, waiting in enumerate(prefill_waiting):
+        w = registry.add(f"http://p{i}:1", Role.PREFILL, 8998)
+        w.server_load = ServerLoad(running=1, waiting=waiting)
+    for i, waiting in enumerate(decode_waiting):
+        w = registry.add(f"http://d{i}:1", Role.DECODE, None)
+        w.server_load = ServerLoad(running=1, waiting=waiting)
+    return registry
+
+
+def make(registry, config=CONFIG, converter=None) -> tuple[Rebalancer, Clock]:
+    clock = Clock()
+    return Rebalancer(registry, config, converter=converter, clock=clock), clock
+
+
+def test_observation_reads_routable_workers_and_server_reports():
+    registry = fleet()
+    unhealthy = registry.add("http://d9:1", Role.DECODE, None)
+    registry.set_health(unhealthy, False)
+    rebalancer, _ = make(registry)
+    obs = rebalancer.observe()
+    assert [v.waiting for v in obs.prefill] == [8, 8]
+    assert len(obs.decode) == 2 and obs.busy is None  # the unhealthy one is not part of the pool
+
+
+def test_advisory_mode_records_would_convert_and_changes_nothing():
+    registry = fleet()
+    rebalancer, clock = make(registry)
+    first = rebalancer.tick()
+    assert first.action == "hold" and first.guards == ("confirmations",)
+    clock.now += 5
+    second = rebalancer.tick()
+    assert second.action == "convert" and second.from_role == "decode"
+    assert rebalancer.decisions[-1]["applied"] == "advisory" and rebalancer.counters["would_convert"] == 1
+    assert [w.role for w in registry.workers()].count(Role.DECODE) == 2  # nothing moved
+    clock.now += 5  # the virtual conversion starts the cooldown, so advice keeps the real cadence
+    assert rebalancer.tick().guards == (COOLDOWN, "confirmations")  # the streak restarted too
+    snap = rebalancer.snapshot(limit=2)
+    assert snap["mode"] == "advisory" and len(snap["decisions"]) == 2
+    assert snap["counters"]["decisions_convert"] == 1 and snap["counters"]["guard_cooldown"] == 1
+
+
+async def test_enabled_mode_converts_through_the_flow_one_at_a_time():
+    registry = fleet()
+    converter = FakeConverter(registry)
+    rebalancer, clock = make(registry, replace(CONFIG, mode=Mode.ENABLED, confirmations=1), converter)
+    decision = rebalancer.tick()
+    assert decision.convert and rebalancer.decisions[-1]["applied"] == "started"
+    await wait_for(lambda: converter.calls)
+    worker_id, to_role, reason = converter.calls[0]
+    assert to_role is Role.PREFILL and "rebalancer" in reason
+    clock.now += 100  # long past the cooldown, but the conversion is still running
+    held = rebalancer.tick()
+    assert BUSY in held.guards and rebalancer.snapshot()["applying"]["worker_id"] == worker_id
+    converter.gate.set()
+    await wait_for(lambda: rebalancer.applying is None)
+    assert registry.get(worker_id).role is Role.PREFILL
+    assert rebalancer.counters["conversions_succeeded"] == 1
+    (done,) = rebalancer.conversions
+    assert done["ok"] is True and done["to_role"] == "prefill"
+    # the cooldown runs from the end of the conversion
+    assert COOLDOWN in rebalancer.tick().guards
+
+
+async def test_a_failed_conversion_starts_the_failure_cooldown():
+    registry = fleet()
+    converter = FakeConverter(registry, ok=False)
+    converter.gate.set()
+    rebalancer, clock = make(registry, replace(CONFIG, mode=Mode.ENABLED, confirmations=1), converter)
+    assert rebalancer.tick().convert
+    await wait_for(lambda: rebalancer.counters["conversions_failed"] == 1)
+    clock.now += 100
+    assert FAILURE_COOLDOWN in rebalancer.tick().guards
+    assert rebalancer.conversions[-1]["detail"] == "server refused the switch"
+
+
+async def test_a_converter_that_raises_does_not_stop_the_rebalancer():
+    registry = fleet()
+
+    class Broken:
+        async def convert(self, worker, to_role, *, reason):
+            raise RuntimeError("flow bug")
+
+    rebalancer, _ = make(registry, replace(CONFIG, mode=Mode.ENABLED, confirmations=1), Broken())
+    rebalancer.tick()
+    await wait_for(lambda: rebalancer.applying is None and rebalancer.conversions)
+    assert rebalancer.conversions[-1]["ok"] is False and "flow bug" in rebalancer.conversions[-1]["detail"]
+
+
+def test_enabled_without_a_conversion_flow_refuses_visibly():
+    rebalancer, _ = make(fleet(), replace(CONFIG, mode=Mode.ENABLED, confirmations=1))
+    assert rebalancer.tick().convert
+    assert rebalancer.decisions[-1]["applied"].startswith("not applied")
+    assert rebalancer.counters["conversions_failed"] == 1 and rebalancer.state.last_failure_at is not None
+
+
+def test_an_operators_conversion_counts_as_busy():
+    registry = fleet()
+    registry.set_state(registry.workers(Role.DECODE)[0], WorkerState.DRAINING, "operator")
+    registry.add("http://d7:1", Role.DECODE, None).server_load = ServerLoad(0, 0)
+    rebalancer, _ = make(registry, replace(CONFIG, confirmations=1))
+    decision = rebalancer.tick()
+    assert BUSY in decision.guards and "draining" in rebalancer.last_observation["busy"]
+
+
+def test_off_mode_does_nothing_and_reconfigure_validates():
+    rebalancer, clock = make(fleet(), replace(CONFIG, mode=Mode.OFF))
+    assert rebalancer.tick() is None and not rebalancer.decisions
+    with pytest.raises(ValueError):
+        rebalancer.reconfigure({"mode": "sometimes"})
+    clock.now += 50
+    rebalancer.reconfigure({"mode": "advisory", "warmup_secs": 10})
+    assert rebalancer.state.started_at == clock.now  # observing again: warm up again
+    assert rebalancer.tick().guards[0] == "warmup"
+
+
+def record(ttft=None, itl=None, outcome="success") -> RequestRecord:
+    return RequestRecord(route="/generate", stream=True, ttft_s=ttft, itl_s=itl, outcome=outcome)
+
+
+def test_latency_window_p90_min_samples_and_expiry():
+    clock = Clock(0)
+    window = LatencyWindow(10, clock)
+    for i in range(1, 11):
+        window.observe(record(ttft=i / 10, itl=i / 100))
+    window.observe(record(ttft=99, outcome="error"))  # failed requests say nothing about latency
+    window.observe(record())  # a unary request: nothing measured
+    ttft, itl, n = window.summary(clock.now, min_samples=5)
+    assert (ttft, itl, n) == (0.9, 0.09, 10)
+    assert window.summary(clock.now, min_samples=11)[:2] == (None, None)
+    clock.now = 10.5
+    window.observe(record(ttft=2.0))
+    assert window.summary(clock.now, min_samples=1) == (2.0, None, 1)
+
+
+def test_latency_feeds_the_decision():
+    registry = fleet(prefill_waiting=(0, 0), decode_waiting=(0, 0))
+    rebalancer, clock = make(registry, replace(CONFIG, confirmations=1, itl_target_secs=0.05))
+    for _ in range(5):
+        rebalancer.window.observe(record(ttft=0.1, itl=0.2))  # ITL 4x its target: decode is hot
+    decision = rebalancer.tick()
+    assert decision.convert and decision.to_role == "decode"
+    assert rebalancer.last_observation["itl_p90_s"] == 0.2
