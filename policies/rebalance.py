@@ -78,6 +78,9 @@ class RebalanceConfig:
     kv_target: float = 0.9  # KV cache usage that counts as full pressure
     min_samples: int = 5  # latency needs this many finished requests in the window to count
     history: int = 200  # decisions kept for the admin API
+    # How a conversion empties the server: "drain" (in-flight requests finish) or "abort" (they are aborted and
+    # re-sent elsewhere by the router, unseen by clients).
+    conversion_mode: str = "drain"
 
     def __post_init__(self) -> None:
         if not isinstance(self.mode, Mode) and isinstance(self.mode, str):
@@ -104,6 +107,8 @@ class RebalanceConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < low:
                 found.append(f"rebalance {name} must be an integer >= {low}, got {value!r}")
+        if self.conversion_mode not in ("drain", "abort"):
+            found.append(f"rebalance conversion_mode must be drain or abort, got {self.conversion_mode!r}")
         if not isinstance(self.min_improvement, (int, float)) or not 0 <= self.min_improvement < 1:
             found.append(f"rebalance min_improvement must be in [0, 1), got {self.min_improvement!r}")
         return found

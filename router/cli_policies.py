@@ -36,6 +36,7 @@ _REBALANCE_HELP = {
     "queue_target": "waiting requests per server that count as full pressure",
     "kv_target": "KV cache usage that counts as full pressure",
     "min_samples": "finished requests a latency figure needs in the window",
+    "conversion_mode": "how a conversion empties the server: drain (requests finish) or abort (re-sent elsewhere)",
 }
 
 

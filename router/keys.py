@@ -21,5 +21,3 @@ DISCOVERY = web.AppKey("discovery", object)
 HEALTH = web.AppKey("health", object)  # router.health.HealthMonitor
 LOAD_MONITOR = web.AppKey("load_monitor", object)
 REBALANCER = web.AppKey("rebalancer", object)
-# Whatever implements router.rebalancer.Converter (the conversion flow); the rebalancer applies through it.
-CONVERTER = web.AppKey("converter", object)

@@ -12,16 +12,18 @@ from aiohttp import web
 from policies import Policy
 
 from . import api_policies
-from .keys import CONFIG, CONVERTER, LOAD_MONITOR, PROXY, REBALANCER, REGISTRY, TASKS, UPSTREAM
+from .api_conversion import CONVERSIONS
+from .keys import CONFIG, LOAD_MONITOR, PROXY, REBALANCER, REGISTRY, TASKS, UPSTREAM
 from .load_monitor import LoadMonitor
-from .rebalancer import Rebalancer
+from .rebalancer import FlowConverter, Rebalancer
 from .registry import Role, Worker
 
 logger = logging.getLogger(__name__)
 
 
 def setup(app: web.Application) -> None:
-    """Call after the session and workers contexts: this one needs the proxy and the upstream client."""
+    """Call after the session, workers and conversions contexts: this one needs the proxy, the upstream
+    client and the conversion flow."""
     app.cleanup_ctx.append(_runtime_ctx)
     api_policies.setup(app)
 
@@ -58,7 +60,8 @@ async def _runtime_ctx(app: web.Application):
         if policy.maintenance_interval:
             tasks.append(spawn(_upkeep(policy)))
     registry.subscribe(forget_departed(proxy.policies))
-    rebalancer = Rebalancer(registry, config.rebalance, converter=app.get(CONVERTER), spawn=spawn)
+    converter = FlowConverter(app[CONVERSIONS])
+    rebalancer = Rebalancer(registry, config.rebalance, converter=converter, spawn=spawn)
     proxy.request_observers.append(rebalancer.window.observe)
     app[REBALANCER] = rebalancer
     tasks.append(spawn(rebalancer.run()))

@@ -24,6 +24,8 @@ from policies.rebalance import (
     Decision, Mode, Observation, RebalanceConfig, WorkerView, conversion_ended, decide, initial_state,
 )
 
+from .errors import Conflict
+from .flows.conversion import Conversions, Mode as ConversionMode, Plan
 from .proxy import RequestRecord
 from .registry import Registry, Role, Worker, WorkerState
 
@@ -43,7 +45,25 @@ class ConversionResult:
 class Converter(Protocol):
     """What the rebalancer needs from the conversion flow."""
 
-    async def convert(self, worker: Worker, to_role: Role, *, reason: str) -> ConversionResult: ...
+    async def convert(self, worker: Worker, to_role: Role, *, reason: str, mode: str) -> ConversionResult: ...
+
+
+class FlowConverter:
+    """The Converter on top of the conversion flow (router/flows/conversion.py)."""
+
+    def __init__(self, conversions: Conversions) -> None:
+        self.conversions = conversions
+
+    async def convert(self, worker: Worker, to_role: Role, *, reason: str, mode: str) -> ConversionResult:
+        try:
+            conversion = self.conversions.start(worker, Plan(mode=ConversionMode(mode), new_role=to_role))
+        except Conflict as refusal:
+            return ConversionResult(False, f"refused: {refusal.message}")
+        if conversion is None:
+            return ConversionResult(True, f"{worker.id} already is {to_role}")
+        conversion.notes.append(reason)
+        await conversion.wait()
+        return ConversionResult(conversion.success, f"{conversion.id} {conversion.outcome}: {conversion.message}")
 
 
 def p90(values: list[float]) -> float:
@@ -167,7 +187,8 @@ class Rebalancer:
     async def _apply(self, worker: Worker, to_role: Role, reason: str) -> None:
         record = dict(self.applying or {})
         try:
-            result = await self.converter.convert(worker, to_role, reason=f"rebalancer: {reason}")
+            result = await self.converter.convert(worker, to_role, reason=f"rebalancer: {reason}",
+                                                  mode=self.config.conversion_mode)
         except asyncio.CancelledError:
             result = ConversionResult(False, "cancelled (router shutting down)")
             raise

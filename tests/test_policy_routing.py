@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from policies import ServerLoad
+from policies.rebalance import Mode, RebalanceConfig
 from router.cli import config_from_args
 from router.config import ConfigError, LoadMonitorConfig
 from router.keys import LOAD_MONITOR, PROXY, REBALANCER
@@ -74,22 +75,20 @@ async def test_cache_aware_forgets_a_removed_worker(fake_fleet, make_router):
     assert holder not in policy.state()["trees"]
 
 
-async def test_admin_policies_shows_each_pool(fake_fleet, make_router):
+async def test_admin_policies_shows_each_pool_with_the_servers_reports(fake_fleet, make_router):
     p, d = await fake_fleet(1, 1)
-    client = await make_router([p], [d], prefill_policy="cache_aware", decode_policy="power_of_two")
+    client = await make_router([p], [d], prefill_policy="cache_aware", decode_policy="power_of_two",
+                               load_monitor=LoadMonitorConfig(interval_secs=0.05))
+    await wait_for(lambda: all(w.server_load is not None for w in client.registry.workers()))
     resp = await client.get("/admin/policies")
     assert resp.status == 200
     body = await resp.json()
     assert body["pools"]["prefill"]["policy"]["name"] == "cache_aware"
     assert body["pools"]["decode"]["policy"]["name"] == "power_of_two"
-    assert body["pools"]["decode"]["workers"][0]["url"] == d.url
+    (decode,) = body["pools"]["decode"]["workers"]
+    assert decode["url"] == d.url and decode["server_load"]["running"] == 0
     assert body["params"]["cache_threshold"] == 0.3
-    # the fakes serve no load endpoint: the monitor keeps polling and counts failures, routing goes on
-    monitor = client.app[LOAD_MONITOR]
-    await wait_for(lambda: monitor.failures >= 2)
-    assert body["load_monitor"]["enabled"] is True
-    assert all(w.server_load is None for w in client.registry.workers())
-    assert (await client.post("/generate", json={"text": "still routed"})).status == 200
+    assert body["load_monitor"]["rounds"] >= 1 and body["load_monitor"]["failures"] == 0
 
 
 async def test_admin_rebalancer_get_and_put(fake_fleet, make_router):
@@ -171,3 +170,52 @@ async def test_least_inflight_routes_around_a_worker_still_holding_a_request(fak
     assert received([p1, p2]) == [1, 3]
     p1.release.set()
     await wait_for(lambda: all(w.inflight == 0 for w in client.registry.workers()))
+
+
+def _hot_prefill(client) -> None:
+    """Make the prefill pool look overloaded (queues reported by the servers) and decode idle."""
+    for worker in client.registry.workers(Role.PREFILL):
+        worker.server_load = ServerLoad(running=4, waiting=12)
+    for worker in client.registry.workers(Role.DECODE):
+        worker.server_load = ServerLoad(running=0, waiting=0)
+
+
+QUICK_REBALANCE = dict(warmup_secs=0, confirmations=1, interval_secs=3600)  # ticks driven by the test
+
+
+async def test_enabled_rebalancer_converts_through_the_conversion_flow(fake_fleet, make_router):
+    p1, p2, d1, d2 = await fake_fleet(2, 2)
+    client = await make_router([p1, p2], [d1, d2], **NO_POLL,
+                               rebalance=RebalanceConfig(mode=Mode.ENABLED, **QUICK_REBALANCE))
+    _hot_prefill(client)
+    rebalancer = client.app[REBALANCER]
+    decision = rebalancer.tick()
+    assert decision.convert and decision.to_role == "prefill"
+    await wait_for(lambda: rebalancer.conversions, timeout=10)
+    (done,) = rebalancer.conversions
+    assert done["ok"] is True, done
+    moved = client.registry.get(decision.worker_id)
+    assert moved.role is Role.PREFILL and moved.routable
+    fake = d1 if moved.url == d1.url else d2
+    assert fake.role == "prefill" and fake.switch_calls[0]["new_role"] == "prefill"
+    history = await (await client.get("/admin/conversions")).json()
+    text = str(history)
+    assert "rebalancer" in text and decision.worker_id in text
+    body = await (await client.get("/admin/rebalancer")).json()
+    assert body["counters"]["conversions_succeeded"] == 1 and body["conversions"][0]["ok"] is True
+    # the requests keep flowing through the new shape of the fleet
+    assert (await client.post("/generate", json={"text": "after"})).status == 200
+
+
+async def test_advisory_rebalancer_only_records_what_it_would_do(fake_fleet, make_router):
+    p1, p2, d1, d2 = await fake_fleet(2, 2)
+    client = await make_router([p1, p2], [d1, d2], **NO_POLL, rebalance=RebalanceConfig(**QUICK_REBALANCE))
+    _hot_prefill(client)
+    decision = client.app[REBALANCER].tick()
+    assert decision.convert
+    body = await (await client.get("/admin/rebalancer")).json()
+    last = body["decisions"][-1]
+    assert last["applied"] == "advisory" and last["worker_id"] == decision.worker_id and last["reason"]
+    assert body["counters"]["would_convert"] == 1
+    assert not d1.switch_calls and not d2.switch_calls
+    assert [w.role for w in client.registry.workers()].count(Role.DECODE) == 2

@@ -33,7 +33,7 @@ class FakeConverter:
         self.calls: list[tuple[str, Role, str]] = []
         self.gate = asyncio.Event()
 
-    async def convert(self, worker, to_role, *, reason):
+    async def convert(self, worker, to_role, *, reason, mode):
         self.calls.append((worker.id, to_role, reason))
         self.registry.set_state(worker, WorkerState.CONVERTING, "rebalancer")
         await self.gate.wait()
@@ -130,7 +130,7 @@ async def test_a_converter_that_raises_does_not_stop_the_rebalancer():
     registry = fleet()
 
     class Broken:
-        async def convert(self, worker, to_role, *, reason):
+        async def convert(self, worker, to_role, *, reason, mode):
             raise RuntimeError("flow bug")
 
     rebalancer, _ = make(registry, replace(CONFIG, mode=Mode.ENABLED, confirmations=1), Broken())
