@@ -25,6 +25,8 @@ from dataclasses import dataclass
 from typing import Callable
 
 from .config import BreakerConfig, HealthConfig
+from .errors import json_response
+from .keys import CONFIG, HEALTH, PROXY, REGISTRY, UPSTREAM
 from .registry import Registry, Worker, WorkerState
 from .upstream import Upstream, weight_version_of
 
@@ -349,9 +351,7 @@ class HealthMonitor:
 
 
 # ---- wiring -----------------------------------------------------------------------------------------------
-async def _health_ctx(app) -> object:
-    from .keys import CONFIG, HEALTH, PROXY, REGISTRY, UPSTREAM
-
+async def _health_ctx(app):
     config = app[CONFIG]
     monitor = HealthMonitor(app[REGISTRY], app[UPSTREAM], config.health, config.breaker)
     app[HEALTH] = monitor
@@ -361,10 +361,7 @@ async def _health_ctx(app) -> object:
     await monitor.close()
 
 
-async def health_state(request) -> object:
-    from .errors import json_response
-    from .keys import HEALTH
-
+async def health_state(request):
     return json_response(request.app[HEALTH].state())
 
 

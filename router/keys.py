@@ -21,3 +21,4 @@ DISCOVERY = web.AppKey("discovery", object)
 HEALTH = web.AppKey("health", object)  # router.health.HealthMonitor
 LOAD_MONITOR = web.AppKey("load_monitor", object)
 REBALANCER = web.AppKey("rebalancer", object)
+METRICS = web.AppKey("metrics", object)  # router.metrics.RouterMetrics

@@ -162,6 +162,10 @@ class Proxy:
             record.outcome = "error"
             record.error = error.message
             raise
+        except web.HTTPException as exc:  # aiohttp's own, e.g. 413 while reading the body
+            record.status = exc.status
+            record.outcome = "error"
+            raise
         except asyncio.CancelledError:
             record.outcome = "client_disconnect"
             record.status = 499

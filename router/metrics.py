@@ -1,0 +1,258 @@
+"""Prometheus metrics: one `CollectorRegistry` per app (tests and replicas in one process never collide).
+
+What is counted where, to keep the request path cheap:
+- the request middleware counts every request by route and status (label children cached: one dict lookup
+  and one increment);
+- the proxy's request observer adds, per generation request, end-to-end latency, TTFT, mean inter-token
+  latency and retries (cached children as well);
+- everything that is state (in-flight per worker, worker state, health, breaker, queue length) is read
+  from the registry and admission at scrape time by a collector: nothing on the hot path;
+- registry events count health and breaker transitions;
+- flows report through `observe_conversion(outcome, seconds)`, `observe_weight_update(outcome, seconds)`
+  and `observe_abort(reason, count)` on `app[METRICS]`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Callable
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from .admission import Admission
+from .keys import ADMISSION, CONFIG, METRICS, PROXY, REGISTRY
+from .registry import Registry, Role, Worker, WorkerState
+
+logger = logging.getLogger(__name__)
+
+PREFIX = "pd_router"
+TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
+E2E_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 900.0, 1800.0)
+FLOW_BUCKETS = (0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0)
+BREAKER_PHASES = {"closed": 0, "half_open": 1, "open": 2}
+UNMATCHED = "unmatched"  # the route label of requests no route matched (404/405)
+
+
+class RouterMetrics:
+    def __init__(self, registry: Registry, admission: Admission) -> None:
+        self.registry = registry
+        self.admission = admission
+        self.prometheus = CollectorRegistry(auto_describe=True)
+        reg = self.prometheus
+        self.requests = Counter(f"{PREFIX}_requests", "HTTP requests by route and status",
+                                ["route", "status"], registry=reg)
+        self.e2e = Histogram(f"{PREFIX}_request_duration_seconds",
+                             "end-to-end latency of generation requests (until the last byte)", ["route"],
+                             buckets=E2E_BUCKETS, registry=reg)
+        self.ttft = Histogram(f"{PREFIX}_time_to_first_token_seconds",
+                              "time until decode's first event reached the client (streaming)", ["route"],
+                              buckets=TTFT_BUCKETS, registry=reg)
+        self.itl = Histogram(f"{PREFIX}_inter_token_latency_seconds",
+                             "mean gap between streamed events, one sample per request", ["route"],
+                             buckets=ITL_BUCKETS, registry=reg)
+        self.retries = Counter(f"{PREFIX}_retries", "attempts re-sent to another pair",
+                               ["route", "reason"], registry=reg)
+        self.outcomes = Counter(f"{PREFIX}_request_outcomes", "generation requests by outcome",
+                                ["route", "outcome"], registry=reg)
+        self.aborts = Counter(f"{PREFIX}_aborts", "requests aborted on the servers, by reason",
+                              ["reason"], registry=reg)
+        self.conversions = Counter(f"{PREFIX}_conversions", "role conversions by outcome", ["outcome"],
+                                   registry=reg)
+        self.conversion_seconds = Histogram(f"{PREFIX}_conversion_duration_seconds",
+                                            "role conversion duration by outcome", ["outcome"],
+                                            buckets=FLOW_BUCKETS, registry=reg)
+        self.weight_updates = Counter(f"{PREFIX}_weight_updates", "fleet weight updates by outcome",
+                                      ["outcome"], registry=reg)
+        self.weight_update_seconds = Histogram(f"{PREFIX}_weight_update_duration_seconds",
+                                               "fleet weight update duration by outcome", ["outcome"],
+                                               buckets=FLOW_BUCKETS, registry=reg)
+        self.health_changes = Counter(f"{PREFIX}_worker_health_changes", "workers turning healthy/unhealthy",
+                                      ["worker", "role", "healthy"], registry=reg)
+        self.breaker_changes = Counter(f"{PREFIX}_breaker_transitions", "circuit breaker phase changes",
+                                       ["worker", "role", "phase"], registry=reg)
+        self.worker_events = Counter(f"{PREFIX}_worker_events", "registry events (added, removed, moved, state)",
+                                     ["event"], registry=reg)
+        reg.register(_StateCollector(registry, admission))
+        self._request_children: dict[tuple[str, int], Callable[[], None]] = {}
+        self._route_children: dict[str, tuple] = {}
+        self._last_health: dict[str, tuple[bool, str]] = {}  # per worker id, to count transitions
+        registry.subscribe(self._on_registry_event)
+
+    # ---- hot path ------------------------------------------------------------------------------------------
+    def count_request(self, route: str, status: int) -> None:
+        inc = self._request_children.get((route, status))
+        if inc is None:
+            inc = self._request_children[(route, status)] = self.requests.labels(route, str(status)).inc
+        inc()
+
+    def observe_request(self, record) -> None:
+        """A `Proxy.request_observers` entry: one `RequestRecord` per generation request."""
+        children = self._route_children.get(record.route)
+        if children is None:
+            r = record.route
+            children = self._route_children[r] = (
+                self.e2e.labels(r).observe, self.ttft.labels(r).observe, self.itl.labels(r).observe)
+        e2e, ttft, itl = children
+        e2e(record.e2e_s)
+        if record.ttft_s is not None:
+            ttft(record.ttft_s)
+        if record.itl_s is not None:
+            itl(record.itl_s)
+        if record.outcome != "success":
+            self.outcomes.labels(record.route, record.outcome).inc()
+            if record.outcome == "client_disconnect":
+                self.aborts.labels("client_disconnect").inc()
+            elif record.status == 504:
+                self.aborts.labels("timeout").inc()
+        retries = record.attempts - 1 - record.retries_aborted
+        if retries > 0:
+            self.retries.labels(record.route, "failure").inc(retries)
+        if record.retries_aborted:
+            self.retries.labels(record.route, "router_abort").inc(record.retries_aborted)
+
+    # ---- flows (called by router/flows/*) ---------------------------------------------------------------
+    def observe_conversion(self, outcome: str, seconds: float) -> None:
+        """One finished role conversion: outcome e.g. converted | failed | refused | cancelled."""
+        self.conversions.labels(str(outcome)).inc()
+        self.conversion_seconds.labels(str(outcome)).observe(max(seconds, 0.0))
+
+    def observe_weight_update(self, outcome: str, seconds: float) -> None:
+        """One finished fleet weight update: outcome e.g. success | failed | rolled_back."""
+        self.weight_updates.labels(str(outcome)).inc()
+        self.weight_update_seconds.labels(str(outcome)).observe(max(seconds, 0.0))
+
+    def observe_abort(self, reason: str, count: int = 1) -> None:
+        """Requests the router aborted on the servers (e.g. reason=conversion, weight_update, admin)."""
+        if count > 0:
+            self.aborts.labels(reason).inc(count)
+
+    # ---- registry events ------------------------------------------------------------------------------
+    def _on_registry_event(self, event: str, worker: Worker, details: dict) -> None:
+        self.worker_events.labels(event).inc()
+        if event == "health":
+            role = worker.role.value
+            healthy, phase = self._last_health.get(worker.id, (True, "closed"))
+            if worker.healthy is not healthy:
+                self.health_changes.labels(worker.url, role, "true" if worker.healthy else "false").inc()
+            if worker.breaker != phase:
+                self.breaker_changes.labels(worker.url, role, worker.breaker).inc()
+            self._last_health[worker.id] = (worker.healthy, worker.breaker)
+        elif event == "removed":
+            self._last_health.pop(worker.id, None)
+
+    def render(self) -> bytes:
+        return generate_latest(self.prometheus)
+
+
+class _StateCollector:
+    """State read at scrape time: nothing is updated on the request path for these."""
+
+    def __init__(self, registry: Registry, admission: Admission) -> None:
+        self.registry = registry
+        self.admission = admission
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        labels = ["worker", "role"]
+        inflight = GaugeMetricFamily(f"{PREFIX}_worker_inflight",
+                                     "requests holding the worker (selection until last byte)", labels=labels)
+        healthy = GaugeMetricFamily(f"{PREFIX}_worker_healthy", "1 when probes pass and the breaker is not open",
+                                    labels=labels)
+        routable = GaugeMetricFamily(f"{PREFIX}_worker_routable", "1 when active and healthy", labels=labels)
+        breaker = GaugeMetricFamily(f"{PREFIX}_worker_breaker_phase", "0 closed, 1 half-open, 2 open",
+                                    labels=labels)
+        state = GaugeMetricFamily(f"{PREFIX}_worker_state", "1 for the worker's current state",
+                                  labels=labels + ["state"])
+        served = CounterMetricFamily(f"{PREFIX}_worker_requests", "legs sent to the worker", labels=labels)
+        failed = CounterMetricFamily(f"{PREFIX}_worker_failures", "legs that ended in error", labels=labels)
+        for w in self.registry.workers():
+            key = [w.url, w.role.value]
+            inflight.add_metric(key, w.inflight)
+            healthy.add_metric(key, 1 if w.healthy else 0)
+            routable.add_metric(key, 1 if w.routable else 0)
+            breaker.add_metric(key, BREAKER_PHASES.get(w.breaker, 0))
+            for s in WorkerState:
+                state.add_metric(key + [s.value], 1 if w.state is s else 0)
+            served.add_metric(key, w.requests_total)
+            failed.add_metric(key, w.failures_total)
+        pools = GaugeMetricFamily(f"{PREFIX}_pool_routable_workers", "routable workers per pool", labels=["role"])
+        for role in Role:
+            pools.add_metric([role.value], len(self.registry.routable(role)))
+        a = self.admission
+        yield from (inflight, healthy, routable, breaker, state, served, failed, pools)
+        yield GaugeMetricFamily(f"{PREFIX}_queue_length", "requests waiting for admission", value=a.waiting)
+        yield GaugeMetricFamily(f"{PREFIX}_requests_in_flight", "admitted requests not finished", value=a.active)
+        yield GaugeMetricFamily(f"{PREFIX}_fleet_held", "1 while a fleet-wide hold (weight update) is on",
+                                value=0 if a.is_open else 1)
+        yield CounterMetricFamily(f"{PREFIX}_admission_rejected", "requests refused by admission (429/503)",
+                                  value=a.rejected_total)
+        yield CounterMetricFamily(f"{PREFIX}_admission_queued", "requests that had to wait for admission",
+                                  value=a.held_total)
+
+
+# ---- wiring -------------------------------------------------------------------------------------------------
+@web.middleware
+async def metrics_middleware(request: web.Request, handler):
+    """Count every request by route pattern and final status (outermost: sees rendered errors)."""
+    resource = request.match_info.route.resource
+    status = 500
+    try:
+        response = await handler(request)
+        status = response.status
+        return response
+    except web.HTTPException as exc:
+        status = exc.status
+        raise
+    except asyncio.CancelledError:
+        status = 499  # the client went away
+        raise
+    finally:
+        metrics = request.app.get(METRICS)
+        if metrics is not None:
+            metrics.count_request(resource.canonical if resource is not None else UNMATCHED, status)
+
+
+async def metrics_endpoint(request: web.Request) -> web.Response:
+    return web.Response(body=request.app[METRICS].render(), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+async def _prometheus_port_ctx(app: web.Application):
+    """`--prometheus-port`: the same registry on its own port (open, like sgl-router's exporter)."""
+    config = app[CONFIG]
+    if config.prometheus_port is None:
+        yield
+        return
+    exporter = web.Application()
+    exporter[METRICS] = app[METRICS]
+    exporter.router.add_get("/metrics", metrics_endpoint)
+    runner = web.AppRunner(exporter, access_log=None)
+    await runner.setup()
+    host = config.prometheus_host or config.host
+    site = web.TCPSite(runner, host, config.prometheus_port)
+    await site.start()
+    logger.info("metrics on http://%s:%d/metrics", host, config.prometheus_port)
+    try:
+        yield
+    finally:
+        await runner.cleanup()
+
+
+def setup(app: web.Application) -> RouterMetrics:
+    """Create the app's metrics, hook them to the registry now and to the proxy when it exists."""
+    metrics = RouterMetrics(app[REGISTRY], app[ADMISSION])
+    app[METRICS] = metrics
+    app.router.add_get("/metrics", metrics_endpoint)
+
+    async def observe_requests(app: web.Application):
+        app[PROXY].request_observers.append(metrics.observe_request)
+        yield
+
+    app.cleanup_ctx.append(observe_requests)
+    app.cleanup_ctx.append(_prometheus_port_ctx)
+    return metrics
