@@ -10,6 +10,7 @@ from aiohttp import web
 from .app import create_app
 from .cli import config_from_args
 from .config import ConfigError
+from .logs import setup_logging
 
 logger = logging.getLogger("router")
 
@@ -31,10 +32,7 @@ def main(argv: list[str] | None = None) -> int:
         for problem in exc.problems:
             print(f"pd-router: error: {problem}", file=sys.stderr)
         return 2
-    logging.basicConfig(
-        level=config.log_level.upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+    setup_logging(config.log_level, config.log_json)
     app = create_app(config)
     logger.info("pd-router on %s:%d: %d prefill, %d decode; policies %s/%s", config.host, config.port,
                 len(config.prefill), len(config.decode), config.prefill_policy, config.decode_policy)

@@ -11,7 +11,7 @@ from aiohttp import web
 
 from policies import make_policy
 
-from . import api_conversion, api_info, api_workers, health, metrics, policy_runtime
+from . import api_conversion, api_info, api_workers, health, logs, metrics, policy_runtime
 from .access import make_access_middleware
 from .admission import Admission
 from .config import DISCOVER, RouterConfig
@@ -71,7 +71,8 @@ def make_session(config: RouterConfig) -> aiohttp.ClientSession:
 
 
 def create_app(config: RouterConfig, *, registry: Registry | None = None) -> web.Application:
-    middlewares = [metrics.metrics_middleware, error_middleware, make_access_middleware(config)]
+    middlewares = [logs.request_id_middleware, metrics.metrics_middleware, error_middleware,
+                   make_access_middleware(config)]
     app = web.Application(middlewares=middlewares, client_max_size=config.admission.max_payload_size)
     app[CONFIG] = config
     app[REGISTRY] = registry if registry is not None else Registry()
@@ -88,6 +89,7 @@ def create_app(config: RouterConfig, *, registry: Registry | None = None) -> web
     health.setup(app)
     policy_runtime.setup(app)
     metrics.setup(app)
+    logs.setup(app)
     return app
 
 

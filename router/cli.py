@@ -82,6 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
     add("--prometheus-port", type=int, default=None, help="also serve /metrics on this port")
     add("--prometheus-host", default=None)
     add("--log-level", default="info", choices=["debug", "info", "warning", "error", "critical"])
+    add("--log-json", action="store_true", help="log one JSON object per line (with request_id)")
     # worker start-up, connections
     add("--worker-startup-timeout-secs", type=float, default=10.0,
         help="how long start-up waits to learn prefill bootstrap ports before serving")
@@ -177,6 +178,7 @@ def config_from_args(argv: list[str] | None = None, env: dict | None = None) -> 
         admin_api_key=admin_key,
         max_connections=args.max_connections,
         log_level=args.log_level,
+        log_json=args.log_json,
         prometheus_port=args.prometheus_port,
         prometheus_host=args.prometheus_host,
         health=HealthConfig(

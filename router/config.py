@@ -127,6 +127,7 @@ class RouterConfig:
     admin_api_key: str | None = None
     max_connections: int = 8192
     log_level: str = "info"
+    log_json: bool = False  # one JSON object per log line
     prometheus_port: int | None = None
     prometheus_host: str | None = None
     health: HealthConfig = field(default_factory=HealthConfig)

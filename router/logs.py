@@ -1,0 +1,133 @@
+"""Logging: one formatter (text or JSON lines), the request id on every line, one line per request.
+
+The request id is the client's `X-Request-Id` when it sends one (so its logs and ours join up), else an id
+the router makes (process prefix + counter: unique, cheap). It lives in a context variable, set by the
+outermost middleware, so every line logged while serving the request carries it, including lines from the
+tasks the request starts (legs, aborts): asyncio copies the context into them.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import itertools
+import logging
+import os
+import sys
+import time
+
+import orjson
+from aiohttp import web
+
+REQUEST_ID: contextvars.ContextVar[str] = contextvars.ContextVar("request_id", default="-")
+MAX_REQUEST_ID = 128
+TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s [%(request_id)s] %(message)s"
+
+_prefix = os.urandom(4).hex()
+_counter = itertools.count(1)
+access_logger = logging.getLogger("router.access")
+
+
+def new_request_id() -> str:
+    return f"{_prefix}-{next(_counter):x}"
+
+
+def _clean(value: str) -> str:
+    value = value.strip()[:MAX_REQUEST_ID]
+    return value if value.isprintable() else value.encode("unicode_escape").decode()[:MAX_REQUEST_ID]
+
+
+@web.middleware
+async def request_id_middleware(request: web.Request, handler):
+    given = request.headers.get("X-Request-Id")
+    REQUEST_ID.set(_clean(given) if given else new_request_id())
+    return await handler(request)
+
+
+class RequestIdFilter(logging.Filter):
+    """Puts the current request id on every record (handler-level: covers every logger)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.request_id = REQUEST_ID.get()
+        return True
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object per line: ts, level, logger, request_id, message, the record's `fields`, exc."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        entry = {
+            "ts": round(record.created, 6),
+            "level": record.levelname,
+            "logger": record.name,
+            "request_id": getattr(record, "request_id", REQUEST_ID.get()),
+            "message": record.getMessage(),
+        }
+        fields = getattr(record, "fields", None)
+        if isinstance(fields, dict):
+            entry.update(fields)
+        if record.exc_info:
+            entry["exc"] = self.formatException(record.exc_info)
+        return orjson.dumps(entry, default=str).decode()
+
+
+def make_handler(json_lines: bool, stream=None) -> logging.Handler:
+    handler = logging.StreamHandler(stream if stream is not None else sys.stderr)
+    handler.addFilter(RequestIdFilter())
+    if json_lines:
+        handler.setFormatter(JsonFormatter())
+    else:
+        formatter = logging.Formatter(TEXT_FORMAT)
+        formatter.converter = time.gmtime
+        handler.setFormatter(formatter)
+    return handler
+
+
+def setup_logging(level: str = "info", json_lines: bool = False, stream=None) -> logging.Handler:
+    """Replace the root handlers with one that formats every line the same way."""
+    root = logging.getLogger()
+    for old in list(root.handlers):
+        root.removeHandler(old)
+    handler = make_handler(json_lines, stream)
+    root.addHandler(handler)
+    root.setLevel(level.upper())
+    logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
+    return handler
+
+
+def log_request(record) -> None:
+    """A `Proxy.request_observers` entry: one access line per generation request.
+
+    Successes at DEBUG (a busy router serves thousands a second), client disconnects at INFO, failures at
+    WARNING."""
+    if record.outcome == "success":
+        level = logging.DEBUG
+    elif record.outcome == "client_disconnect":
+        level = logging.INFO
+    else:
+        level = logging.WARNING
+    if not access_logger.isEnabledFor(level):
+        return
+    fields = {
+        "route": record.route, "status": record.status, "outcome": record.outcome, "stream": record.stream,
+        "e2e_ms": round(record.e2e_s * 1000, 3),
+        "ttft_ms": None if record.ttft_s is None else round(record.ttft_s * 1000, 3),
+        "attempts": record.attempts,
+        "prefill": record.prefill.url if record.prefill else None,
+        "decode": record.decode.url if record.decode else None,
+    }
+    if record.error:
+        fields["error"] = record.error[:500]
+    access_logger.log(level, "%s %s %s in %.1f ms (%d attempt(s), prefill %s, decode %s)%s", record.route,
+                      record.status, record.outcome, record.e2e_s * 1000, record.attempts, fields["prefill"],
+                      fields["decode"], f": {fields['error']}" if record.error else "", extra={"fields": fields})
+
+
+def setup(app: web.Application) -> None:
+    """Access lines from the proxy's request observer (added once the proxy exists)."""
+    from .keys import PROXY
+
+    async def observe(app: web.Application):
+        app[PROXY].request_observers.append(log_request)
+        yield
+
+    app.cleanup_ctx.append(observe)
