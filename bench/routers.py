@@ -27,7 +27,7 @@ from pathlib import Path
 
 import orjson
 
-from bench import procs, report, wrk
+from bench import procs, profile, report, wrk
 from bench.ceiling import CeilingFleet
 from bench.contenders import PEERS_VENV, REPO_ROOT, ROUTER_NAMES, contender, peers_python
 from bench.fleet import Fleet
@@ -143,8 +143,26 @@ def measure_target(name: str, driver: LoadDriver, fleet: Fleet, concurrencies: l
     return rows
 
 
+def profile_router(name: str, driver: LoadDriver, fleet: Fleet, base_url: str, pid: int, concurrency: int,
+                   collapsed_path: Path) -> dict:
+    """One more (unrecorded) load point with py-spy sampling the router: where its CPU time goes."""
+    sampler = profile.start(pid, driver.warmup + driver.duration, collapsed_path)
+    try:
+        with Meter([pid], fleet.pids) as meter:
+            result = driver.run(base_url, concurrency, False)
+    finally:
+        profile.finish(sampler)
+    summary = profile.summarize(collapsed_path.read_text())
+    summary.update(concurrency=concurrency, collapsed_stacks=str(collapsed_path), rps_while_sampled=result["rps"],
+                   **meter.fields(result["requests"] - result["errors"]))
+    print(f"# profile of {name} at c={concurrency} ({result['rps']:.0f} req/s while sampled)\n"
+          f"{profile.render(summary)}", flush=True)
+    return summary
+
+
 def run_router(name: str, *, fleet: Fleet, driver: LoadDriver, concurrencies: list[int], modes: list[bool],
-               round_no: int, workdir: Path, policy: str | None, start_timeout: float) -> list[dict]:
+               round_no: int, workdir: Path, policy: str | None, start_timeout: float,
+               profile_to: Path | None = None, profiles: dict | None = None) -> list[dict]:
     spec = contender(name)
     port = procs.free_port()
     argv = spec.argv(fleet, port, policy)
@@ -156,7 +174,10 @@ def run_router(name: str, *, fleet: Fleet, driver: LoadDriver, concurrencies: li
         procs.wait_until(lambda: _serves(base_url), timeout=start_timeout, what=f"{name} serving /generate",
                          child=child, interval=0.2)
         print(f"# {name} serving after {time.monotonic() - started:.1f} s: {' '.join(argv)}", flush=True)
-        return measure_target(name, driver, fleet, concurrencies, modes, round_no, base_url, [child.pid])
+        rows = measure_target(name, driver, fleet, concurrencies, modes, round_no, base_url, [child.pid])
+        if profile_to is not None and profiles is not None:
+            profiles[name] = profile_router(name, driver, fleet, base_url, child.pid, max(concurrencies), profile_to)
+        return rows
     finally:
         procs.stop(child)
 
@@ -197,7 +218,7 @@ def environment() -> dict:
     }
 
 
-def run_setup(setup: str, args, routers: list[str], workdir: Path) -> dict:
+def run_setup(setup: str, args, routers: list[str], workdir: Path, out: Path) -> dict:
     concurrencies = args.concurrency
     modes = _modes(setup, args.stream)
     env = {**environment(), "load_avg_before": procs.load_average()}
@@ -206,19 +227,24 @@ def run_setup(setup: str, args, routers: list[str], workdir: Path) -> dict:
     fleet_ctx = (CeilingFleet(workdir / "nginx") if setup == "ceiling"
                  else SimFleet(workdir / "sim", extra_args=args.sim_args.split() if args.sim_args else []))
     rows: list[dict] = []
+    profiles: dict[str, dict] = {}
     with fleet_ctx as fleet:
         driver = LoadDriver(setup, fleet, workdir, args.warmup, args.duration)
         for round_no in range(1, args.rounds + 1):
             order = routers if round_no % 2 else list(reversed(routers))
             rows += measure_target(DIRECT, driver, fleet, concurrencies, modes, round_no, None, [])
             for name in order:
+                wants_profile = round_no == 1 and name in args.profile
                 rows += run_router(name, fleet=fleet, driver=driver, concurrencies=concurrencies, modes=modes,
                                    round_no=round_no, workdir=workdir, policy=args.policy,
-                                   start_timeout=args.start_timeout)
+                                   start_timeout=args.start_timeout, profiles=profiles,
+                                   profile_to=out.with_name(f"{out.stem}.{setup}.{name}.collapsed.txt")
+                                   if wants_profile else None)
     env["load_avg_after"] = procs.load_average()
     best = report.best_rows(rows)
     return {"setup": setup, "environment": env, "policy": args.policy, "duration_s": args.duration,
-            "warmup_s": args.warmup, "rows": rows, "best": best, "ratios": report.ratios(best)}
+            "warmup_s": args.warmup, "rows": rows, "best": best, "ratios": report.ratios(best),
+            "profiles": profiles}
 
 
 def _int_list(text: str) -> list[int]:
@@ -238,9 +264,15 @@ def main(argv: list[str] | None = None) -> int:
                         help="--policy given to every router (mini_lb only does random); 'none' for defaults")
     parser.add_argument("--sim-args", default="", help="extra flags for `python -m simulator.fleet`")
     parser.add_argument("--start-timeout", type=float, default=60.0)
+    parser.add_argument("--profile", default="", help="Python routers to sample with py-spy for one extra "
+                        "point at the highest concurrency, e.g. 'pd-router' (the sampling slows them)")
     parser.add_argument("--out", type=Path, help="JSON result file (default out/bench/routers-SETUP-TIME.json)")
     args = parser.parse_args(argv)
     args.policy = None if args.policy in ("", "none", "default") else args.policy
+    args.profile = [r for r in args.profile.split(",") if r]
+    for name in args.profile:
+        if name not in ("pd-router", "mini_lb"):
+            parser.error(f"--profile takes Python routers (pd-router, mini_lb), not {name!r}")
 
     requested = [r for r in args.routers.split(",") if r]
     for name in requested:
@@ -255,17 +287,17 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"unknown setup {setup!r}")
 
     stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+    out = args.out or REPO_ROOT / "out" / "bench" / f"routers-{'-'.join(setups)}-{stamp}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
     results = []
     with tempfile.TemporaryDirectory(prefix="bench-routers-") as tmp:
         for setup in setups:
             workdir = Path(tmp) / setup
             workdir.mkdir()
-            result = run_setup(setup, args, routers, workdir)
+            result = run_setup(setup, args, routers, workdir, out)
             result["skipped"] = missing
             results.append(result)
             print(report.render(result), flush=True)
-    out = args.out or REPO_ROOT / "out" / "bench" / f"routers-{'-'.join(setups)}-{stamp}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results if len(results) > 1 else results[0], indent=2))
     print(f"# results written to {out}")
     return 0

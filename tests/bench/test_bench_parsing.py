@@ -56,3 +56,16 @@ def test_percentile_is_nearest_rank():
     assert percentile(values, 99) == 99
     assert percentile([7.0], 99) == 7.0
     assert percentile([], 50) is None
+
+
+def test_profile_summary_counts_self_and_inclusive_shares():
+    from bench.profile import summarize
+
+    collapsed = ("process 1:router;run (a/main.py:1);handle (a/proxy.py:10);dumps (orjson:0) 3\n"
+                 "process 1:router;run (a/main.py:1);handle (a/proxy.py:12) 1\n"
+                 "garbage line\n")
+    got = summarize(collapsed)
+    assert got["samples"] == 4
+    assert dict(got["self_by_function"]) == {"dumps (orjson)": 75.0, "handle (a/proxy.py)": 25.0}
+    assert dict(got["inclusive_by_function"])["handle (a/proxy.py)"] == 100.0
+    assert dict(got["self_by_file"]) == {"orjson": 75.0, "a/proxy.py": 25.0}
