@@ -19,6 +19,7 @@ class Contender:
     name: str
     python: str
     module_args: tuple[str, ...]  # what follows `python`: the module and its fixed flags
+    cwd: Path = REPO_ROOT  # `python -m router` runs the code of the checkout it starts in
 
     def argv(self, fleet: Fleet, port: int, policy: str | None) -> list[str]:
         argv = [self.python, *self.module_args, *fleet.mini_lb_args(), "--host", "127.0.0.1", "--port", str(port)]
@@ -31,10 +32,10 @@ def peers_python() -> str:
     return str(PEERS_VENV / "bin" / "python")
 
 
-def contender(name: str, *, pd_router_python: str | None = None) -> Contender:
+def contender(name: str, *, pd_router_checkout: Path = REPO_ROOT, pd_router_python: str | None = None) -> Contender:
     if name == "pd-router":
-        # The checkout's own code, run by the interpreter running the bench (the dev venv).
-        return Contender(name, pd_router_python or sys.executable, ("-m", "router"))
+        # A checkout's own code, run by the interpreter running the bench (the dev venv).
+        return Contender(name, pd_router_python or sys.executable, ("-m", "router"), pd_router_checkout)
     if name == "mini_lb":
         return Contender(name, peers_python(),
                          ("-m", "sglang_router.launch_router", "--pd-disaggregation", "--mini-lb"))

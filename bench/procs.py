@@ -148,3 +148,25 @@ def machine_cpu() -> tuple[float, float]:
 
 def load_average() -> tuple[float, float, float]:
     return os.getloadavg()
+
+
+def busy_cores(sample_s: float = 2.0) -> float:
+    """Cores the whole machine kept busy over the next sample_s seconds."""
+    busy0, total0 = machine_cpu()
+    time.sleep(sample_s)  # a measurement window, not a wait for a condition
+    busy1, total1 = machine_cpu()
+    cores = os.cpu_count() or 1
+    return cores * (busy1 - busy0) / (total1 - total0) if total1 > total0 else 0.0
+
+
+def wait_for_quiet(below_cores: float, max_wait_s: float, sample_s: float = 2.0) -> tuple[float, float]:
+    """Wait until the machine's other users leave less than below_cores busy, for at most max_wait_s.
+
+    Returns (busy cores at the last sample, seconds waited); the caller goes on either way and reports both.
+    """
+    started = time.monotonic()
+    while True:
+        busy = busy_cores(sample_s)
+        waited = time.monotonic() - started
+        if busy < below_cores or waited >= max_wait_s:
+            return busy, waited

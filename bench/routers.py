@@ -162,11 +162,12 @@ def profile_router(name: str, driver: LoadDriver, fleet: Fleet, base_url: str, p
 
 def run_router(name: str, *, fleet: Fleet, driver: LoadDriver, concurrencies: list[int], modes: list[bool],
                round_no: int, workdir: Path, policy: str | None, start_timeout: float,
-               profile_to: Path | None = None, profiles: dict | None = None) -> list[dict]:
-    spec = contender(name)
+               profile_to: Path | None = None, profiles: dict | None = None,
+               pd_router_checkout: Path = REPO_ROOT) -> list[dict]:
+    spec = contender(name, pd_router_checkout=pd_router_checkout)
     port = procs.free_port()
     argv = spec.argv(fleet, port, policy)
-    child = procs.start(f"{name}-r{round_no}", argv, workdir, cwd=str(REPO_ROOT),
+    child = procs.start(f"{name}-r{round_no}", argv, workdir, cwd=str(spec.cwd),
                         env={**os.environ, **HUB_GUARD_ENV})
     base_url = f"http://127.0.0.1:{port}"
     try:
@@ -182,12 +183,12 @@ def run_router(name: str, *, fleet: Fleet, driver: LoadDriver, concurrencies: li
         procs.stop(child)
 
 
-def available_routers(requested: list[str]) -> tuple[list[str], list[str]]:
+def available_routers(requested: list[str], pd_router_checkout: Path) -> tuple[list[str], list[str]]:
     """(routers that can run here, reasons for the ones that cannot)."""
     ok, missing = [], []
     for name in requested:
-        if name == "pd-router" and not (REPO_ROOT / "router" / "__main__.py").exists():
-            missing.append("pd-router: router/__main__.py is not in this checkout yet")
+        if name == "pd-router" and not (pd_router_checkout / "router" / "__main__.py").exists():
+            missing.append(f"pd-router: router/__main__.py is not in {pd_router_checkout} yet")
         elif name != "pd-router" and not Path(peers_python()).exists():
             missing.append(f"{name}: {PEERS_VENV} is missing (run `python -m bench.setup`)")
         else:
@@ -203,14 +204,22 @@ def _command_output(argv: list[str]) -> str:
     return (done.stdout + done.stderr).strip().splitlines()[0] if (done.stdout + done.stderr).strip() else ""
 
 
-def environment() -> dict:
+def _git_rev(checkout: Path) -> str:
+    rev = _command_output(["git", "-C", str(checkout), "rev-parse", "--short", "HEAD"])
+    dirty = _command_output(["git", "-C", str(checkout), "status", "--porcelain", "--untracked-files=no"])
+    return f"{checkout}@{rev}{' (uncommitted changes)' if dirty else ''}"
+
+
+def environment(pd_router_checkout: Path, sim_checkout: Path) -> dict:
     cpu_model = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
                       if line.startswith("model name")), platform.processor())
     return {
         "cores": os.cpu_count(),
         "cpu": cpu_model,
         "python": platform.python_version(),
-        "git_rev": _command_output(["git", "-C", str(REPO_ROOT), "rev-parse", "--short", "HEAD"]),
+        "bench_rev": _git_rev(REPO_ROOT),
+        "pd_router_rev": _git_rev(pd_router_checkout),
+        "simulator_rev": _git_rev(sim_checkout),
         "sglang_router": _command_output([peers_python(), "-c",
                                           "import importlib.metadata as m; print(m.version('sglang-router'))"]),
         "nginx": _command_output(["nginx", "-v"]),
@@ -221,11 +230,12 @@ def environment() -> dict:
 def run_setup(setup: str, args, routers: list[str], workdir: Path, out: Path) -> dict:
     concurrencies = args.concurrency
     modes = _modes(setup, args.stream)
-    env = {**environment(), "load_avg_before": procs.load_average()}
+    env = {**environment(args.pd_router_checkout, args.sim_checkout), "load_avg_before": procs.load_average()}
     print(f"# setup {setup}: {env['cores']} cores ({env['cpu']}), load average {env['load_avg_before']}, "
           f"routers {', '.join(routers)}, concurrency {concurrencies}, {args.duration:g} s each", flush=True)
     fleet_ctx = (CeilingFleet(workdir / "nginx") if setup == "ceiling"
-                 else SimFleet(workdir / "sim", extra_args=args.sim_args.split() if args.sim_args else []))
+                 else SimFleet(workdir / "sim", extra_args=args.sim_args.split() if args.sim_args else [],
+                               checkout=args.sim_checkout))
     rows: list[dict] = []
     profiles: dict[str, dict] = {}
     with fleet_ctx as fleet:
@@ -234,12 +244,16 @@ def run_setup(setup: str, args, routers: list[str], workdir: Path, out: Path) ->
             order = routers if round_no % 2 else list(reversed(routers))
             rows += measure_target(DIRECT, driver, fleet, concurrencies, modes, round_no, None, [])
             for name in order:
+                if args.quiet_wait > 0:
+                    busy, waited = procs.wait_for_quiet(args.quiet_below, args.quiet_wait)
+                    print(f"# machine: {busy:.2f} cores busy before {name} (waited {waited:.0f} s for < "
+                          f"{args.quiet_below:g})", flush=True)
                 wants_profile = round_no == 1 and name in args.profile
                 rows += run_router(name, fleet=fleet, driver=driver, concurrencies=concurrencies, modes=modes,
                                    round_no=round_no, workdir=workdir, policy=args.policy,
                                    start_timeout=args.start_timeout, profiles=profiles,
                                    profile_to=out.with_name(f"{out.stem}.{setup}.{name}.collapsed.txt")
-                                   if wants_profile else None)
+                                   if wants_profile else None, pd_router_checkout=args.pd_router_checkout)
     env["load_avg_after"] = procs.load_average()
     best = report.best_rows(rows)
     return {"setup": setup, "environment": env, "policy": args.policy, "duration_s": args.duration,
@@ -263,9 +277,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--policy", default="random",
                         help="--policy given to every router (mini_lb only does random); 'none' for defaults")
     parser.add_argument("--sim-args", default="", help="extra flags for `python -m simulator.fleet`")
+    parser.add_argument("--quiet-below", type=float, default=0.5,
+                        help="before each router, wait until other processes keep fewer cores busy than this")
+    parser.add_argument("--quiet-wait", type=float, default=0.0,
+                        help="...for at most this many seconds (0: do not wait); the run goes on either way")
     parser.add_argument("--start-timeout", type=float, default=60.0)
     parser.add_argument("--profile", default="", help="Python routers to sample with py-spy for one extra "
                         "point at the highest concurrency, e.g. 'pd-router' (the sampling slows them)")
+    parser.add_argument("--pd-router-checkout", type=Path, default=REPO_ROOT,
+                        help="run pd-router from this checkout (default: this one), e.g. /work/main")
+    parser.add_argument("--sim-checkout", type=Path, default=REPO_ROOT,
+                        help="run the simulated fleet from this checkout (default: this one)")
     parser.add_argument("--out", type=Path, help="JSON result file (default out/bench/routers-SETUP-TIME.json)")
     args = parser.parse_args(argv)
     args.policy = None if args.policy in ("", "none", "default") else args.policy
@@ -278,7 +300,9 @@ def main(argv: list[str] | None = None) -> int:
     for name in requested:
         if name not in ROUTER_NAMES:
             parser.error(f"unknown router {name!r}; choose from {', '.join(ROUTER_NAMES)}")
-    routers, missing = available_routers(requested)
+    args.pd_router_checkout = args.pd_router_checkout.resolve()
+    args.sim_checkout = args.sim_checkout.resolve()
+    routers, missing = available_routers(requested, args.pd_router_checkout)
     for reason in missing:
         print(f"# skipped {reason}", flush=True)
     setups = [s for s in args.setup.split(",") if s]

@@ -54,6 +54,7 @@ class SimFleet:
     decodes: int = 2
     extra_args: list[str] = field(default_factory=list)
     python: str = sys.executable
+    checkout: Path = REPO_ROOT
     start_timeout: float = 60.0
     child: procs.Child | None = None
 
@@ -61,7 +62,7 @@ class SimFleet:
         self.workdir.mkdir(parents=True, exist_ok=True)
         argv = [self.python, "-m", "simulator.fleet", "--prefill", str(self.prefills),
                 "--decode", str(self.decodes), *self.extra_args]
-        self.child = procs.start("simfleet", argv, self.workdir, cwd=str(REPO_ROOT))
+        self.child = procs.start("simfleet", argv, self.workdir, cwd=str(self.checkout))
         found: list[Fleet] = []
 
         def announced() -> bool:
