@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from bench.fleet import Fleet
+from bench.procs import free_port
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 PEERS_VENV = REPO_ROOT / ".bench-venv"
@@ -25,6 +26,9 @@ class Contender:
         argv = [self.python, *self.module_args, *fleet.mini_lb_args(), "--host", "127.0.0.1", "--port", str(port)]
         if policy:
             argv += ["--policy", policy]
+        if self.name == "sgl-router":
+            # Its metrics exporter binds 29000 by default: two sgl-routers on one machine would collide.
+            argv += ["--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())]
         return argv
 
 

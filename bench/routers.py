@@ -13,6 +13,7 @@ latency and every ratio comes from this run. Results: a table on stdout and a JS
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime as dt
 import json
 import os
@@ -128,28 +129,24 @@ def _modes(setup: str, stream: bool) -> list[bool]:
     return [False, True] if stream else [False]
 
 
-def measure_target(name: str, driver: LoadDriver, fleet: Fleet, concurrencies: list[int], modes: list[bool],
-                   round_no: int, base_url: str | None, router_pids: list[int]) -> list[dict]:
-    rows = []
-    for stream in modes:
-        for concurrency in concurrencies:
-            with Meter(router_pids, fleet.pids) as meter:
-                result = driver.run(base_url, concurrency, stream)
-            completed = result["requests"] - result["errors"]
-            row = {"router": name, "mode": "stream" if stream else "non-stream", "concurrency": concurrency,
-                   "round": round_no, **result, **meter.fields(completed)}
-            rows.append(row)
-            print(report.progress_line(row), flush=True)
-    return rows
+def measure_point(name: str, driver: LoadDriver, fleet: Fleet, stream: bool, concurrency: int, round_no: int,
+                  base_url: str | None, router_pids: list[int]) -> dict:
+    with Meter(router_pids, fleet.pids) as meter:
+        result = driver.run(base_url, concurrency, stream)
+    completed = result["requests"] - result["errors"]
+    row = {"router": name, "mode": "stream" if stream else "non-stream", "concurrency": concurrency,
+           "round": round_no, **result, **meter.fields(completed)}
+    print(report.progress_line(row), flush=True)
+    return row
 
 
-def profile_router(name: str, driver: LoadDriver, fleet: Fleet, base_url: str, pid: int, concurrency: int,
+def profile_router(name: str, driver: LoadDriver, fleet: Fleet, router: "RunningRouter", concurrency: int,
                    collapsed_path: Path) -> dict:
     """One more (unrecorded) load point with py-spy sampling the router: where its CPU time goes."""
-    sampler = profile.start(pid, driver.warmup + driver.duration, collapsed_path)
+    sampler = profile.start(router.pid, driver.warmup + driver.duration, collapsed_path)
     try:
-        with Meter([pid], fleet.pids) as meter:
-            result = driver.run(base_url, concurrency, False)
+        with Meter([router.pid], fleet.pids) as meter:
+            result = driver.run(router.base_url, concurrency, False)
     finally:
         profile.finish(sampler)
     summary = profile.summarize(collapsed_path.read_text())
@@ -160,27 +157,90 @@ def profile_router(name: str, driver: LoadDriver, fleet: Fleet, base_url: str, p
     return summary
 
 
-def run_router(name: str, *, fleet: Fleet, driver: LoadDriver, concurrencies: list[int], modes: list[bool],
-               round_no: int, workdir: Path, policy: str | None, start_timeout: float,
-               profile_to: Path | None = None, profiles: dict | None = None,
-               pd_router_checkout: Path = REPO_ROOT) -> list[dict]:
-    spec = contender(name, pd_router_checkout=pd_router_checkout)
-    port = procs.free_port()
-    argv = spec.argv(fleet, port, policy)
-    child = procs.start(f"{name}-r{round_no}", argv, workdir, cwd=str(spec.cwd),
-                        env={**os.environ, **HUB_GUARD_ENV})
-    base_url = f"http://127.0.0.1:{port}"
-    try:
-        started = time.monotonic()
-        procs.wait_until(lambda: _serves(base_url), timeout=start_timeout, what=f"{name} serving /generate",
-                         child=child, interval=0.2)
-        print(f"# {name} serving after {time.monotonic() - started:.1f} s: {' '.join(argv)}", flush=True)
-        rows = measure_target(name, driver, fleet, concurrencies, modes, round_no, base_url, [child.pid])
-        if profile_to is not None and profiles is not None:
-            profiles[name] = profile_router(name, driver, fleet, base_url, child.pid, max(concurrencies), profile_to)
-        return rows
-    finally:
-        procs.stop(child)
+class RunningRouter:
+    """A router process on a free port, serving /generate once entered; stopped on exit."""
+
+    def __init__(self, name: str, fleet: Fleet, workdir: Path, *, policy: str | None, start_timeout: float,
+                 pd_router_checkout: Path, tag: str = ""):
+        spec = contender(name, pd_router_checkout=pd_router_checkout)
+        self.name, self.spec, self.workdir, self.start_timeout, self.tag = name, spec, workdir, start_timeout, tag
+        self.port = procs.free_port()
+        self.argv = spec.argv(fleet, self.port, policy)
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        self.child: procs.Child | None = None
+
+    @property
+    def pid(self) -> int:
+        return self.child.pid
+
+    def __enter__(self) -> "RunningRouter":
+        self.child = procs.start(f"{self.name}{self.tag}", self.argv, self.workdir, cwd=str(self.spec.cwd),
+                                 env={**os.environ, **HUB_GUARD_ENV})
+        try:
+            started = time.monotonic()
+            procs.wait_until(lambda: _serves(self.base_url), timeout=self.start_timeout,
+                             what=f"{self.name} serving /generate", child=self.child, interval=0.2)
+        except BaseException:
+            procs.stop(self.child)
+            raise
+        print(f"# {self.name} serving after {time.monotonic() - started:.1f} s: {' '.join(self.argv)}", flush=True)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        procs.stop(self.child)
+
+
+def _wait_for_quiet(args, before: str) -> None:
+    if args.quiet_wait > 0:
+        busy, waited = procs.wait_for_quiet(args.quiet_below, args.quiet_wait)
+        print(f"# machine: {busy:.2f} cores busy before {before} (waited {waited:.0f} s for < "
+              f"{args.quiet_below:g})", flush=True)
+
+
+def run_sequential(args, setup: str, fleet: Fleet, driver: LoadDriver, routers: list[str], workdir: Path,
+                   out: Path, profiles: dict) -> list[dict]:
+    """Each router in turn: start, load at every point, stop (order reversed on even rounds)."""
+    points = [(stream, c) for stream in _modes(setup, args.stream) for c in args.concurrency]
+    rows = []
+    for round_no in range(1, args.rounds + 1):
+        rows += [measure_point(DIRECT, driver, fleet, stream, c, round_no, None, []) for stream, c in points]
+        for name in (routers if round_no % 2 else list(reversed(routers))):
+            _wait_for_quiet(args, name)
+            with RunningRouter(name, fleet, workdir, policy=args.policy, start_timeout=args.start_timeout,
+                               pd_router_checkout=args.pd_router_checkout, tag=f"-r{round_no}") as router:
+                rows += [measure_point(name, driver, fleet, stream, c, round_no, router.base_url, [router.pid])
+                         for stream, c in points]
+                if round_no == 1 and name in args.profile:
+                    profiles[name] = profile_router(name, driver, fleet, router, max(args.concurrency),
+                                                    out.with_name(f"{out.stem}.{setup}.{name}.collapsed.txt"))
+    return rows
+
+
+def run_interleaved(args, setup: str, fleet: Fleet, driver: LoadDriver, routers: list[str], workdir: Path,
+                    out: Path, profiles: dict) -> list[dict]:
+    """All routers up at once (idle ones cost nothing); at each point every router is loaded in turn, the
+    order rotating, so that a change in the machine's other load falls on all of them alike."""
+    points = [(stream, c) for stream in _modes(setup, args.stream) for c in args.concurrency]
+    rows = []
+    with contextlib.ExitStack() as stack:
+        running = {name: stack.enter_context(
+            RunningRouter(name, fleet, workdir, policy=args.policy, start_timeout=args.start_timeout,
+                          pd_router_checkout=args.pd_router_checkout)) for name in routers}
+        targets = [DIRECT, *routers]
+        turn = 0
+        for round_no in range(1, args.rounds + 1):
+            for stream, c in points:
+                _wait_for_quiet(args, f"c={c}")
+                for name in targets[turn % len(targets):] + targets[:turn % len(targets)]:
+                    router = running.get(name)
+                    rows.append(measure_point(name, driver, fleet, stream, c, round_no,
+                                              router.base_url if router else None, [router.pid] if router else []))
+                turn += 1
+        for name in args.profile:
+            if name in running:
+                profiles[name] = profile_router(name, driver, fleet, running[name], max(args.concurrency),
+                                                out.with_name(f"{out.stem}.{setup}.{name}.collapsed.txt"))
+    return rows
 
 
 def available_routers(requested: list[str], pd_router_checkout: Path) -> tuple[list[str], list[str]]:
@@ -229,34 +289,20 @@ def environment(pd_router_checkout: Path, sim_checkout: Path) -> dict:
 
 def run_setup(setup: str, args, routers: list[str], workdir: Path, out: Path) -> dict:
     concurrencies = args.concurrency
-    modes = _modes(setup, args.stream)
     env = {**environment(args.pd_router_checkout, args.sim_checkout), "load_avg_before": procs.load_average()}
     print(f"# setup {setup}: {env['cores']} cores ({env['cpu']}), load average {env['load_avg_before']}, "
           f"routers {', '.join(routers)}, concurrency {concurrencies}, {args.duration:g} s each", flush=True)
     fleet_ctx = (CeilingFleet(workdir / "nginx") if setup == "ceiling"
                  else SimFleet(workdir / "sim", extra_args=args.sim_args.split() if args.sim_args else [],
                                checkout=args.sim_checkout))
-    rows: list[dict] = []
     profiles: dict[str, dict] = {}
     with fleet_ctx as fleet:
         driver = LoadDriver(setup, fleet, workdir, args.warmup, args.duration)
-        for round_no in range(1, args.rounds + 1):
-            order = routers if round_no % 2 else list(reversed(routers))
-            rows += measure_target(DIRECT, driver, fleet, concurrencies, modes, round_no, None, [])
-            for name in order:
-                if args.quiet_wait > 0:
-                    busy, waited = procs.wait_for_quiet(args.quiet_below, args.quiet_wait)
-                    print(f"# machine: {busy:.2f} cores busy before {name} (waited {waited:.0f} s for < "
-                          f"{args.quiet_below:g})", flush=True)
-                wants_profile = round_no == 1 and name in args.profile
-                rows += run_router(name, fleet=fleet, driver=driver, concurrencies=concurrencies, modes=modes,
-                                   round_no=round_no, workdir=workdir, policy=args.policy,
-                                   start_timeout=args.start_timeout, profiles=profiles,
-                                   profile_to=out.with_name(f"{out.stem}.{setup}.{name}.collapsed.txt")
-                                   if wants_profile else None, pd_router_checkout=args.pd_router_checkout)
+        run = run_interleaved if args.interleave else run_sequential
+        rows = run(args, setup, fleet, driver, routers, workdir, out, profiles)
     env["load_avg_after"] = procs.load_average()
     best = report.best_rows(rows)
-    return {"setup": setup, "environment": env, "policy": args.policy, "duration_s": args.duration,
+    return {"setup": setup, "environment": env, "policy": args.policy, "interleaved": args.interleave, "duration_s": args.duration,
             "warmup_s": args.warmup, "rows": rows, "best": best, "ratios": report.ratios(best),
             "profiles": profiles}
 
@@ -274,6 +320,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=float, default=2.0, help="unmeasured seconds before each point")
     parser.add_argument("--stream", action="store_true", help="sim: also measure streaming (TTFT)")
     parser.add_argument("--rounds", type=int, default=1, help="repeat, alternating router order; best kept")
+    parser.add_argument("--interleave", action="store_true",
+                        help="start every router at once and load them in turn at each point (fairer on a "
+                             "machine whose other load changes); default: one router after the other")
     parser.add_argument("--policy", default="random",
                         help="--policy given to every router (mini_lb only does random); 'none' for defaults")
     parser.add_argument("--sim-args", default="", help="extra flags for `python -m simulator.fleet`")

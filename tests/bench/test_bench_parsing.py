@@ -45,7 +45,9 @@ def test_every_router_gets_mini_lb_flags():
     argv = contender("sgl-router").argv(fleet, 8000, "random")
     assert argv[argv.index("--pd-disaggregation") + 1:] == [
         "--prefill", "http://127.0.0.1:1", "9", "--prefill", "http://127.0.0.1:3", "--decode", "http://127.0.0.1:2",
-        "--host", "127.0.0.1", "--port", "8000", "--policy", "random"]
+        "--host", "127.0.0.1", "--port", "8000", "--policy", "random", "--prometheus-host", "127.0.0.1",
+        "--prometheus-port", argv[-1]]
+    assert argv[-1] != "29000"
     assert "--mini-lb" in contender("mini_lb").argv(fleet, 8000, None)
     assert contender("pd-router").argv(fleet, 8000, None)[1:3] == ["-m", "router"]
 
