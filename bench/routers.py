@@ -32,7 +32,7 @@ from bench import procs, profile, report, wrk
 from bench.ceiling import CeilingFleet
 from bench.contenders import PEERS_VENV, REPO_ROOT, ROUTER_NAMES, contender, peers_python
 from bench.fleet import Fleet
-from bench.simfleet import SimFleet
+from bench.simfleet import DEFAULT_TIMING_ARGS, SimFleet
 from bench.workload import generate_request
 
 DIRECT = "direct"
@@ -293,8 +293,7 @@ def run_setup(setup: str, args, routers: list[str], workdir: Path, out: Path) ->
     print(f"# setup {setup}: {env['cores']} cores ({env['cpu']}), load average {env['load_avg_before']}, "
           f"routers {', '.join(routers)}, concurrency {concurrencies}, {args.duration:g} s each", flush=True)
     fleet_ctx = (CeilingFleet(workdir / "nginx") if setup == "ceiling"
-                 else SimFleet(workdir / "sim", extra_args=args.sim_args.split() if args.sim_args else [],
-                               checkout=args.sim_checkout))
+                 else SimFleet(workdir / "sim", extra_args=args.sim_args.split(), checkout=args.sim_checkout))
     profiles: dict[str, dict] = {}
     with fleet_ctx as fleet:
         driver = LoadDriver(setup, fleet, workdir, args.warmup, args.duration)
@@ -325,7 +324,8 @@ def main(argv: list[str] | None = None) -> int:
                              "machine whose other load changes); default: one router after the other")
     parser.add_argument("--policy", default="random",
                         help="--policy given to every router (mini_lb only does random); 'none' for defaults")
-    parser.add_argument("--sim-args", default="", help="extra flags for `python -m simulator.fleet`")
+    parser.add_argument("--sim-args", default=" ".join(DEFAULT_TIMING_ARGS),
+                        help="worker flags for `python -m simulator.fleet` (timing model; default %(default)s)")
     parser.add_argument("--quiet-below", type=float, default=0.5,
                         help="before each router, wait until other processes keep fewer cores busy than this")
     parser.add_argument("--quiet-wait", type=float, default=0.0,

@@ -9,6 +9,7 @@ from pathlib import Path
 import orjson
 
 from bench import procs
+from bench.ceiling import MODEL_PATH
 from bench.contenders import REPO_ROOT
 from bench.fleet import Fleet
 
@@ -45,6 +46,11 @@ def parse_fleet_line(line: str) -> Fleet | None:
     return Fleet(prefill=[prefill_item(i) for i in doc["prefill"]], decode=[decode_item(i) for i in doc["decode"]])
 
 
+# A short generation on a lightly loaded GPU server, roughly: 5 ms of prefill, then 10 ms per decode step
+# (16 tokens: ~0.17 s a request). Replace with --sim-args.
+DEFAULT_TIMING_ARGS = ["--prefill-overhead-s", "0.005", "--decode-step-s", "0.01"]
+
+
 @dataclass
 class SimFleet:
     """Start `python -m simulator.fleet --prefill N --decode M [extra]`; a context manager that stops it."""
@@ -52,7 +58,7 @@ class SimFleet:
     workdir: Path
     prefills: int = 2
     decodes: int = 2
-    extra_args: list[str] = field(default_factory=list)
+    extra_args: list[str] = field(default_factory=lambda: list(DEFAULT_TIMING_ARGS))
     python: str = sys.executable
     checkout: Path = REPO_ROOT
     start_timeout: float = 60.0
@@ -60,8 +66,11 @@ class SimFleet:
 
     def __enter__(self) -> Fleet:
         self.workdir.mkdir(parents=True, exist_ok=True)
+        # One process per worker (so the fleet is not one event loop), and a local model path as a real
+        # deployment has (sgl-router then looks for a tokenizer on disk, not on a model hub).
+        Path(MODEL_PATH).mkdir(parents=True, exist_ok=True)
         argv = [self.python, "-m", "simulator.fleet", "--prefill", str(self.prefills),
-                "--decode", str(self.decodes), *self.extra_args]
+                "--decode", str(self.decodes), "--processes", "--model-path", MODEL_PATH, *self.extra_args]
         self.child = procs.start("simfleet", argv, self.workdir, cwd=str(self.checkout))
         found: list[Fleet] = []
 
