@@ -52,6 +52,12 @@ class WorkerConfig:
     max_running_requests: int = 2048
     max_total_tokens: int = 262144
     default_max_new_tokens: int = 128
+    # Prefill compute: forwards that run at once on this worker (0: unbounded); the others wait in the
+    # waiting queue, so prefill throughput is bounded like a real server's (one batch at a time).
+    prefill_concurrency: int = 0
+    # Radix cache: tokens of computed prompt prefixes kept (0: none). A cached prefix is not computed again
+    # (prefill time counts the uncached tokens) and is reported as meta_info.cached_tokens.
+    prefix_cache_tokens: int = 0
     weight_version: str = "default"
     enable_metrics: bool = False
     timing: Timing = field(default_factory=Timing)
@@ -80,6 +86,8 @@ class WorkerConfig:
             problems.append(f"sglang_version must be one of {VERSIONS}, got {self.sglang_version!r}")
         if self.max_running_requests < 1 or self.max_total_tokens < 1:
             problems.append("max_running_requests and max_total_tokens must be positive")
+        if self.prefill_concurrency < 0 or self.prefix_cache_tokens < 0:
+            problems.append("prefill_concurrency and prefix_cache_tokens must not be negative")
         if problems:
             raise ValueError("; ".join(problems))
 

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
 from .config import WorkerConfig
 from .faults import FaultInjector
+from .prefix_cache import PrefixCache
 from .tokens import Generator
 
 if TYPE_CHECKING:
@@ -76,6 +77,7 @@ class Req:
     done_failed: bool = False  # ended in a RequestFailed (5xx) outcome
     dispatched: bool = False  # past the pause gate: the scheduler knows it (aborts reach it)
     peer_attached: bool = False  # decode: the prefill leg of its room had arrived
+    cached_tokens: int = 0  # prompt tokens found in the prefix cache when it was prefilled
 
     @property
     def done(self) -> bool:
@@ -156,6 +158,8 @@ class Counters:
     kv_mismatches: int = 0  # decode got a room whose prompt differs from its own (router bug)
     bootstrap_failures: int = 0
     prompt_tokens: int = 0
+    prefill_tokens: int = 0  # prompt tokens of the forwards run (cached ones included)
+    cached_tokens: int = 0  # of those, found in the prefix cache
     generation_tokens: int = 0
     weight_updates: int = 0
     role_switches: int = 0
@@ -173,6 +177,9 @@ class Engine:
         self.kv_client = kv_client
         self.requests: dict[str, Req] = {}  # live items by rid (SGLang's rid_to_state)
         self.waiting: deque[Req] = deque()
+        self.prefill_queue: deque[Req] = deque()  # admitted, waiting for a prefill compute slot
+        self.prefill_busy = 0
+        self.prefix_cache = PrefixCache(config.prefix_cache_tokens) if config.prefix_cache_tokens else None
         self.running = 0
         self.used_tokens = 0
         self.lock = RWLock()
@@ -426,10 +433,49 @@ class Engine:
             self.waiting[0].wake.set()
 
     async def _forward(self, req: Req) -> None:
+        limit = self.config.prefill_concurrency
+        if limit and not await self._prefill_slot(req, limit):
+            return  # aborted while waiting for compute
         req.phase = FORWARD
-        delay = self.config.timing.prefill_time(len(req.input_ids))
-        if delay:
-            await self._sleep(req, delay)
+        try:
+            if self.prefix_cache is not None:
+                req.cached_tokens = self.prefix_cache.match(req.input_ids)
+            delay = self.config.timing.prefill_time(len(req.input_ids) - req.cached_tokens)
+            if delay:
+                await self._sleep(req, delay)
+        finally:
+            if limit:
+                self.prefill_busy -= 1
+                self._wake_prefill_queue()
+        if not req.done:
+            self.counters.prefill_tokens += len(req.input_ids)
+            self.counters.cached_tokens += req.cached_tokens
+            if self.prefix_cache is not None:
+                self.prefix_cache.insert(req.input_ids)
+
+    async def _prefill_slot(self, req: Req, limit: int) -> bool:
+        """Wait (first come, first served; in the waiting queue) for a prefill compute slot."""
+        if not self.prefill_queue and self.prefill_busy < limit:
+            self.prefill_busy += 1
+            return True
+        req.phase = WAITING
+        self.prefill_queue.append(req)
+        try:
+            while not req.done:
+                if self.prefill_queue[0] is req and self.prefill_busy < limit:
+                    self.prefill_busy += 1
+                    return True
+                req.wake.clear()
+                await req.wake.wait()
+            return False
+        finally:
+            if req in self.prefill_queue:
+                self.prefill_queue.remove(req)
+                self._wake_prefill_queue()
+
+    def _wake_prefill_queue(self) -> None:
+        if self.prefill_queue:
+            self.prefill_queue[0].wake.set()
 
     async def _decode_loop(self, req: Req, on_progress: Callable[[Req], Awaitable[None]] | None) -> None:
         req.phase = DECODE

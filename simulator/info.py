@@ -135,6 +135,8 @@ def _load_row(worker: "Worker") -> dict[str, Any]:
         "max_running_requests": cfg.max_running_requests,
         "token_usage": round(used / cfg.max_total_tokens, 4),
         "gen_throughput": engine.last_gen_throughput,
+        "cache_hit_rate": round(engine.counters.cached_tokens / engine.counters.prefill_tokens, 4)
+        if engine.counters.prefill_tokens else 0.0,
         "decode_moments": row["decode_moments"] if engine.role == "decode" else None,
     })
     row["memory"]["token_capacity"] = cfg.max_total_tokens

@@ -59,7 +59,7 @@ def meta_info(engine: "Engine", req: "Req", *, finished: bool, first: bool) -> d
         _logprob_fields(meta, engine, req, n_out)
     meta["reasoning_tokens"] = 0
     meta["completion_tokens"] = n_out
-    meta["cached_tokens"] = 0
+    meta["cached_tokens"] = req.cached_tokens
     if finished:
         spans = weight_version_spans(req, n_out)
         meta["weight_versions"] = spans

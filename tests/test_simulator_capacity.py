@@ -1,0 +1,121 @@
+"""The simulator's capacity knobs: prefill compute slots (a waiting queue in /v1/loads) and the prefix cache
+(cached_tokens, cache_hit_rate)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import aiohttp
+import pytest
+
+from simulator.config import WorkerConfig
+from simulator.fleet import Fleet
+from simulator.prefix_cache import PrefixCache
+from simulator.tokens import encode
+from tests.sim_support import FAST, get, pd_generate, wait_until
+
+LONG = " ".join(f"word{i}" for i in range(200))  # ~200 tokens
+
+
+@pytest.fixture
+async def session():
+    async with aiohttp.ClientSession() as s:
+        yield s
+
+
+async def load_of(session, handle) -> dict:
+    status, body = await get(session, handle.url + "/v1/loads")
+    assert status == 200
+    return body["loads"][0]
+
+
+async def test_prefill_concurrency_queues_forwards_in_the_waiting_queue(session):
+    # one forward at a time, each long enough to be observed
+    async with Fleet(1, 2, prefill_concurrency=1, prefill_per_token_s=0.004, **FAST) as fleet:
+        body = {"text": LONG, "sampling_params": {"max_new_tokens": 2}}
+        both = asyncio.gather(pd_generate(session, fleet, body, d=0), pd_generate(session, fleet, body, d=1))
+
+        async def one_running_one_waiting():
+            load = await load_of(session, fleet.prefill[0])
+            return load["num_running_reqs"] == 1 and load["num_waiting_reqs"] == 1
+        await wait_until(one_running_one_waiting, timeout=10)
+        results = await both
+        assert [status for pair in results for status, _ in pair] == [200] * 4
+        load = await load_of(session, fleet.prefill[0])
+        assert (load["num_running_reqs"], load["num_waiting_reqs"]) == (0, 0)
+
+
+async def test_without_a_limit_forwards_overlap(session):
+    async with Fleet(1, 2, prefill_per_token_s=0.004, **FAST) as fleet:
+        body = {"text": LONG, "sampling_params": {"max_new_tokens": 2}}
+        both = asyncio.gather(pd_generate(session, fleet, body, d=0), pd_generate(session, fleet, body, d=1))
+
+        async def two_running():
+            return (await load_of(session, fleet.prefill[0]))["num_running_reqs"] == 2
+        await wait_until(two_running, timeout=10)
+        await both
+
+
+async def test_an_abort_frees_a_request_waiting_for_a_prefill_slot(session):
+    async with Fleet(1, 2, prefill_concurrency=1, prefill_per_token_s=0.01, **FAST) as fleet:
+        first = asyncio.ensure_future(pd_generate(session, fleet, {"text": LONG, "rid": "first",
+                                                                    "sampling_params": {"max_new_tokens": 2}}, d=0))
+        second = asyncio.ensure_future(pd_generate(session, fleet, {"text": LONG, "rid": "second",
+                                                                     "sampling_params": {"max_new_tokens": 2}}, d=1))
+
+        async def second_waiting():
+            state = await fleet.state(fleet.prefill[0])
+            return "second" in state["rids_by_phase"].get("waiting", [])
+        await wait_until(second_waiting, timeout=10)
+        for handle in (fleet.prefill[0], fleet.decode[1]):
+            async with session.post(handle.url + "/abort_request", json={"rid": "second"}) as resp:
+                assert resp.status == 200
+        (p_status, p_body), _ = await second
+        assert p_status == 500 and "Aborted" in p_body["message"]  # as any abort before the KV went out
+        (p1, _), (d1, _) = await first
+        assert (p1, d1) == (200, 200)  # the slot went to nobody else: the first one finished normally
+        state = await fleet.state(fleet.prefill[0])
+        assert not any(state["rids_by_phase"].values())
+
+
+async def test_prefix_cache_reports_cached_tokens_and_hit_rate(session):
+    async with Fleet(1, 1, prefix_cache_tokens=10_000, **FAST) as fleet:
+        shared = "You are a careful assistant. " * 10
+        (_, first), _ = await pd_generate(session, fleet, {"text": shared + "first question",
+                                                           "sampling_params": {"max_new_tokens": 2}})
+        (_, second), _ = await pd_generate(session, fleet, {"text": shared + "second question",
+                                                            "sampling_params": {"max_new_tokens": 2}})
+        assert first["meta_info"]["cached_tokens"] == 0
+        # the shared words (and BOS) are cached; the differing tail is not
+        common = len(encode(shared))
+        assert common - 1 <= second["meta_info"]["cached_tokens"] <= common + 1
+        state = await fleet.state(fleet.prefill[0])
+        counters = state["counters"]
+        assert counters["cached_tokens"] == second["meta_info"]["cached_tokens"]
+        assert counters["prefill_tokens"] == first["meta_info"]["prompt_tokens"] + second["meta_info"]["prompt_tokens"]
+        load = await load_of(session, fleet.prefill[0])
+        assert load["cache_hit_rate"] == round(counters["cached_tokens"] / counters["prefill_tokens"], 4) > 0
+
+
+async def test_no_prefix_cache_by_default(session):
+    async with Fleet(1, 1, **FAST) as fleet:
+        for _ in range(2):
+            (_, out), _ = await pd_generate(session, fleet, {"text": "same prompt again",
+                                                             "sampling_params": {"max_new_tokens": 2}})
+            assert out["meta_info"]["cached_tokens"] == 0
+
+
+def test_prefix_cache_matches_evicts_deepest_first_and_keeps_one_token_to_compute():
+    cache = PrefixCache(capacity_tokens=6)
+    cache.insert([1, 2, 3, 4])
+    assert cache.match([1, 2, 3, 4]) == 3  # the last token is always computed
+    assert cache.match([1, 2, 9]) == 2 and cache.match([7]) == 0
+    cache.insert([1, 2, 5, 6])  # 6 entries: 1, 12, 123, 1234, 125, 1256
+    cache.insert([1, 2, 5, 6, 7])  # 7 > 6: the least recently used deepest prefix (1234) goes
+    assert len(cache) == 6
+    assert cache.match([1, 2, 3, 4, 0]) == 3 and cache.match([1, 2, 5, 6, 7, 0]) == 5
+
+
+def test_capacity_knobs_are_validated():
+    with pytest.raises(ValueError, match="prefill_concurrency"):
+        WorkerConfig(prefill_concurrency=-1)
