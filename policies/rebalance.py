@@ -3,9 +3,10 @@
 It compares the pressure on the prefill pool with the pressure on the decode pool and proposes converting
 one server from the cold pool to the hot one. Pressure is a pool's worst ratio of a measured signal to its
 target, so 1.0 means "at target":
-- prefill: TTFT measured by the router (p90) / TTFT target; waiting requests per server / queue target;
-  KV usage / KV target;
-- decode: inter-token latency measured by the router (p90) / ITL (TPOT) target; the same queue and KV terms.
+- both pools: waiting requests per server (the servers' own reports) / queue target; KV usage / KV target;
+- decode: inter-token latency measured by the router (p90) / ITL (TPOT) target;
+- TTFT measured by the router (p90) / TTFT target, charged to the pool with the longer queue (in PD a
+  request waits for its first token either on prefill compute or on decode KV room).
 
 The same code runs live, in replay and in tests: time comes in the observation, and the state is a value
 returned inside the decision. Every decision, a refusal included, names the guards that held it back:
@@ -218,21 +219,33 @@ class Decision:
         return out
 
 
-def pool_pressure(workers: tuple[WorkerView, ...], latency: float | None, latency_target: float,
-                  config: RebalanceConfig) -> tuple[float | None, dict]:
-    """A pool's pressure (worst term) and its terms; None when nothing is known about the pool."""
+def load_terms(workers: tuple[WorkerView, ...], config: RebalanceConfig) -> dict[str, float]:
+    """A pool's terms from the servers' own reports: waiting requests per server and mean KV usage."""
     terms: dict[str, float] = {}
-    if latency is not None:
-        terms["latency"] = latency / latency_target
     reported = [w for w in workers if w.waiting is not None]
-    if workers and reported:
+    if reported:
         terms["queue"] = sum(w.waiting for w in reported) / len(reported) / config.queue_target
     usage = [w.kv_usage for w in workers if w.kv_usage is not None]
     if usage:
         terms["kv"] = sum(usage) / len(usage) / config.kv_target
-    if not terms:
-        return None, terms
-    return max(terms.values()), {k: round(v, 4) for k, v in terms.items()}
+    return terms
+
+
+def pool_pressures(obs: Observation, config: RebalanceConfig) -> tuple[dict[str, float], dict[str, float]]:
+    """Both pools' terms. ITL is the decode pool's. TTFT has two causes in PD, waiting for prefill compute
+    or waiting for decode KV room, so it is charged to the pool whose servers report the longer queue
+    (prefill on a tie): a decode-bound fleet must not look prefill-bound because its TTFT grew."""
+    prefill, decode = load_terms(obs.prefill, config), load_terms(obs.decode, config)
+    if obs.itl_s is not None:
+        decode["itl"] = obs.itl_s / config.itl_target_secs
+    if obs.ttft_s is not None:
+        charged = prefill if prefill.get("queue", 0.0) >= decode.get("queue", 0.0) else decode
+        charged["ttft"] = obs.ttft_s / config.ttft_target_secs
+    return prefill, decode
+
+
+def _pressure(terms: dict[str, float]) -> float | None:
+    return max(terms.values()) if terms else None
 
 
 def _round(x: float | None) -> float | None:
@@ -245,10 +258,12 @@ def _fmt(x: float | None) -> str:
 
 def decide(obs: Observation, state: RebalanceState, config: RebalanceConfig) -> Decision:
     now = obs.now
-    p_pressure, p_terms = pool_pressure(obs.prefill, obs.ttft_s, config.ttft_target_secs, config)
-    d_pressure, d_terms = pool_pressure(obs.decode, obs.itl_s, config.itl_target_secs, config)
-    pressures = {PREFILL: {"pressure": _round(p_pressure), "workers": len(obs.prefill), **p_terms},
-                 DECODE: {"pressure": _round(d_pressure), "workers": len(obs.decode), **d_terms}}
+    p_terms, d_terms = pool_pressures(obs, config)
+    p_pressure, d_pressure = _pressure(p_terms), _pressure(d_terms)
+    pressures = {PREFILL: {"pressure": _round(p_pressure), "workers": len(obs.prefill),
+                           **{k: round(v, 4) for k, v in p_terms.items()}},
+                 DECODE: {"pressure": _round(d_pressure), "workers": len(obs.decode),
+                          **{k: round(v, 4) for k, v in d_terms.items()}}}
 
     def hold(reason: str, guards: tuple[str, ...], new_state: RebalanceState, **extra) -> Decision:
         return Decision(at=now, action="hold", reason=reason, guards=guards, pressures=pressures,

@@ -9,7 +9,7 @@ import pytest
 from policies.rebalance import (
     BUSY, CONFIRMATIONS, COOLDOWN, DEADBAND, FAILURE_COOLDOWN, FLOOR, MARGIN, NO_CANDIDATE, NO_SIGNAL, WARMUP,
     Mode, Observation, RebalanceConfig, RebalanceState, UnknownFields, WorkerView, conversion_ended, decide,
-    initial_state, pool_pressure,
+    initial_state, pool_pressures,
 )
 
 NOW = 1000.0
@@ -169,11 +169,33 @@ def test_converges_without_flapping(demand, start, margin, expected_sizes, conve
 
 
 def test_pool_pressure_terms():
-    config = RebalanceConfig(queue_target=4, kv_target=0.8)
-    workers = (WorkerView("a", waiting=4, kv_usage=0.4), WorkerView("b", waiting=0, kv_usage=0.8))
-    value, terms = pool_pressure(workers, 0.5, 1.0, config)
-    assert terms == pytest.approx({"latency": 0.5, "queue": 0.5, "kv": 0.75}) and value == pytest.approx(0.75)
-    assert pool_pressure((WorkerView("a"),), None, 1.0, config) == (None, {})
+    config = RebalanceConfig(queue_target=4, kv_target=0.8, ttft_target_secs=1.0, itl_target_secs=0.1)
+    prefill = (WorkerView("a", waiting=4, kv_usage=0.4), WorkerView("b", waiting=0, kv_usage=0.8))
+    decode = (WorkerView("c", waiting=0), WorkerView("d"))  # d reports nothing: not averaged in
+    obs = Observation(now=0, prefill=prefill, decode=decode, ttft_s=0.5, itl_s=0.05)
+    p, d = pool_pressures(obs, config)
+    assert p == pytest.approx({"queue": 0.5, "kv": 0.75, "ttft": 0.5})
+    assert d == pytest.approx({"queue": 0.0, "itl": 0.5})
+    empty = Observation(now=0, prefill=(WorkerView("a"),), decode=(WorkerView("b"),))
+    assert pool_pressures(empty, config) == ({}, {})
+
+
+@pytest.mark.parametrize("prefill_waiting,decode_waiting,charged", [
+    (8, 0, "prefill"),  # requests wait for prefill compute
+    (0, 8, "decode"),   # requests wait for decode KV room: TTFT grows, but prefill is not the cause
+    (0, 0, "prefill"),  # no queue anywhere: a long prompt's own prefill
+])
+def test_ttft_is_charged_to_the_pool_that_queues(prefill_waiting, decode_waiting, charged):
+    obs = Observation(now=0, prefill=views("prefill", prefill_waiting), decode=views("decode", decode_waiting),
+                      ttft_s=5.0)
+    p, d = pool_pressures(obs, RebalanceConfig(ttft_target_secs=1.0))
+    assert ("ttft" in p, "ttft" in d) == (charged == "prefill", charged == "decode")
+
+
+def test_a_decode_bound_fleet_with_high_ttft_moves_a_prefill_server_to_decode():
+    obs = observe(prefill=views("prefill", 0, 0), decode=views("decode", 12, 12), ttft_s=8.0)
+    decision = decide(obs, STARTED, BASE)
+    assert decision.convert and decision.to_role == "decode", decision.reason
 
 
 @pytest.mark.parametrize("changes,fragment", [
