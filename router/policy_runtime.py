@@ -13,8 +13,9 @@ from policies import Policy
 
 from . import api_policies
 from .api_conversion import CONVERSIONS
-from .keys import CONFIG, LOAD_MONITOR, PROXY, REBALANCER, REGISTRY, TASKS, UPSTREAM
+from .keys import CONFIG, LOAD_MONITOR, METRICS, PROXY, REBALANCER, REGISTRY, TASKS, UPSTREAM
 from .load_monitor import LoadMonitor
+from .policy_metrics import PolicyCollector
 from .rebalancer import FlowConverter, Rebalancer
 from .registry import Role, Worker
 
@@ -64,6 +65,8 @@ async def _runtime_ctx(app: web.Application):
     rebalancer = Rebalancer(registry, config.rebalance, converter=converter, spawn=spawn)
     proxy.request_observers.append(rebalancer.window.observe)
     app[REBALANCER] = rebalancer
+    if METRICS in app:
+        app[METRICS].prometheus.register(PolicyCollector(registry, proxy.policies, monitor, rebalancer))
     tasks.append(spawn(rebalancer.run()))
     yield
     for task in tasks:

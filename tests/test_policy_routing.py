@@ -219,3 +219,19 @@ async def test_advisory_rebalancer_only_records_what_it_would_do(fake_fleet, mak
     assert body["counters"]["would_convert"] == 1
     assert not d1.switch_calls and not d2.switch_calls
     assert [w.role for w in client.registry.workers()].count(Role.DECODE) == 2
+
+
+async def test_rebalancer_and_policy_state_in_metrics(fake_fleet, make_router):
+    p1, p2, d1, d2 = await fake_fleet(2, 2)
+    client = await make_router([p1, p2], [d1, d2], prefill_policy="cache_aware", **NO_POLL,
+                               rebalance=RebalanceConfig(**QUICK_REBALANCE))
+    _hot_prefill(client)
+    client.app[REBALANCER].tick()
+    assert (await client.post("/generate", json={"text": "counted"})).status == 200
+    text = await (await client.get("/metrics")).text()
+    assert 'pd_router_rebalancer_mode{mode="advisory"} 1.0' in text
+    assert 'pd_router_rebalancer_conversions_total{outcome="advised"} 1.0' in text
+    assert 'pd_router_rebalancer_decisions_total{action="convert"} 1.0' in text
+    assert 'pd_router_pool_pressure{role="prefill"} 3.0' in text
+    assert 'pd_router_policy_decisions_total{decision="cache_miss",policy="cache_aware",role="prefill"} 1.0' in text
+    assert f'pd_router_worker_reported_requests{{role="prefill",state="waiting",worker="{p1.url}"}} 12.0' in text
