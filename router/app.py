@@ -131,9 +131,9 @@ async def _workers_ctx(app: web.Application):
                                   reason="learning its bootstrap port")
             discovery.watch(worker)
         else:
-            registry.add(spec.url, Role.PREFILL, spec.bootstrap_port)
+            discovery.spawn(discovery.learn(registry.add(spec.url, Role.PREFILL, spec.bootstrap_port)))
     for spec in config.decode:
-        registry.add(spec.url, Role.DECODE, None)
+        discovery.spawn(discovery.learn(registry.add(spec.url, Role.DECODE, None)))
     if not config.prefill or not config.decode:
         logger.warning("started with %d prefill and %d decode workers; add workers through POST /workers",
                        len(config.prefill), len(config.decode))

@@ -120,3 +120,11 @@ async def test_unknown_route_is_json_404(fake_fleet, make_router):
     client = await make_router([p], [d])
     resp = await client.get("/nope")
     assert resp.status == 404 and "error" in await resp.json()
+
+
+async def test_facts_learnt_for_workers_given_with_ports(fake_fleet, make_router):
+    p, d = await fake_fleet(1, 1, weight_version="v7")
+    client = await make_router([p], [d])
+    from .helpers import wait_for
+    await wait_for(lambda: all(w.weight_version == "v7" for w in client.registry.workers()),
+                   message="weight version learnt from /server_info")
