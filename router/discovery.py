@@ -54,6 +54,8 @@ class Discovery:
             return False
         if self.registry.find(worker.id) is not worker:
             return True  # removed meanwhile
+        if worker.revision != revision and worker.state is not WorkerState.PENDING:
+            return True  # changed meanwhile (update, switch): this answer may be stale
         info = reply.data if reply.ok else None
         facts: dict = {}
         if (api := switch_api_of(info)) is not None:

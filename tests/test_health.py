@@ -166,11 +166,10 @@ async def test_client_errors_do_not_count_against_the_worker(fake_fleet, make_ro
 
 
 async def test_returning_worker_with_other_weights_is_held_out(fake_fleet, make_router):
-    p, d1, d2 = await fake_fleet(1, 2)
+    p, d1, d2 = await fake_fleet(1, 2, weight_version="v2")
     client = await make_router([p], [d1, d2], health=FAST_PROBES)
     w1 = worker_of(client, d1)
-    for w in client.registry.workers():
-        client.registry.update_info(w, weight_version="v2")
+    await wait_for(lambda: all(w.weight_version == "v2" for w in client.registry.workers()))
     d1.behaviour.health_status = 503
     await wait_for(lambda: not w1.healthy)
     d1.weight_version = "v1"  # restarted with old weights while the fleet moved on
