@@ -26,7 +26,7 @@ from typing import Callable
 
 from .config import BreakerConfig, HealthConfig
 from .errors import json_response
-from .keys import CONFIG, HEALTH, PROXY, REGISTRY, UPSTREAM
+from .keys import ADMISSION, CONFIG, HEALTH, PROXY, REGISTRY, UPSTREAM
 from .registry import Registry, Worker, WorkerState
 from .upstream import Upstream, weight_version_of
 
@@ -168,8 +168,11 @@ class WorkerHealth:
 
 class HealthMonitor:
     def __init__(self, registry: Registry, upstream: Upstream, health: HealthConfig, breaker: BreakerConfig,
-                 *, clock: Callable[[], float] = time.monotonic) -> None:
+                 *, clock: Callable[[], float] = time.monotonic, is_held: Callable[[], bool] = lambda: False) -> None:
         self.registry = registry
+        # True while a fleet-wide hold (weight update) is on: servers are paused and a real server's /health
+        # waits for progress that cannot come, so probes then would only condemn healthy workers.
+        self.is_held = is_held
         self.upstream = upstream
         self.health = health
         self.breaker = breaker
@@ -177,6 +180,7 @@ class HealthMonitor:
         self._records: dict[str, WorkerHealth] = {}
         self._loop_task: asyncio.Task | None = None
         self._closed = False
+        self.rounds = 0  # probe rounds run (tests wait on it)
         registry.subscribe(self._on_registry_event)
 
     # ---- lifecycle --------------------------------------------------------------------------------------
@@ -200,6 +204,7 @@ class HealthMonitor:
         interval = max(self.health.interval_secs, 0.01)
         while True:
             await asyncio.sleep(interval)
+            self.rounds += 1
             for record in list(self._records.values()):
                 self._probe_soon(record)
 
@@ -292,7 +297,7 @@ class HealthMonitor:
 
     # ---- active probes ----------------------------------------------------------------------------------
     def _probe_soon(self, record: WorkerHealth) -> None:
-        if (self._closed or not self.health.enabled or record.worker.state in UNPROBED_STATES
+        if (self._closed or not self.health.enabled or record.worker.state in UNPROBED_STATES or self.is_held()
                 or (record.probe_task is not None and not record.probe_task.done())):
             return
         record.probe_task = asyncio.ensure_future(self._probe(record))
@@ -302,7 +307,7 @@ class HealthMonitor:
         reply = await self.upstream.health(worker.url, self.health.endpoint, timeout=self.health.timeout_secs)
         ok = reply.ok
         record.probes += 1
-        if not self._current(record, epoch, revision):
+        if not self._current(record, epoch, revision) or self.is_held():
             record.stale_probes += 1
             return
         before = record.probe
@@ -353,7 +358,9 @@ class HealthMonitor:
 # ---- wiring -----------------------------------------------------------------------------------------------
 async def _health_ctx(app):
     config = app[CONFIG]
-    monitor = HealthMonitor(app[REGISTRY], app[UPSTREAM], config.health, config.breaker)
+    admission = app[ADMISSION]
+    monitor = HealthMonitor(app[REGISTRY], app[UPSTREAM], config.health, config.breaker,
+                            is_held=lambda: not admission.is_open)
     app[HEALTH] = monitor
     app[PROXY].leg_observers.append(monitor.on_leg)
     monitor.start()

@@ -36,7 +36,12 @@ logger = logging.getLogger(__name__)
 FORWARDED_HEADERS = ("Authorization", "X-Request-Id")
 JSON_HEADERS = {"Content-Type": "application/json"}
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
-RETRYABLE_STATUSES = frozenset({502, 503, 504})
+# Before the first byte, a server error on either leg is retried on a fresh pair: in PD most 5xx are tied
+# to the pair (SGLang answers 500 for a KV transfer that failed because the *other* server died), so a new
+# pair usually succeeds. 4xx are the request's fault and go back as they are (except timeout / rate limit).
+RETRYABLE_CLIENT_STATUSES = frozenset({408, 429})
+# SGLang's message for a KV transfer that failed: it implicates the pair, not necessarily this server.
+KV_TRANSFER_FAILURE = b"KVTransferError"
 ABORT_TIMEOUT = aiohttp.ClientTimeout(total=5)
 
 
@@ -56,8 +61,9 @@ class LegFailed(Exception):
 
     @property
     def worker_fault(self) -> bool:
-        """Unreachable or 5xx, and not caused by the router's own abort: counts against the worker."""
-        return self.status >= 500 and not self.router_abort
+        """Unreachable or 5xx, not caused by the router's own abort nor by the partner leg (a failed KV
+        transfer): counts against this worker's breaker."""
+        return self.status >= 500 and not self.router_abort and KV_TRANSFER_FAILURE not in self.body
 
     def response(self) -> web.Response:
         if self.body:
@@ -284,7 +290,7 @@ class Proxy:
         status, body, content_type = task.result()[:3]
         if status == 200:
             return None
-        retryable = status in RETRYABLE_STATUSES or (router_abort and status >= 500)
+        retryable = status >= 500 or status in RETRYABLE_CLIENT_STATUSES
         text = body[:300].decode(errors="replace")
         return LegFailed(worker, status, body, content_type, retryable=retryable, router_abort=router_abort,
                          reason=f"{role} {worker.url} answered {status}: {text}")

@@ -21,6 +21,7 @@ class Behaviour:
     hang: bool = False  # never answer (until released)
     stream_chunks: int = 3
     cut_after: int | None = None  # streaming: close the connection after this many chunks
+    stall_after: int | None = None  # streaming: stop sending after this many chunks (until release)
     delay_s: float = 0.0
     abort_before_first_token: bool = False  # answer like an aborted request
     health_status: int = 200  # status of GET /health
@@ -141,6 +142,8 @@ class FakeWorker:
                 if b.cut_after is not None and i >= b.cut_after:
                     request.transport.close()
                     return response
+                if b.stall_after is not None and i >= b.stall_after:
+                    await self.release.wait()
                 await response.write(b"data: " + orjson.dumps(self._answer(body, None, i + 1)) + b"\n\n")
                 await asyncio.sleep(0)
             await response.write(b"data: [DONE]\n\n")

@@ -205,3 +205,31 @@ async def test_admin_health_state(fake_fleet, make_router):
     assert body["probes"]["interval_secs"] == 0.05
     assert {w["url"] for w in body["workers"]} == {p.url, d.url}
     assert all(w["breaker"]["phase"] == "closed" for w in body["workers"])
+
+
+async def test_no_probing_while_the_fleet_is_held(fake_fleet, make_router):
+    """During a weight update servers are paused and their /health would fail: probes wait for the hold."""
+    from router.keys import ADMISSION
+
+    p, d = await fake_fleet(1, 1)
+    client = await make_router([p], [d], health=HealthConfig(interval_secs=0.02, timeout_secs=0.5,
+                                                             failure_threshold=1, success_threshold=1))
+    worker = worker_of(client, d)
+    record = client.app[HEALTH].record(worker)
+    await wait_for(lambda: record.probe.proven)
+    admission = client.app[ADMISSION]
+    d.behaviour.health_hang = True
+    await wait_for(lambda: d.health_in_flight == 1, message="a probe is in flight when the hold starts")
+    admission.hold("weight update")
+    d.behaviour.health_hang = False
+    d.behaviour.health_status = 503
+    d.health_release.set()
+    stale = record.stale_probes
+    await wait_for(lambda: record.stale_probes == stale + 1, message="its answer is not counted")
+    monitor = client.app[HEALTH]
+    calls, other, rounds = d.health_calls, p.health_calls, monitor.rounds
+    await wait_for(lambda: monitor.rounds >= rounds + 3, message="three probe rounds while held")
+    assert (d.health_calls, p.health_calls) == (calls, other), "nobody probed during the hold"
+    assert worker.healthy
+    admission.release("weight update")
+    await wait_for(lambda: not worker.healthy, message="probing resumed (d answers 503 now)")
