@@ -48,7 +48,7 @@ HISTORY_SIZE = 100
 ABORT_REPEAT_SECS = 1.0  # abort mode: abort again if the worker is not idle by then (a request slipped in)
 INFO_TIMEOUT = 5.0
 HEALTH_TIMEOUT = 25.0  # 0.5.23's /health runs a 1-token generation and waits up to 20 s for progress
-POLL_FIRST, POLL_MAX = 0.02, 0.5
+POLL_FIRST, POLL_MAX = 0.01, 0.2
 SWITCH_RETRY_FIRST, SWITCH_RETRY_MAX = 0.1, 2.0
 
 # Server options the router knows, and the API that understands each. Others go in `server_options`.
@@ -103,6 +103,7 @@ class Step:
     outcome: str = "running"  # running | ok | failed | timeout | cancelled
     message: str = ""
     attempts: int = 0
+    details: dict = field(default_factory=dict)  # figures of the step (idle waits, polls)
 
     def end(self, outcome: str, message: str | None = None) -> None:
         self.duration_s = time.monotonic() - self.t0
@@ -113,7 +114,8 @@ class Step:
     def to_dict(self) -> dict:
         return {"step": self.name, "started_at": self.started_at, "deadline_s": self.deadline_s,
                 "duration_s": None if self.duration_s is None else round(self.duration_s, 6),
-                "outcome": self.outcome, "message": self.message, "attempts": self.attempts}
+                "outcome": self.outcome, "message": self.message, "attempts": self.attempts,
+                "details": dict(self.details)}
 
 
 @dataclass(eq=False, slots=True)
@@ -398,21 +400,26 @@ class Conversions:
                 continue  # a request reached the server after the abort, or the abort lags: abort again
 
     async def _wait_idle(self, worker: Worker, step: Step) -> None:
-        """Router-side in-flight count 0, then the server reports nothing running or waiting."""
+        """Router-side in-flight count 0, then the server reports nothing running, waiting or queued."""
         if worker.inflight:
             step.message = f"{worker.inflight} requests in flight on the router"
             await self.registry.wait_idle(worker, float("inf"))
+        router_idle = time.monotonic()
+        step.details["router_idle_s"] = round(router_idle - step.t0, 6)
         delay = POLL_FIRST
         while True:
             load = await self.upstream.load(worker.url, timeout=INFO_TIMEOUT)
+            step.details["server_polls"] = step.details.get("server_polls", 0) + 1
             if load is None:
                 step.message = "the server reports no load: relied on the router's in-flight count"
-                return
+                break
             if load.idle:
-                return
-            step.message = f"the server reports {load.running} running and {load.waiting} waiting"
+                break
+            step.message = (f"the server reports {load.running} running, {load.waiting} waiting and "
+                            f"{load.queued} in its PD queues")
             await asyncio.sleep(delay)
             delay = min(delay * 2, POLL_MAX)
+        step.details["server_idle_after_s"] = round(time.monotonic() - router_idle, 6)
 
     def _empty_timeout(self, worker: Worker, step: Step, what: str) -> StepFailed:
         detail = step.message or "not idle"
@@ -422,7 +429,8 @@ class Conversions:
 
     # ---- the switch --------------------------------------------------------------------------------
     async def _switch(self, conversion: Conversion, worker: Worker, plan: Plan, step: Step) -> dict:
-        apis = (worker.switch_api,) if worker.switch_api in SWITCH_APIS else SWITCH_APIS
+        # The API learnt from /server_info first; a 404 there still tries the other one.
+        apis = tuple(sorted(SWITCH_APIS, key=lambda api: api != worker.switch_api))
         for api in apis:
             try:
                 answer = await self._switch_with(api, conversion, worker, plan, step)
@@ -432,8 +440,8 @@ class Conversions:
             if worker.switch_api != api:
                 self.registry.update_info(worker, switch_api=api)
             return answer
-        raise StepFailed(f"the server has no role-switch API ({' nor '.join('/' + a for a in apis)} answered "
-                         f"404): start it with --enable-pd-role-switch", safe=True)
+        raise StepFailed(f"the server has no role-switch API (neither {' nor '.join('/' + a for a in apis)} "
+                         f"exists): start it with --enable-pd-role-switch", safe=True)
 
     def _switch_body(self, api: str, conversion: Conversion, worker: Worker, plan: Plan) -> dict:
         options = {k: v for k, v in plan.server_options.items() if SERVER_OPTIONS.get(k) == api}
