@@ -26,7 +26,7 @@ from .api_workers import find_worker, read_json_object
 from .config import validate_port, validate_worker_url
 from .errors import BadRequest, NotFound, RouterError, json_response
 from .flows.conversion import SERVER_OPTIONS, Conversion, Conversions, Mode, Plan
-from .keys import CONFIG, REGISTRY, TASKS, UPSTREAM
+from .keys import CONFIG, METRICS, REGISTRY, TASKS, UPSTREAM
 from .registry import Role, Worker
 
 CONVERSIONS = web.AppKey("conversions", Conversions)
@@ -250,12 +250,23 @@ async def reinstate_worker(request: web.Request) -> web.Response:
     return json_response({"success": True, "message": message, "worker": worker.to_dict()})
 
 
+def _metrics_observer(metrics):
+    def observe(event: str, conversion: Conversion, details: dict) -> None:
+        if event == "finished":
+            metrics.observe_conversion(conversion.outcome.value, conversion.duration_s or 0.0)
+        elif event == "abort_all":
+            metrics.observe_abort("conversion", details.get("inflight", 0))
+    return observe
+
+
 async def _conversions_ctx(app: web.Application):
     config = app[CONFIG]
     conversions = Conversions(app[REGISTRY], app[UPSTREAM], app[TASKS].spawn,
                               drain_timeout_s=config.drain_timeout_secs,
                               switch_timeout_s=config.switch_timeout_secs)
     app[CONVERSIONS] = conversions
+    if METRICS in app:
+        conversions.observers.append(_metrics_observer(app[METRICS]))
     yield
     await conversions.close()
 

@@ -290,3 +290,14 @@ async def test_history_keeps_every_conversion_with_its_steps(fake_fleet, make_ro
     assert [s["step"] for s in one["steps"]] == ["drain", "switch", "verify"]
     filtered = await (await client.get(f"/admin/conversions?worker={p1.url}")).json()
     assert filtered["conversions"] == []
+
+
+async def test_conversions_and_their_aborts_are_counted_in_metrics(fake_fleet, make_router):
+    p1, p2, d1 = await fake_fleet(2, 1)
+    client = await make_router([p1, p2], [d1])
+    assert (await client.post(f"/admin/workers/{worker_of(client, p2).id}/convert", json={"mode": "abort"})).status == 200
+    assert (await client.post(f"/admin/workers/{worker_of(client, p1).id}/convert", json={})).status == 409
+    text = await (await client.get("/metrics")).text()
+    assert 'pd_router_conversions_total{outcome="converted"} 1.0' in text
+    assert 'pd_router_conversions_total{outcome="refused"} 1.0' in text
+    assert 'pd_router_conversion_duration_seconds_count{outcome="converted"} 1.0' in text

@@ -223,6 +223,9 @@ class Conversions:
         self._tasks: dict[str, asyncio.Task] = {}  # by conversion id
         self._history: collections.OrderedDict[str, Conversion] = collections.OrderedDict()
         self._history_size = history_size
+        # (event, conversion, details): "finished" once per conversion (refusals included); "abort_all" per
+        # abort sent, with `inflight` = the requests the router had on the worker then
+        self.observers: list[Callable[[str, Conversion, dict], None]] = []
 
     # ---- reads -------------------------------------------------------------------------------------
     def running(self) -> list[Conversion]:
@@ -253,7 +256,7 @@ class Conversions:
                                 old_role=worker.role, new_role=new_role, mode=plan.mode)
         refusal = refusal or self._last_of_pool(worker)
         if refusal is not None:
-            conversion.finish(Outcome.REFUSED, refusal, 409)
+            self._finish(conversion, Outcome.REFUSED, refusal, 409)
             self._remember(conversion)
             logger.warning("conversion %s of %s refused: %s", conversion.id, worker.url, refusal)
             raise Conflict(refusal, conversion_id=conversion.id)
@@ -289,6 +292,17 @@ class Conversions:
                     f"would leave no {worker.role} worker to route to")
         return None
 
+    def _finish(self, conversion: Conversion, outcome: Outcome, message: str, status: int) -> None:
+        conversion.finish(outcome, message, status)
+        self._notify("finished", conversion)
+
+    def _notify(self, event: str, conversion: Conversion, **details) -> None:
+        for observe in self.observers:
+            try:
+                observe(event, conversion, details)
+            except Exception:  # an observer (metrics) must not break a flow
+                logger.exception("conversion observer failed on %s", event)
+
     def _remember(self, conversion: Conversion) -> None:
         self._history[conversion.id] = conversion
         while len(self._history) > self._history_size:
@@ -312,7 +326,7 @@ class Conversions:
                     await self._step(conversion, "drain", empty_timeout, lambda s: self._drain(worker, s),
                                      on_timeout=lambda s: self._empty_timeout(worker, s, "drain"))
                 else:
-                    await self._step(conversion, "abort", empty_timeout, lambda s: self._abort(worker, s),
+                    await self._step(conversion, "abort", empty_timeout, lambda s: self._abort(conversion, worker, s),
                                      on_timeout=lambda s: self._empty_timeout(worker, s, "abort"))
                 self._set(worker, conversion, WorkerState.CONVERTING, "switch", "the server is switching role")
                 switch_called = True
@@ -347,7 +361,7 @@ class Conversions:
             if self._running.get(worker.id) is conversion:
                 del self._running[worker.id]
             if not conversion.done.is_set():  # defensive: every path above finishes the record
-                conversion.finish(Outcome.FAILED, "conversion ended without an outcome", 500)
+                self._finish(conversion, Outcome.FAILED, "conversion ended without an outcome", 500)
 
     async def _step(self, conversion: Conversion, name: str, deadline_s: float,
                     body: Callable[[Step], Awaitable[Any]], *, on_timeout: Callable[[Step], StepFailed]) -> Any:
@@ -384,12 +398,14 @@ class Conversions:
         await self._wait_idle(worker, step)
         step.message = step.message or "idle on the router and the server"
 
-    async def _abort(self, worker: Worker, step: Step) -> None:
+    async def _abort(self, conversion: Conversion, worker: Worker, step: Step) -> None:
         while True:
             # Mark first: a request aborted by this call must be recognisable as router-aborted.
             self.registry.mark_aborted([worker])
+            inflight = worker.inflight
             reply = await self.upstream.abort(worker.url, abort_all=True, timeout=INFO_TIMEOUT)
             step.attempts += 1
+            self._notify("abort_all", conversion, inflight=inflight)
             if not reply.ok:
                 step.message = f"abort_all answered {reply.status or 'nothing'}: {reply.message()}; waiting"
             try:
@@ -563,26 +579,27 @@ class Conversions:
         message = f"{worker.url} converted from {conversion.old_role} to {conversion.new_role}"
         if port is not None:
             message += f" (bootstrap port {port})"
-        conversion.finish(Outcome.CONVERTED, message, 200)
+        self._finish(conversion, Outcome.CONVERTED, message, 200)
         logger.info("conversion %s: %s in %.3f s", conversion.id, message, conversion.duration_s)
 
     # ---- failure -------------------------------------------------------------------------------------
     def _end_failed(self, conversion: Conversion, worker: Worker, failure: StepFailed, safe: bool) -> None:
         if self.registry.find(worker.id) is not worker:
-            conversion.finish(Outcome.FAILED, f"{failure.message}; the worker was removed meanwhile", failure.status)
+            self._finish(conversion, Outcome.FAILED, f"{failure.message}; the worker was removed meanwhile",
+                         failure.status)
             return
         if safe:
             self.registry.set_state(worker, WorkerState.ACTIVE,
                                     f"conversion {conversion.id} failed safely: {failure.message}")
             message = f"conversion failed; {worker.url} is back in the {worker.role} pool: {failure.message}"
-            conversion.finish(Outcome.RESTORED, message, failure.status)
+            self._finish(conversion, Outcome.RESTORED, message, failure.status)
         else:
             self.registry.set_state(worker, WorkerState.FAILED,
                                     f"conversion {conversion.id} left it unsafe: {failure.message}; reinstate "
                                     f"(POST /admin/workers/{worker.id}/reinstate) or remove it")
             message = (f"conversion failed and {worker.url} is not safe to route to (state failed; POST "
                        f"/admin/workers/{worker.id}/reinstate or DELETE /workers/{worker.id}): {failure.message}")
-            conversion.finish(Outcome.FAILED, message, failure.status)
+            self._finish(conversion, Outcome.FAILED, message, failure.status)
         logger.warning("conversion %s: %s", conversion.id, conversion.message)
 
     def _end_cancelled(self, conversion: Conversion, worker: Worker, switch_called: bool) -> None:
@@ -592,7 +609,7 @@ class Conversions:
                                         f"conversion {conversion.id} interrupted during the switch")
             else:
                 self.registry.set_state(worker, WorkerState.ACTIVE, f"conversion {conversion.id} cancelled")
-        conversion.finish(Outcome.CANCELLED, "the router shut down during the conversion", 503)
+        self._finish(conversion, Outcome.CANCELLED, "the router shut down during the conversion", 503)
 
     # ---- operator actions ----------------------------------------------------------------------------
     async def reinstate(self, worker: Worker, timeout: float = 30.0) -> str:
