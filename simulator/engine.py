@@ -224,9 +224,14 @@ class Engine:
     def new_rid(self) -> str:
         return uuid.uuid4().hex
 
+    def dispatch(self, reqs: list[Req]) -> None:
+        """The call passed the pause gate and holds the read lock: the scheduler now has its items."""
+        for req in reqs:
+            req.dispatched = True
+            req.spans = [[self.weight_version, 0]]
+
     def register(self, req: Req) -> None:
         self.requests[req.rid] = req
-        req.spans.append([self.weight_version, 0])
         self.counters.items_started += 1
         self.counters.prompt_tokens += len(req.input_ids)
 
@@ -480,14 +485,15 @@ class Engine:
     async def _decode_loop(self, req: Req, on_progress: Callable[[Req], Awaitable[None]] | None) -> None:
         req.phase = DECODE
         timing = self.config.timing
-        faults = self.faults.faults
         while not req.done:
+            faults = self.faults.faults  # replaced, not mutated, when changed at run time
             if self.pause_mode is not None:
                 await self._hold_while_paused(req)
                 if req.done:
                     return
             if faults.hang_after_tokens is not None and len(req.output_ids) >= faults.hang_after_tokens:
-                await self._park(req, lambda: self.faults.faults.hang_after_tokens is None
+                await self._park(req, lambda: self.pause_mode is not None
+                                 or self.faults.faults.hang_after_tokens is None
                                  or len(req.output_ids) < self.faults.faults.hang_after_tokens)
                 continue
             step = timing.decode_step_time(self.running) if not timing.zero else 0.0
@@ -639,7 +645,13 @@ class Engine:
             return
         self.weight_version = version
         for req in self.requests.values():
-            req.spans.append([version, len(req.output_ids)])
+            if not req.dispatched:
+                continue  # not in the scheduler yet: it starts with the new version
+            at = len(req.output_ids)
+            if req.spans and req.spans[-1][1] == at:
+                req.spans[-1][0] = version
+            else:
+                req.spans.append([version, at])
 
     async def write_locked(self, fn: Callable[[], Awaitable[Any]], *, paused: bool) -> Any:
         """Run ``fn`` holding the weight lock (SGLang waits for in-flight calls unless paused)."""
@@ -684,8 +696,12 @@ class Engine:
     def snapshot(self) -> dict[str, Any]:
         """Everything a router test may want to assert on (``GET /_sim/state``)."""
         by_phase: dict[str, list[str]] = {}
+        undispatched = []
         for req in self.requests.values():
-            by_phase.setdefault(req.phase, []).append(req.rid)
+            if req.dispatched:
+                by_phase.setdefault(req.phase, []).append(req.rid)
+            else:
+                undispatched.append(req.rid)
         return {
             "role": self.role,
             "paused": self.is_pause,
@@ -697,6 +713,10 @@ class Engine:
             "running_rids": by_phase.get(DECODE, []) + by_phase.get(FORWARD, []),
             "waiting_rids": by_phase.get(WAITING, []) + by_phase.get(RETRACTED, []),
             "rids_by_phase": by_phase,
+            "undispatched_rids": undispatched,  # parked behind a pause or a weight update
+            "weight_lock": {"readers": self.lock.readers, "writer": self.lock.writer,
+                            "waiting_writers": self.lock.waiting_writers},
+            "weight_session_open": self.weight_session_open,
             "rooms": self.rooms.snapshot(),
             "used_tokens": self.used_tokens,
             "deferred_release_s": max(0.0, round(self.deferred_release_until - time.monotonic(), 3)),

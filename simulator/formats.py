@@ -13,7 +13,7 @@ from aiohttp import web
 
 from . import outputs
 from .engine import Req, RequestFailed
-from .httputil import json_response
+from .httputil import http_error, json_response, value_error
 
 if TYPE_CHECKING:
     from .inputs import GenerateCall
@@ -56,6 +56,12 @@ class Format:
 
     def tail(self, worker: "Worker", reqs: list[Req], state: StreamState) -> list[bytes]:
         return []
+
+    def failure_response(self, exc: RequestFailed) -> web.Response:
+        """A non-streamed call that ended in SGLang's ValueError (400) or HTTPException (5xx)."""
+        if exc.status == 400:
+            return value_error(exc.message)
+        return http_error(exc.status, exc.message)
 
 
 class NativeFormat(Format):

@@ -63,6 +63,10 @@ def server_args(worker: "Worker") -> dict[str, Any]:
         "device": "sim",
         "random_seed": cfg.seed,
     })
+    if cfg.api == "convert":
+        # the earlier design rewrites server_args on conversion: the top level follows the live role
+        args["disaggregation_mode"] = worker.engine.role
+        args["disaggregation_bootstrap_port"] = worker.bootstrap_port
     args["startup_time"] = {"load_weight": 0.0, "kv_cache_allocation": 0.0, "scheduler_e2e": 0.0,
                             "cuda_graph": args["startup_time"]["cuda_graph"], "tokenizer_e2e": 0.0} \
         if isinstance(args.get("startup_time"), dict) else args.get("startup_time")

@@ -14,11 +14,10 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 def add_routes(router: web.UrlDispatcher, worker: "Worker") -> None:
     if worker.config.enable_metrics:
-        router.add_get("/metrics", lambda request: _metrics(worker))
+        async def metrics(request: web.Request) -> web.Response:
+            return web.Response(body=render(worker).encode(), headers={"Content-Type": CONTENT_TYPE})
 
-
-async def _metrics(worker: "Worker") -> web.Response:
-    return web.Response(body=render(worker).encode(), headers={"Content-Type": CONTENT_TYPE})
+        router.add_get("/metrics", metrics)
 
 
 def render(worker: "Worker") -> str:

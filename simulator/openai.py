@@ -183,6 +183,11 @@ class OpenAIFormat(Format):
             exc.status, str(exc.status))
         return [sse({"error": outputs.http_error(exc.status, exc.message, err_type)})]
 
+    def failure_response(self, exc: RequestFailed) -> web.Response:
+        if exc.status == 400:
+            return _bad_request(exc.message)
+        return json_response(outputs.http_error(exc.status, exc.message), exc.status)
+
     def tail(self, worker: "Worker", reqs: list[Req], state: "StreamState") -> list[bytes]:
         if not self.include_usage:
             return []

@@ -80,7 +80,10 @@ class Worker:
         site = web.TCPSite(self._runner, cfg.host, cfg.port, reuse_address=True, backlog=1024)
         await site.start()
         self.port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-        runs_listener = cfg.role == "prefill" or (cfg.role == "decode" and cfg.enable_pd_role_switch)
+        # 0.5.23 with role switching: every server runs a bootstrap listener; the convert API opens one
+        # only when a decode becomes a prefill
+        runs_listener = cfg.role == "prefill" or (
+            cfg.role == "decode" and cfg.enable_pd_role_switch and cfg.api == "0.5.23")
         if runs_listener and cfg.bootstrap_port is not None:
             await self.open_listener(cfg.bootstrap_port, registered=cfg.role == "prefill")
             self.launch_bootstrap_port = self.listener.port  # type: ignore[union-attr]
@@ -101,6 +104,7 @@ class Worker:
             self.session = None
 
     async def open_listener(self, port: int, *, registered: bool) -> int:
+        await self.close_listener()
         listener = BootstrapListener(self, self.config.host, port)
         await listener.start()
         listener.registered = registered
@@ -259,13 +263,12 @@ class Worker:
         try:
             reqs = self.make_reqs(call, route)
         except ValueError as exc:
-            return value_error(str(exc))
+            return fmt.failure_response(RequestFailed(str(exc), 400))
         entered = False
         try:
             await engine.enter_call()
             entered = True
-            for req in reqs:
-                req.dispatched = True
+            engine.dispatch(reqs)
             if call.stream:
                 return await self._serve_stream(request, reqs, fmt, call)
             return await self._serve_whole(request, reqs, fmt, call)
@@ -314,7 +317,7 @@ class Worker:
             try:
                 await self._run_item(reqs[0], hook)
             except RequestFailed as exc:
-                return self.failure_response(exc)
+                return fmt.failure_response(exc)
         else:
             tasks = [asyncio.ensure_future(self._run_item(req, hook)) for req in reqs]
             try:
@@ -323,18 +326,13 @@ class Worker:
                 for req in reqs:
                     req.abort(dict(outputs_abort()))
                 await asyncio.gather(*tasks, return_exceptions=True)
-                return self.failure_response(exc)
+                return fmt.failure_response(exc)
             finally:
                 for task in tasks:
                     task.cancel()
         if request.transport is None or request.transport.is_closing():
             raise asyncio.CancelledError()
         return fmt.whole(self, reqs, call)
-
-    def failure_response(self, exc: RequestFailed) -> web.Response:
-        if exc.status == 400:
-            return value_error(exc.message)
-        return http_error(exc.status, exc.message)
 
     async def _serve_stream(self, request: web.Request, reqs: list[Req], fmt: "Format",
                             call: GenerateCall) -> web.StreamResponse:

@@ -26,7 +26,10 @@ def pd_body(body: dict, prefill: WorkerHandle, *, room: Any = None, port: Any = 
 
 
 async def post(session: aiohttp.ClientSession, url: str, body: Any, **kw: Any) -> tuple[int, Any]:
-    async with session.post(url, data=orjson.dumps(body), headers={"Content-Type": "application/json"}, **kw) as r:
+    """POST ``body`` as JSON (``None``: no body at all); the status and the parsed answer."""
+    data = None if body is None else orjson.dumps(body)
+    headers = None if body is None else {"Content-Type": "application/json"}
+    async with session.post(url, data=data, headers=headers, **kw) as r:
         raw = await r.read()
         if r.content_type == "text/event-stream":
             return r.status, parse_sse(raw)
