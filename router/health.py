@@ -10,6 +10,8 @@ transition (tests/test_health_rules.py); `HealthMonitor` only applies them:
 - breaker: the proxy reports every leg's verdict (`Proxy.leg_observers`); `failure_threshold` worker faults
   in a row open it (the worker leaves routing), after `timeout` it goes half-open (traffic again), and
   `success_threshold` served legs close it, while one fault re-opens it.
+- a worker its probes declare down has the requests still waiting on it (no byte sent to their clients)
+  re-routed at once (`Proxy.evict`), instead of waiting for the request deadline;
 - the worker is routable by health while its probes pass, its breaker is not open, and (when it rejoins)
   its weight version matches the fleet's: `registry.set_health` keeps the request path an O(1) read.
 """
@@ -181,6 +183,9 @@ class HealthMonitor:
         self._loop_task: asyncio.Task | None = None
         self._closed = False
         self.rounds = 0  # probe rounds run (tests wait on it)
+        # Called with (worker, reason) when probes declare a worker down: the proxy re-routes the requests
+        # still waiting on it (Proxy.evict), which would otherwise wait for the request deadline.
+        self.on_down: list[Callable[[Worker, str], object]] = []
         registry.subscribe(self._on_registry_event)
 
     # ---- lifecycle --------------------------------------------------------------------------------------
@@ -324,6 +329,9 @@ class HealthMonitor:
         if record.probe.healthy is not before.healthy or record.refusal != refusal:
             cause = "" if ok else (reply.message() or f"HTTP {reply.status}")
             self._apply(record, cause[:200])
+            if before.healthy and not record.probe.healthy:
+                for callback in self.on_down:
+                    callback(worker, worker.health_reason)
 
     def _current(self, record: WorkerHealth, epoch: int, revision: int | None) -> bool:
         worker = record.worker
@@ -363,6 +371,7 @@ async def _health_ctx(app):
                             is_held=lambda: not admission.is_open)
     app[HEALTH] = monitor
     app[PROXY].leg_observers.append(monitor.on_leg)
+    monitor.on_down.append(app[PROXY].evict)
     monitor.start()
     yield
     await monitor.close()

@@ -95,14 +95,15 @@ class RequestRecord:
     response: web.StreamResponse | None = None  # set once a stream has started
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)
 class Attempt:
     prefill: Worker
     decode: Worker
     payload: bytes
     rids: list[str]
     epochs: tuple[int, int]
-    tasks: list[asyncio.Task] = field(default_factory=list)
+    legs: list["Leg"] = field(default_factory=list)
+    evicted: str | None = None  # why the router gave up on one of its workers (see Proxy.evict)
 
     def router_aborted(self) -> bool:
         return (self.prefill.abort_epoch, self.decode.abort_epoch) != self.epochs
@@ -125,6 +126,8 @@ class Proxy:
         self.admission = admission
         self.spawn = spawn  # owned background tasks (aborts, lingering prefill legs)
         self.leg_observers: list[LegObserver] = []
+        # Attempts that have not sent a byte to their client yet, by worker: what `evict` may re-send.
+        self._unanswered: dict[Worker, set[Attempt]] = {}
         self.request_observers: list[RequestObserver] = []
         self._needs_text = prefill_policy.needs_text or decode_policy.needs_text
         self._timeout = config.request_timeout_secs
@@ -220,6 +223,7 @@ class Proxy:
                               (prefill.abort_epoch, decode.abort_epoch))
             record.prefill, record.decode = prefill, decode
             record.attempts += 1
+            self._track(attempt)
             try:
                 if shape.stream:
                     return await self._stream(request, upstream_path, attempt, shape, headers, record)
@@ -242,6 +246,41 @@ class Proxy:
                 record.outcome = "error"
                 record.error = failure.reason
                 return failure.response()
+            finally:
+                self._untrack(attempt)
+
+    # ---- eviction: giving up on a worker for requests that can still go elsewhere -------------------
+    def _track(self, attempt: Attempt) -> None:
+        for worker in (attempt.prefill, attempt.decode):
+            bucket = self._unanswered.get(worker)
+            if bucket is None:
+                bucket = self._unanswered[worker] = set()
+            bucket.add(attempt)
+
+    def _untrack(self, attempt: Attempt) -> None:
+        for worker in (attempt.prefill, attempt.decode):
+            bucket = self._unanswered.get(worker)
+            if bucket is not None:
+                bucket.discard(attempt)
+                if not bucket:
+                    del self._unanswered[worker]
+
+    def evict(self, worker: Worker, reason: str) -> int:
+        """Stop waiting on `worker` (declared down by its health probes) for every request that has not sent
+        a byte to its client: its leg is cancelled and aborted on the server, and the request is retried on
+        another pair like any failure before the first byte. Requests already streaming are left alone.
+        Returns how many requests were re-routed."""
+        count = 0
+        for attempt in list(self._unanswered.get(worker, ())):
+            for leg in attempt.legs:
+                if leg.worker is worker and leg.is_open and not leg.task.done():
+                    attempt.evicted = reason
+                    leg.task.cancel()
+                    self._abort_on(worker, attempt.rids)
+                    count += 1
+        if count:
+            logger.warning("re-routing %d request(s) waiting on %s: %s", count, worker.url, reason)
+        return count
 
     # ---- legs --------------------------------------------------------------------------------------
     def _open_leg(self, worker: Worker, role: Role, coro) -> "Leg":
@@ -279,6 +318,9 @@ class Proxy:
         task, worker, role = leg.task, leg.worker, leg.role
         router_abort = attempt.router_aborted()
         if task.cancelled():
+            if attempt.evicted is not None:
+                return LegFailed(worker, 502, b"", "", retryable=True,
+                                 reason=f"{role} {worker.url} given up: {attempt.evicted}")
             exc: BaseException | None = asyncio.CancelledError("leg cancelled")
         else:
             exc = task.exception()
@@ -326,6 +368,7 @@ class Proxy:
     async def _unary(self, path, attempt: Attempt, shape: RequestShape, headers, record) -> web.Response:
         p = self._open_leg(attempt.prefill, Role.PREFILL, self._unary_leg(attempt.prefill, path, attempt, headers))
         d = self._open_leg(attempt.decode, Role.DECODE, self._unary_leg(attempt.decode, path, attempt, headers))
+        attempt.legs = [p, d]
         try:
             while d.is_open:
                 await asyncio.wait([leg.task for leg in (p, d) if leg.is_open],
@@ -399,6 +442,7 @@ class Proxy:
         p = self._open_leg(attempt.prefill, Role.PREFILL,
                            self._prefill_stream_leg(attempt.prefill, path, attempt, headers, shape.return_logprob))
         d = self._open_leg(attempt.decode, Role.DECODE, self._decode_first_event(attempt.decode, path, attempt, headers))
+        attempt.legs = [p, d]
         d_resp: aiohttp.ClientResponse | None = None
         try:
             # Phase 1: until decode's first event, any failure is answered (or retried) as plain HTTP.
@@ -423,6 +467,7 @@ class Proxy:
                                 reason="aborted by the router before the first token")
 
             # Phase 2: the client sees a stream from here on.
+            self._untrack(attempt)
             prefill_first: dict[int, dict] = {}
             if shape.return_logprob:
                 if p.is_open:

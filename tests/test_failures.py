@@ -214,8 +214,9 @@ async def sim():
     """Simulated workers: `await sim(decodes, processes=...)`; stopped after the test."""
     fleets: list[Fleet] = []
 
-    async def start(decodes: int = 2, processes: bool = False) -> Fleet:
-        fleet = await Fleet(1, decodes, processes=processes, timing=Timing(decode_step_s=0.02), **FAST).start()
+    async def start(decodes: int = 2, processes: bool = False, prefills: int = 1, **overrides) -> Fleet:
+        fleet = await Fleet(prefills, decodes, processes=processes, timing=Timing(decode_step_s=0.02),
+                            **{**FAST, **overrides}).start()
         fleets.append(fleet)
         return fleet
 
@@ -276,4 +277,33 @@ async def test_hung_decode_costs_only_its_own_requests(sim, make_router):
     assert set(early) <= {200, 504} and early.count(504) == hung_worker.requests_total
     await fleet.set_faults(hung, reset=True)
     await wait_for(lambda: hung_worker.healthy, timeout=5, message="back once it answers")
+    await settled(client)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_requests_waiting_on_a_worker_declared_down_are_rerouted(sim, make_router, stream):
+    """A prefill hangs (generation and /health): once its probes fail, the requests waiting on it are re-sent
+    to another pair at once instead of waiting for the request deadline (here 60 s)."""
+    # A short KV wait: the simulator's decode otherwise keeps pulling from the hung prefill for 300 s after
+    # the abort, which holds its shutdown.
+    fleet = await sim(decodes=1, prefills=2, kv_wait_timeout_s=2.0)
+    hung = fleet.prefill[0]
+    client = await make_router(fleet.prefill, fleet.decode, request_timeout_secs=60, retry=FAST_RETRY,
+                               prefill_policy="round_robin",
+                               health=HealthConfig(interval_secs=0.05, timeout_secs=0.2, failure_threshold=2,
+                                                   success_threshold=1))
+    hung_worker = client.registry.get(hung.url)
+    await wait_for(lambda: client.app[HEALTH].record(hung_worker).probe.proven)
+    await fleet.set_faults(hung, hang=True)
+    pending = asyncio.ensure_future(client.post("/generate", json={**SHORT, "stream": stream}))
+    await wait_for(lambda: hung_worker.inflight == 1, message="the request waits on the hung prefill")
+    resp = await asyncio.wait_for(pending, 10)
+    assert resp.status == 200
+    if stream:
+        assert (await read_events(resp))[-1] == "[DONE]"
+    else:
+        assert (await resp.json())["meta_info"]["completion_tokens"] == 4
+    assert not hung_worker.healthy and hung_worker.requests_total == 1
+    await fleet.wait_for(hung, lambda state: not state["rids_by_phase"], timeout=5)  # aborted there
+    await fleet.set_faults(hung, reset=True)
     await settled(client)
