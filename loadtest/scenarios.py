@@ -1,0 +1,272 @@
+"""Scenarios: load through pd-router while something happens to the fleet, then a verdict.
+
+Each scenario starts its own stack (simulated fleet + router), runs locust headless against the router,
+acts on the fleet while the load runs (`act`), and judges the request records and what it saw (`judge`).
+Steps are placed on a schedule (a fraction of the run time, so that there is load before and after each),
+and every wait for a state has a deadline; a step that fails becomes a failed check, and the load still
+runs to its end so the summary covers it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from .load import LoadOptions, LoadRun
+from .stack import DEFAULT_WORKER_ARGS, SimWorker, Stack, wait_until
+from .summary import (Check, Event, Summary, check_answers, check_no_aborts, check_no_errors, stats_of)
+from .workload import ABORTED, ERROR, OK
+
+SERVED_AFTER_CHANGE = 5  # answers a worker must serve in its new role / after rejoining to count as back
+
+
+@dataclass
+class Context:
+    """What a scenario's steps share: the stack, the load, and what they observed."""
+
+    stack: Stack
+    load: LoadRun
+    events: list[Event] = field(default_factory=list)
+    checks: list[Check] = field(default_factory=list)
+    notes: dict[str, Any] = field(default_factory=dict)
+
+    async def at(self, fraction: float) -> None:
+        """Wait until `fraction` of the load's run time has passed (a schedule, not a condition)."""
+        due = self.load.started_at + fraction * self.load.options.duration_s
+        await asyncio.sleep(max(0.0, due - time.time()))
+
+    def check(self, name: str, passed: bool, detail: str = "") -> bool:
+        self.checks.append(Check(name, passed, detail))
+        return passed
+
+    async def served(self, worker: SimWorker, count: int, *, role: str, timeout: float) -> float:
+        """Wait until the router has sent `count` more requests to `worker` while it is in `role`;
+        the seconds that took."""
+        started = time.monotonic()
+        first = await self.stack.router_worker(worker.url)
+        base = first["requests_total"] if first else 0
+
+        async def enough() -> bool:
+            current = await self.stack.router_worker(worker.url)
+            return bool(current and current["role"] == role and current["requests_total"] >= base + count)
+
+        await wait_until(enough, timeout=timeout, interval=0.2,
+                         what=f"{worker.url} serving {count} requests as {role}")
+        return time.monotonic() - started
+
+
+class Scenario:
+    name = ""
+    help = ""
+    prefill = 2
+    decode = 2
+    default_duration_s = 30.0
+    min_duration_s = 5.0
+
+    def __init__(self, **options: Any) -> None:
+        self.options = options
+
+    def router_args(self) -> list[str]:
+        return []
+
+    async def act(self, ctx: Context) -> None:
+        """What happens to the fleet while the load runs (nothing by default)."""
+
+    def judge(self, ctx: Context, records: list[dict]) -> list[Check]:
+        return [check_no_errors(records), check_no_aborts(records)]
+
+
+class Steady(Scenario):
+    name = "steady"
+    help = "steady load, nothing else happens: the baseline (0 failed requests)"
+    min_duration_s = 3.0
+
+
+class Convert(Scenario):
+    name = "convert"
+    help = "a prefill server converts to decode and back through the router while the load runs"
+    default_duration_s = 40.0
+    min_duration_s = 15.0
+
+    async def act(self, ctx: Context) -> None:
+        worker = ctx.stack.of_role("prefill")[0]
+        mode = self.options.get("convert_mode") or "drain"
+        await ctx.load.wait_answers(10, timeout=30, what="answers before the first conversion")
+        await ctx.at(0.25)
+        await self._convert(ctx, worker, "decode", mode)
+        await ctx.at(0.6)
+        await self._convert(ctx, worker, "prefill", mode)
+
+    async def _convert(self, ctx: Context, worker: SimWorker, role: str, mode: str) -> None:
+        stack = ctx.stack
+        start = time.time()
+        body = {"worker_url": worker.url, "new_role": role, "mode": mode}
+        status, answer = await stack.router_call("POST", "/pd_role_switch", body, timeout=120)
+        end = time.time()
+        ok = status == 200 and isinstance(answer, dict) and answer.get("success") is True
+        detail = f"HTTP {status}: {answer.get('message') if isinstance(answer, dict) else answer}"
+        ctx.events.append(Event(f"convert to {role} ({mode})", start, end, detail[:200]))
+        ctx.notes[f"convert_to_{role}_s"] = round(end - start, 3)
+        if not ctx.check(f"conversion to {role} succeeded", ok, detail[:300]):
+            return
+        entry = await stack.router_worker(worker.url)
+        in_pool = bool(entry and entry["role"] == role and entry["routable"])
+        ctx.check(f"{worker.url} routable in the {role} pool", in_pool,
+                  f"role {entry and entry['role']}, state {entry and entry['state']}, routable "
+                  f"{entry and entry['routable']}")
+        if in_pool:
+            took = await ctx.served(worker, SERVED_AFTER_CHANGE, role=role, timeout=20)
+            ctx.check(f"served {SERVED_AFTER_CHANGE} requests as {role}", True, f"within {took:.2f} s")
+
+    def judge(self, ctx: Context, records: list[dict]) -> list[Check]:
+        checks = [check_no_errors(records)]
+        if (self.options.get("convert_mode") or "drain") == "drain":
+            checks.append(check_no_aborts(records))
+        else:
+            # abort mode: answers already streaming when their server was aborted end with finish_reason
+            # abort (the router re-sends only those the client has not seen a token of)
+            windows = [e for e in ctx.events if e.name.startswith("convert")]
+            stray = [r for r in records if r["outcome"] == ABORTED
+                     and not any(r["start"] <= e.end and r["end"] >= e.start for e in windows)]
+            checks.append(Check("aborted answers only during a conversion", not stray,
+                                f"{sum(r['outcome'] == ABORTED for r in records)} aborted, {len(stray)} outside"))
+        return checks
+
+
+class KillDecode(Scenario):
+    name = "kill"
+    help = "a decode server is SIGKILLed and started again on its port; the router takes it out and back"
+    default_duration_s = 40.0
+    min_duration_s = 20.0
+    # Probes every second, out after 2 failures, back after 2 passes; an open breaker retries after 3 s.
+    ROUTER_ARGS = ["--health-check-interval-secs", "1", "--health-check-timeout-secs", "3",
+                   "--health-failure-threshold", "2", "--health-success-threshold", "2",
+                   "--cb-timeout-duration-secs", "3"]
+
+    def router_args(self) -> list[str]:
+        return list(self.ROUTER_ARGS)
+
+    async def act(self, ctx: Context) -> None:
+        stack = ctx.stack
+        victim = stack.of_role("decode")[0]
+        ctx.notes["killed"] = victim.url
+        await ctx.load.wait_answers(10, timeout=30, what="answers before the kill")
+        await ctx.at(0.25)
+        kill_at = time.time()
+        await stack.kill(victim)
+        ctx.notes["kill_at"] = kill_at
+
+        async def out_of_routing() -> bool:
+            entry = await stack.router_worker(victim.url)
+            return bool(entry) and not entry["routable"]
+
+        await wait_until(out_of_routing, timeout=20, interval=0.1, what=f"{victim.url} out of routing")
+        out_at = time.time()
+        entry = await stack.router_worker(victim.url)
+        ctx.notes["out_at"] = out_at
+        ctx.events.append(Event("killed decode out of routing", kill_at, out_at,
+                                f"{entry['health_reason']} (breaker {entry['breaker']})"))
+        await ctx.at(0.45)
+        restart_at = time.time()
+        await stack.restart(victim)
+        up_at = time.time()
+
+        async def routable() -> bool:
+            entry = await stack.router_worker(victim.url)
+            return bool(entry) and entry["routable"]
+
+        await wait_until(routable, timeout=30, interval=0.1, what=f"{victim.url} routable after restart")
+        back_at = time.time()
+        ctx.notes["back_at"] = back_at
+        ctx.events.append(Event("restarted decode up", restart_at, up_at, "its /health answers 200"))
+        ctx.events.append(Event("restarted decode back in routing", up_at, back_at))
+        took = await ctx.served(victim, SERVED_AFTER_CHANGE, role="decode", timeout=20)
+        ctx.check("the killed decode rejoined", True,
+                  f"routable {back_at - up_at:.2f} s after it was up, served {SERVED_AFTER_CHANGE} requests within "
+                  f"{took:.2f} s more")
+
+    def judge(self, ctx: Context, records: list[dict]) -> list[Check]:
+        errors = [r for r in records if r["outcome"] == ERROR]
+        killed = ctx.notes.get("killed")
+        router_lines = failed_requests_in_router_log(ctx.stack.router.log_path) if ctx.stack.router else {}
+        elsewhere = [r for r in errors if (router_lines.get(r["id"]) or {}).get("decode") != killed]
+        checks = [Check("failures only on the killed decode's requests", not elsewhere,
+                        f"{len(errors)} failed, all had decode {killed}" if not elsewhere else
+                        f"{len(elsewhere)} of {len(errors)} not attributed to {killed}: "
+                        + "; ".join(f"{r['id']}: {r['error']} (router: {router_lines.get(r['id'])})"
+                                    for r in elsewhere[:3]))]
+        out_at = ctx.notes.get("out_at")
+        users = ctx.load.options.users
+        late = [r for r in errors if out_at is None or r["start"] > out_at]
+        checks.append(Check("failures bounded", len(errors) <= users and not late,
+                            f"{len(errors)} failed (bound: {users} users in flight at the kill); "
+                            f"{len(late)} started after the router took the server out"))
+        checks.append(check_no_aborts(records))
+        return checks
+
+
+SCENARIOS: dict[str, type[Scenario]] = {s.name: s for s in (Steady, Convert, KillDecode)}
+
+
+def failed_requests_in_router_log(path: Path) -> dict[str, dict]:
+    """request id -> the router's access line, for every request the router logged as not successful."""
+    found: dict[str, dict] = {}
+    try:
+        lines = path.read_bytes().splitlines()
+    except OSError:
+        return found
+    for line in lines:
+        if not line.startswith(b"{"):
+            continue
+        try:
+            entry = orjson.loads(line)
+        except orjson.JSONDecodeError:
+            continue
+        if entry.get("logger") == "router.access" and entry.get("outcome") != OK and "request_id" in entry:
+            found[entry["request_id"]] = entry
+    return found
+
+
+@dataclass
+class RunOptions:
+    load: LoadOptions
+    workdir: Path
+    prefill: int | None = None
+    decode: int | None = None
+    worker_args: tuple[str, ...] = DEFAULT_WORKER_ARGS
+    extra_router_args: tuple[str, ...] = ()
+
+
+async def run(scenario: Scenario, options: RunOptions) -> Summary:
+    workdir = options.workdir
+    stack = Stack(workdir, prefill=options.prefill or scenario.prefill, decode=options.decode or scenario.decode,
+                  worker_args=tuple(options.worker_args),
+                  router_args=(*scenario.router_args(), *options.extra_router_args))
+    async with stack:
+        load = LoadRun(stack.router_url, options.load, workdir)
+        ctx = Context(stack, load)
+        load.start()
+        try:
+            try:
+                await asyncio.wait_for(scenario.act(ctx), timeout=options.load.duration_s + 60)
+            except Exception as exc:  # noqa: BLE001 - a failed step is a failed check; the load runs on
+                ctx.check("scenario steps", False, f"{type(exc).__name__}: {exc}")
+                (workdir / "scenario-error.txt").write_text(traceback.format_exc())
+            budget = max(load.time_left(), 0) + max(10.0, options.load.request_timeout_s) + 30
+            code = await load.wait(timeout=budget)
+            if code != 0:
+                ctx.check("locust ran", False, f"exit code {code}: {load.process.log_tail(500)}")
+        finally:
+            load.stop()
+        records = load.records()
+        stats = stats_of(records)
+        checks = [check_answers(stats), *ctx.checks, *scenario.judge(ctx, records)]
+    summary = Summary(scenario.name, stats, checks, ctx.events, ctx.notes, str(workdir))
+    (workdir / "summary.json").write_bytes(orjson.dumps(summary.to_dict(), option=orjson.OPT_INDENT_2))
+    return summary
