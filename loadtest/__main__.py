@@ -45,6 +45,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--worker-args", default=" ".join(DEFAULT_WORKER_ARGS),
                    help=f"simulator flags for every worker (default: {' '.join(DEFAULT_WORKER_ARGS)!r})")
     p.add_argument("--router-args", default="", help="extra pd-router flags")
+    p.add_argument("--faults", default="", help='faults set on every worker once up (POST /_sim/faults), e.g. '
+                                                '\'{"error_rate": 0.1, "error_status": 500}\'')
     p.add_argument("--convert-mode", choices=("drain", "abort"), default="drain", help="convert: how to empty the server")
     p.add_argument("--out", type=Path, default=None, help="run directory (default: a new temporary one)")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
@@ -65,6 +67,14 @@ def main(argv: list[str] | None = None) -> int:
         parse_route_weights(args.routes)
     except ValueError as exc:
         problems.append(f"--routes: {exc}")
+    faults = {}
+    if args.faults:
+        try:
+            faults = orjson.loads(args.faults)
+            if not isinstance(faults, dict):
+                raise ValueError("not a JSON object")
+        except ValueError as exc:
+            problems.append(f"--faults must be a JSON object: {exc}")
     if duration < scenario_cls.min_duration_s:
         problems.append(f"--duration: {args.scenario} needs at least {scenario_cls.min_duration_s:g} s")
     if args.users < 1:
@@ -80,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
                        request_timeout_s=args.request_timeout, seed=args.seed)
     options = RunOptions(load=load, workdir=workdir, prefill=args.prefill, decode=args.decode,
                          worker_args=tuple(shlex.split(args.worker_args)),
-                         extra_router_args=tuple(shlex.split(args.router_args)))
+                         extra_router_args=tuple(shlex.split(args.router_args)), faults=faults)
     scenario = scenario_cls(convert_mode=args.convert_mode)
     try:
         import uvloop  # noqa: PLC0415

@@ -26,7 +26,8 @@ import gevent
 import orjson
 from locust import FastHttpUser, events, task
 
-from loadtest.workload import ABORTED, ERROR, OK, ROUTES, Lengths, Verdict, make_prompt, parse_route_weights
+from loadtest.workload import (ABORTED, ERROR, OK, ROUTES, ArrivalClock, Lengths, Verdict, make_prompt,
+                               parse_route_weights)
 
 ALL_STATUSES = frozenset(range(100, 600))  # judge statuses here, keeping error bodies for the report
 _request_ids = itertools.count(1)
@@ -75,23 +76,6 @@ class Workload:
             self.record = None
 
 
-class ArrivalClock:
-    """Slots at a fixed rate for all users: slot k is due at start + k / rate. A user that is free takes
-    the next slot and waits for it; when every user is busy, slots fall due late (the lag is recorded)."""
-
-    def __init__(self, rate: float) -> None:
-        self.interval = 1.0 / rate
-        self.next_due: float | None = None
-
-    def take(self) -> float:
-        """The monotonic time of the next slot."""
-        now = time.monotonic()
-        if self.next_due is None:
-            self.next_due = now
-        due, self.next_due = self.next_due, self.next_due + self.interval
-        return due
-
-
 _workload: Workload | None = None
 
 
@@ -134,7 +118,7 @@ class LLMUser(FastHttpUser):
         workload = self.workload
         lag = 0.0
         if workload.clock is not None:
-            due = workload.clock.take()
+            due = workload.clock.take(time.monotonic())
             delay = due - time.monotonic()
             if delay > 0:
                 gevent.sleep(delay)

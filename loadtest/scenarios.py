@@ -21,7 +21,7 @@ import orjson
 from .load import LoadOptions, LoadRun
 from .stack import DEFAULT_WORKER_ARGS, SimWorker, Stack, wait_until
 from .summary import (Check, Event, Summary, check_answers, check_no_aborts, check_no_errors, stats_of)
-from .workload import ABORTED, ERROR, OK
+from .workload import ABORTED, ERROR
 
 SERVED_AFTER_CHANGE = 5  # answers a worker must serve in its new role / after rejoining to count as back
 
@@ -228,7 +228,7 @@ def failed_requests_in_router_log(path: Path) -> dict[str, dict]:
             entry = orjson.loads(line)
         except orjson.JSONDecodeError:
             continue
-        if entry.get("logger") == "router.access" and entry.get("outcome") != OK and "request_id" in entry:
+        if entry.get("logger") == "router.access" and entry.get("outcome") != "success" and "request_id" in entry:
             found[entry["request_id"]] = entry
     return found
 
@@ -241,14 +241,24 @@ class RunOptions:
     decode: int | None = None
     worker_args: tuple[str, ...] = DEFAULT_WORKER_ARGS
     extra_router_args: tuple[str, ...] = ()
+    faults: dict[str, Any] = field(default_factory=dict)  # set on every worker once the stack is up
 
 
 async def run(scenario: Scenario, options: RunOptions) -> Summary:
     workdir = options.workdir
+    """Start the stack, run the load while the scenario acts, judge; the stack is stopped in every case."""
     stack = Stack(workdir, prefill=options.prefill or scenario.prefill, decode=options.decode or scenario.decode,
                   worker_args=tuple(options.worker_args),
                   router_args=(*scenario.router_args(), *options.extra_router_args))
-    async with stack:
+    try:
+        await stack.start()
+        for worker in stack.workers if options.faults else ():
+            await stack.set_faults(worker, options.faults)
+    except Exception as exc:  # noqa: BLE001 - reported as the run's verdict
+        await stack.stop()
+        return _saved(Summary(scenario.name, stats_of([]), [Check("stack started", False, f"{type(exc).__name__}: {exc}")],
+                              workdir=str(workdir)))
+    try:
         load = LoadRun(stack.router_url, options.load, workdir)
         ctx = Context(stack, load)
         load.start()
@@ -267,6 +277,11 @@ async def run(scenario: Scenario, options: RunOptions) -> Summary:
         records = load.records()
         stats = stats_of(records)
         checks = [check_answers(stats), *ctx.checks, *scenario.judge(ctx, records)]
-    summary = Summary(scenario.name, stats, checks, ctx.events, ctx.notes, str(workdir))
-    (workdir / "summary.json").write_bytes(orjson.dumps(summary.to_dict(), option=orjson.OPT_INDENT_2))
+    finally:
+        await stack.stop()
+    return _saved(Summary(scenario.name, stats, checks, ctx.events, ctx.notes, str(workdir)))
+
+
+def _saved(summary: Summary) -> Summary:
+    Path(summary.workdir, "summary.json").write_bytes(orjson.dumps(summary.to_dict(), option=orjson.OPT_INDENT_2))
     return summary

@@ -188,6 +188,12 @@ class Stack:
 
         await wait_until(all_routable, timeout=START_TIMEOUT_S, what="every worker routable in pd-router",
                          interval=0.2, process=self.router)
+        (self.workdir / "stack.json").write_text(json.dumps(self.describe(), indent=2))
+
+    def describe(self) -> dict[str, Any]:
+        return {"router": {"url": self.router_url, "pid": self.router and self.router.pid},
+                "fleet_pid": self.fleet and self.fleet.pid,
+                "workers": [{"role": w.role, "url": w.url, "pid": w.pid} for w in self.workers]}
 
     async def stop(self) -> None:
         if self.session is not None:
@@ -236,6 +242,12 @@ class Stack:
         if status != 200:
             raise aiohttp.ClientError(f"{worker.url}/_sim/state answered {status}")
         return doc
+
+    async def set_faults(self, worker: SimWorker, faults: dict) -> None:
+        """Merge faults into a worker's (`POST /_sim/faults`: error_rate, hang, crash_after_tokens, ...)."""
+        status, doc = await self.request("POST", worker.url + "/_sim/faults", faults, timeout=5)
+        if status != 200:
+            raise ValueError(f"{worker.url} refused faults {faults}: {doc}")
 
     # ---- crash and restart
     async def kill(self, worker: SimWorker) -> None:

@@ -84,6 +84,22 @@ def parse_route_weights(text: str) -> dict[str, float]:
     return weights
 
 
+class ArrivalClock:
+    """Slots at a fixed rate for all users: slot k is due at start + k / rate. A user that is free takes
+    the next slot and waits for it; when every user is busy, slots fall due late (the lag is recorded)."""
+
+    def __init__(self, rate: float) -> None:
+        self.interval = 1.0 / rate
+        self.next_due: float | None = None
+
+    def take(self, now: float) -> float:
+        """The (monotonic) time of the next slot."""
+        if self.next_due is None:
+            self.next_due = now
+        due, self.next_due = self.next_due, self.next_due + self.interval
+        return due
+
+
 def make_prompt(rng: random.Random, tokens: int) -> str:
     return " ".join(rng.choices(WORDS, k=max(tokens - 1, 1)))
 
