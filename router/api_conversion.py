@@ -26,7 +26,7 @@ from .api_workers import find_worker, read_json_object
 from .config import validate_port, validate_worker_url
 from .errors import BadRequest, NotFound, RouterError, json_response
 from .flows.conversion import SERVER_OPTIONS, Conversion, Conversions, Mode, Plan
-from .keys import CONFIG, METRICS, REGISTRY, TASKS, UPSTREAM
+from .keys import ADMISSION, CONFIG, METRICS, REGISTRY, TASKS, UPSTREAM
 from .registry import Role, Worker
 
 CONVERSIONS = web.AppKey("conversions", Conversions)
@@ -89,11 +89,11 @@ MODE = one_of(*(m.value for m in Mode))
 
 CONVERT_PD_ROLE_FIELDS: dict[str, Check] = {
     "server_url": worker_url, "mode": MODE, "drain_timeout_secs": positive_number,
-    "switch_timeout_secs": positive_number, **SERVER_OPTION_CHECKS,
+    "switch_timeout_secs": positive_number, "server_options": json_object, **SERVER_OPTION_CHECKS,
 }
 PD_ROLE_SWITCH_FIELDS: dict[str, Check] = {
     "worker_url": worker_url, "new_role": ROLE, "mode": MODE, "drain_timeout_secs": positive_number,
-    "switch_timeout_secs": positive_number, **SERVER_OPTION_CHECKS,
+    "switch_timeout_secs": positive_number, "server_options": json_object, **SERVER_OPTION_CHECKS,
 }
 CONVERT_FIELDS: dict[str, Check] = {
     "mode": MODE, "new_role": ROLE, "timeout_s": positive_number, "switch_timeout_s": positive_number,
@@ -260,10 +260,17 @@ def _metrics_observer(metrics):
 
 
 async def _conversions_ctx(app: web.Application):
-    config = app[CONFIG]
+    config, admission = app[CONFIG], app[ADMISSION]
+
+    def fleet_busy() -> str | None:
+        if admission.is_open:
+            return None
+        return (f"the fleet is held ({', '.join(admission.state()['holds'])}): convert once that operation "
+                f"has ended")
+
     conversions = Conversions(app[REGISTRY], app[UPSTREAM], app[TASKS].spawn,
                               drain_timeout_s=config.drain_timeout_secs,
-                              switch_timeout_s=config.switch_timeout_secs)
+                              switch_timeout_s=config.switch_timeout_secs, fleet_busy=fleet_busy)
     app[CONVERSIONS] = conversions
     if METRICS in app:
         conversions.observers.append(_metrics_observer(app[METRICS]))

@@ -211,13 +211,16 @@ class Conversions:
 
     def __init__(self, registry: Registry, upstream: Upstream, spawn: Callable[[Awaitable], asyncio.Task], *,
                  drain_timeout_s: float = 300.0, switch_timeout_s: float = 120.0,
-                 verify_timeout_s: float = VERIFY_TIMEOUT_SECS, history_size: int = HISTORY_SIZE) -> None:
+                 verify_timeout_s: float = VERIFY_TIMEOUT_SECS, history_size: int = HISTORY_SIZE,
+                 fleet_busy: Callable[[], str | None] = lambda: None) -> None:
         self.registry = registry
         self.upstream = upstream
         self.spawn = spawn
         self.drain_timeout_s = drain_timeout_s
         self.switch_timeout_s = switch_timeout_s
         self.verify_timeout_s = verify_timeout_s
+        # Why a fleet-wide operation (a weight update's hold) forbids starting a conversion now, or None.
+        self.fleet_busy = fleet_busy
         self._ids = itertools.count(1)
         self._running: dict[str, Conversion] = {}  # by worker id
         self._tasks: dict[str, asyncio.Task] = {}  # by conversion id
@@ -254,7 +257,7 @@ class Conversions:
             return None
         conversion = Conversion(id=f"c{next(self._ids)}", worker_id=worker.id, worker_url=worker.url,
                                 old_role=worker.role, new_role=new_role, mode=plan.mode)
-        refusal = refusal or self._last_of_pool(worker)
+        refusal = refusal or self.fleet_busy() or self._last_of_pool(worker)
         if refusal is not None:
             self._finish(conversion, Outcome.REFUSED, refusal, 409)
             self._remember(conversion)
