@@ -51,13 +51,15 @@ HEALTH_TIMEOUT = 25.0  # 0.5.23's /health runs a 1-token generation and waits up
 POLL_FIRST, POLL_MAX = 0.01, 0.2
 SWITCH_RETRY_FIRST, SWITCH_RETRY_MAX = 0.1, 2.0
 
-# Server options the router knows, and the API that understands each. Others go in `server_options`.
-SERVER_OPTIONS: dict[str, str] = {
-    "decode_cuda_graph_bs": PD_ROLE_SWITCH,
-    "decode_cuda_graph_memory_gb": PD_ROLE_SWITCH,
-    "bootstrap_port": CONVERT_PD_ROLE,
-    "disable_radix_cache": CONVERT_PD_ROLE,
-    "disable_cuda_graph": CONVERT_PD_ROLE,
+# Server options the router knows, and the APIs that take each (server_patches' /convert_pd_role passes the
+# CUDA-graph ones on to the in-place switch). Others go in `server_options`, sent verbatim.
+BOTH_APIS = frozenset(SWITCH_APIS)
+SERVER_OPTIONS: dict[str, frozenset[str]] = {
+    "decode_cuda_graph_bs": BOTH_APIS,
+    "decode_cuda_graph_memory_gb": BOTH_APIS,
+    "bootstrap_port": frozenset({CONVERT_PD_ROLE}),
+    "disable_radix_cache": frozenset({CONVERT_PD_ROLE}),
+    "disable_cuda_graph": frozenset({CONVERT_PD_ROLE}),
 }
 
 
@@ -463,19 +465,21 @@ class Conversions:
                          f"exists): start it with --enable-pd-role-switch", safe=True)
 
     def _switch_body(self, api: str, conversion: Conversion, worker: Worker, plan: Plan) -> dict:
-        options = {k: v for k, v in plan.server_options.items() if SERVER_OPTIONS.get(k) == api}
-        ignored = sorted(k for k in plan.server_options if SERVER_OPTIONS.get(k) != api)
+        options = {k: v for k, v in plan.server_options.items() if api in SERVER_OPTIONS.get(k, ())}
+        ignored = sorted(k for k in plan.server_options if api not in SERVER_OPTIONS.get(k, ()))
         if ignored:
             note = f"ignored options that /{api} does not take: {', '.join(ignored)}"
             if note not in conversion.notes:
                 conversion.notes.append(note)
         if api == PD_ROLE_SWITCH:
             body = {"new_role": conversion.new_role.value, **options, **plan.raw_server_options}
-            if conversion.new_role is Role.DECODE:
-                body.setdefault("decode_cuda_graph_memory_gb", DEFAULT_DECODE_CUDA_GRAPH_MEMORY_GB)
-            return body
-        # (its `check_idle: true` only asks whether the server is idle: never sent)
-        return {"server_url": worker.url, **options, **plan.raw_server_options}
+        else:
+            # `check_idle` is never sent: the router has emptied the server already (and in the simulator's
+            # reading of the design, `check_idle: true` only asks whether the server is idle).
+            body = {"server_url": worker.url, **options, **plan.raw_server_options}
+        if conversion.new_role is Role.DECODE:
+            body.setdefault("decode_cuda_graph_memory_gb", DEFAULT_DECODE_CUDA_GRAPH_MEMORY_GB)
+        return body
 
     async def _switch_with(self, api: str, conversion: Conversion, worker: Worker, plan: Plan, step: Step) -> dict:
         body = self._switch_body(api, conversion, worker, plan)
