@@ -15,7 +15,7 @@ import pytest
 
 from router.api_conversion import CONVERSIONS
 from router.app import create_app
-from router.config import RouterConfig, WorkerSpec
+from router.config import RetryConfig, RouterConfig, WorkerSpec
 from router.keys import PROXY, REGISTRY
 from router.registry import Role, WorkerState
 from simulator.fleet import Fleet
@@ -220,6 +220,21 @@ async def test_abort_mode_ends_streams_that_had_tokens_with_sglangs_abort(sim_ro
     await wait_for(lambda: not any(client.inflight()))
 
 
+async def test_without_retry_aborted_clients_get_sglangs_abort_answer(sim_router):
+    client = await sim_router(2, 2, decode_step_s=0.05, router={"retry": RetryConfig(retry_aborted=False)})
+    handle = client.fleet.decode[1]
+    worker = client.worker(handle)
+    running = await requests_until(client, lambda: worker.inflight > 0)
+    await client.fleet.wait_for(handle, lambda s: s["rids_by_phase"].get("decode"))  # decoding: tokens made
+    status, record = await client.convert(handle, mode="abort")
+    assert status == 200 and record["outcome"] == "converted"
+    answers = [(resp.status, orjson.loads(await resp.read())) for resp in await asyncio.gather(*running)]
+    aborted = [a for status, a in answers if a["meta_info"]["finish_reason"]["type"] == "abort"]
+    assert len(aborted) == 1 and all(status == 200 for status, _ in answers)  # HTTP 200 with SGLang's abort
+    assert sum(r.retries_aborted for r in client.records) == 0
+    await wait_for(lambda: not any(client.inflight()))
+
+
 # ---- the converted worker serves its new role --------------------------------------------------------------
 @pytest.mark.parametrize("api", ["0.5.23", "convert"])
 async def test_prefill_converted_from_decode_is_used_with_its_new_bootstrap_port(sim_router, api):
@@ -291,6 +306,7 @@ async def test_last_worker_of_a_pool_is_refused(sim_router):
         assert (await client.fleet.state(handle))["counters"]["role_switches"] == 0
     resp = await client.http.post("/generate", json=BODY)
     assert resp.status == 200
+    await wait_for(lambda: not any(client.inflight()))
 
 
 async def test_two_conversions_of_one_worker_are_refused(sim_router):
@@ -350,3 +366,4 @@ async def test_drain_waits_until_the_server_reports_idle(sim_router):
     await conversion.wait()
     assert conversion.outcome.value == "converted", conversion.message
     assert conversion.steps[0].duration_s > 0
+    await wait_for(lambda: not any(client.inflight()))
