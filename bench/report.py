@@ -133,3 +133,53 @@ def _summary(all_ratios: list[dict], setup: str) -> list[str]:
             lines.append(f"issue 3 target (>= {REQUIRED_RPS_VS_MINI_LB:g}x mini_lb req/s with a lower p99 at every "
                          f"point): {'met' if met else 'NOT met'}")
     return lines
+
+
+def markdown(result: dict) -> str:
+    """The README's table for one setup: pd-router's ratios per point, then each router's own figures."""
+    ratios = {(r["vs"], r["mode"], r["concurrency"]): r for r in result["ratios"] if r["router"] == "pd-router"}
+    best = {(r["router"], r["mode"], r["concurrency"]): r for r in result["best"]}
+    points = sorted({(m, c) for _, m, c in best}, key=lambda p: (p[0] != "non-stream", p[1]))
+    head = "| " + result["setup"] + " | " + " | ".join(f"{m} c={c}" for m, c in points) + " |"
+    lines = [head, "|" + "---|" * (len(points) + 1)]
+    for baseline in BASELINES:
+        for field, label in (("rps", "req/s"), ("p99", "p99")):
+            cells = [_fmt((ratios.get((baseline, m, c)) or {}).get(field), ".2f") for m, c in points]
+            lines.append(f"| pd-router / {baseline} {label} | " + " | ".join(f"{x}x" if x != "-" else x
+                                                                              for x in cells) + " |")
+    for router in ("pd-router", "mini_lb", "sgl-router", DIRECT):
+        if not any(router == r for r, _, _ in best):
+            continue
+        cells = []
+        for m, c in points:
+            row = best.get((router, m, c))
+            if row is None:
+                cells.append("-")
+                continue
+            text = f"{row['rps']:.0f} req/s, p99 {row['p99_ms']:.0f} ms"
+            if row.get("ttft_p99_ms") is not None:
+                text += f", TTFT p99 {row['ttft_p99_ms']:.0f} ms"
+            if router != DIRECT:
+                text += f", {row['router_cpu_ms_per_req']:.2f} cpu-ms/req"
+            cells.append(text)
+        lines.append(f"| {router} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """`python -m bench.report RESULT.json`: print a saved run again, or (--markdown) its README table."""
+    import argparse
+    import json
+
+    parser = argparse.ArgumentParser(description=main.__doc__)
+    parser.add_argument("result", help="a JSON file written by python -m bench.routers")
+    parser.add_argument("--markdown", action="store_true")
+    args = parser.parse_args(argv)
+    with open(args.result) as f:
+        data = json.load(f)
+    for result in data if isinstance(data, list) else [data]:
+        print(markdown(result) if args.markdown else render(result))
+
+
+if __name__ == "__main__":
+    main()

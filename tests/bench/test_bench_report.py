@@ -44,3 +44,15 @@ def test_summary_reports_whether_issue_3_target_is_met():
 def test_geometric_mean_ignores_missing():
     assert report.geometric_mean([2.0, 8.0, None]) == 4.0
     assert report.geometric_mean([None]) is None
+
+
+def test_markdown_table_has_ratios_and_figures_per_point():
+    rows = [row("direct", 5000, 1, 2, conc=16), row("pd-router", 1200, 10, 40, conc=16, cpu=0.5),
+            row("mini_lb", 400, 100, 200, conc=16, cpu=2.0), row("sgl-router", 2400, 5, 20, conc=16, cpu=0.25)]
+    best = report.best_rows(rows)
+    table = report.markdown({"setup": "ceiling", "best": best, "ratios": report.ratios(best)})
+    lines = table.splitlines()
+    assert lines[0] == "| ceiling | non-stream c=16 |"
+    assert "| pd-router / mini_lb req/s | 3.00x |" in lines
+    assert "| pd-router / sgl-router p99 | 2.00x |" in lines
+    assert "| mini_lb | 400 req/s, p99 200 ms, 2.00 cpu-ms/req |" in lines
