@@ -16,8 +16,6 @@ from __future__ import annotations
 import asyncio
 import socket
 import time
-import zlib
-from array import array
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -50,7 +48,7 @@ class Room:
     def notify(self) -> None:
         self.changed.set()
         if self.prefill_waiter is not None:
-            self.prefill_waiter.wake.set()
+            self.prefill_waiter.poke()
 
     def fail(self, reason: str | None) -> None:
         if not self.failed and not self.taken:
@@ -75,7 +73,7 @@ class RoomStore:
 
     @staticmethod
     def prompt_hash(input_ids: list[int]) -> int:
-        return zlib.crc32(array("q", input_ids).tobytes())
+        return hash(tuple(input_ids))
 
     def open_prefill(self, room_id: int | None, rid: str, input_ids: list[int], waiter: Any) -> Room:
         room = self.rooms.get(room_id)  # type: ignore[arg-type]
@@ -228,17 +226,21 @@ class BootstrapListener:
         room = store.attach_decode(room_id)
         took = False
         try:
-            resp = web.StreamResponse()
-            resp.content_type = "application/x-ndjson"
-            await resp.prepare(request)
             told_prefill = room.prefill_rid is not None
-            await resp.write(orjson.dumps({"status": "accepted", "prefill": told_prefill}) + b"\n")
+            pending = orjson.dumps({"status": "accepted", "prefill": told_prefill}) + b"\n"
+            resp: web.StreamResponse | None = None
             deadline = time.monotonic() + timeout
             while room.kv is None and not room.failed:
                 if not told_prefill and room.prefill_rid is not None:
                     told_prefill = True
-                    await resp.write(b'{"status":"prefill"}\n')
-                    continue
+                    pending += b'{"status":"prefill"}\n'
+                if resp is None:  # about to wait: the decode leg must know the handshake is done
+                    resp = web.StreamResponse()
+                    resp.content_type = "application/x-ndjson"
+                    await resp.prepare(request)
+                if pending:
+                    await resp.write(pending)
+                    pending = b""
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     break
@@ -257,8 +259,10 @@ class BootstrapListener:
                 outcome = {"status": "failed", "reason": room.failure_reason}
             else:
                 outcome = {"status": "timeout"}
-            await resp.write(orjson.dumps(outcome) + b"\n")
-            await resp.write_eof()
+            pending += orjson.dumps(outcome) + b"\n"
+            if resp is None:  # nothing to wait for: one plain answer
+                return web.Response(body=pending, content_type="application/x-ndjson")
+            await resp.write_eof(pending)  # the outcome and the end of the stream in one write
             return resp
         finally:
             store.detach_decode(room, took_kv=took)
@@ -288,9 +292,8 @@ class KvClient:
             if req.done:
                 return FetchResult("handshake", "Aborted by AbortReq.")
             req.phase = HANDSHAKE
-            task = asyncio.ensure_future(self._pull_once(req, cfg.kv_wait_timeout_s))
-            outcome = await self._race(req, task)
-            if outcome is None:  # aborted (or client gone): the pull's connection was dropped
+            outcome = await self._pull_once(req, cfg.kv_wait_timeout_s)
+            if outcome is None:  # aborted: the pull's connection was closed, which fails the room
                 return FetchResult(req.phase, "Aborted by AbortReq.")
             if outcome.stage == "retry":
                 attempts += 1
@@ -303,24 +306,8 @@ class KvClient:
                                              "in KVPoll.WaitingForInput")
             return outcome
 
-    async def _race(self, req: "Req", task: asyncio.Future) -> FetchResult | None:
-        while not task.done():
-            req.wake.clear()
-            woke = asyncio.ensure_future(req.wake.wait())
-            try:
-                await asyncio.wait((task, woke), return_when=asyncio.FIRST_COMPLETED)
-            finally:
-                woke.cancel()
-            if req.done and not task.done():
-                task.cancel()
-                try:
-                    await task
-                except (asyncio.CancelledError, Exception):
-                    pass
-                return None
-        return task.result()
-
-    async def _pull_once(self, req: "Req", timeout: float) -> FetchResult:
+    async def _pull_once(self, req: "Req", timeout: float) -> FetchResult | None:
+        """One long poll; None if the request was aborted meanwhile (its abort closes the connection)."""
         from .engine import TRANSFER  # noqa: PLC0415
 
         url = f"http://{req.bootstrap_addr}/_sim/kv/pull"
@@ -330,22 +317,30 @@ class KvClient:
                 url, data=body, headers={"Content-Type": "application/json"},
                 timeout=aiohttp.ClientTimeout(total=None, sock_connect=5, sock_read=timeout + 30),
             ) as resp:
-                if resp.status != 200:
-                    return FetchResult("retry", await resp.text())
-                first = await resp.content.readline()
-                if not first.startswith(b'{"status":"accepted"'):
-                    return FetchResult("retry", first.decode(errors="replace"))
-                req.phase = TRANSFER
-                req.peer_attached = b'"prefill":true' in first
-                while True:
-                    line = await resp.content.readline()
-                    if not line:
-                        return FetchResult(TRANSFER, None)  # the prefill worker went away
-                    outcome = orjson.loads(line)
-                    if outcome.get("status") != "prefill":
-                        break
-                    req.peer_attached = True
+                if req.done:
+                    return None
+                req.on_abort = resp.close
+                try:
+                    if resp.status != 200:
+                        return FetchResult("retry", await resp.text())
+                    first = await resp.content.readline()
+                    if not first.startswith(b'{"status":"accepted"'):
+                        return FetchResult("retry", first.decode(errors="replace"))
+                    req.phase = TRANSFER
+                    req.peer_attached = b'"prefill":true' in first
+                    while True:
+                        line = await resp.content.readline()
+                        if not line:
+                            return None if req.done else FetchResult(TRANSFER, None)  # the prefill went away
+                        outcome = orjson.loads(line)
+                        if outcome.get("status") != "prefill":
+                            break
+                        req.peer_attached = True
+                finally:
+                    req.on_abort = None
         except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, asyncio.TimeoutError, OSError) as exc:
+            if req.done:
+                return None
             if req.phase == TRANSFER:
                 return FetchResult(TRANSFER, None)
             return FetchResult("retry", repr(exc))

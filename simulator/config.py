@@ -8,7 +8,7 @@ release after an aborted PD request. Tests shorten the ones they exercise.
 from __future__ import annotations
 
 import argparse
-from dataclasses import asdict, dataclass, field, fields, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 ROLES = ("prefill", "decode", "null")
@@ -34,7 +34,8 @@ class Timing:
 
     @property
     def zero(self) -> bool:
-        return not any(asdict(self).values())
+        return not (self.prefill_overhead_s or self.prefill_per_token_s or self.decode_step_s
+                    or self.decode_step_per_running_s or self.kv_transfer_s)
 
 
 @dataclass(frozen=True)
@@ -71,6 +72,8 @@ class WorkerConfig:
     # /health sends a 1-token probe and checks for progress after this long (1 s on real)
     health_check_s: float = 1.0
     health_timeout_s: float = 20.0
+    # how often a waiting call checks that its client is still there (SGLang: every few seconds)
+    disconnect_check_s: float = 0.5
     role_switch_s: float = 0.0  # how long a successful switch takes (0.1-0.6 s on real CPU servers)
     convert_bootstrap_base: int = 8998  # /convert_pd_role: first port tried for a new listener
     startup_s: float = 0.0  # /health answers 503 this long after start ("slow start")

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-import uuid
 from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Awaitable, Callable
@@ -73,7 +72,8 @@ class Req:
     created: float = field(default_factory=time.perf_counter)
     first_output_sent: bool = False
     spans: list[list] = field(default_factory=list)  # [version, start] each time weights changed
-    wake: asyncio.Event = field(default_factory=asyncio.Event)
+    _wake: asyncio.Event | None = None  # made on first wait: most items never wait
+    on_abort: Callable[[], Any] | None = None  # interrupts what the item is blocked in (a KV pull)
     done_failed: bool = False  # ended in a RequestFailed (5xx) outcome
     dispatched: bool = False  # past the pause gate: the scheduler knows it (aborts reach it)
     peer_attached: bool = False  # decode: the prefill leg of its room had arrived
@@ -87,10 +87,24 @@ class Req:
     def output_ids(self) -> list[int]:
         return self.gen.output_ids
 
+    @property
+    def wake(self) -> asyncio.Event:
+        """Set on abort, pause changes and partner events; waiting code clears it and waits."""
+        if self._wake is None:
+            self._wake = asyncio.Event()
+        return self._wake
+
+    def poke(self) -> None:
+        if self._wake is not None:
+            self._wake.set()
+
     def abort(self, reason: dict) -> None:
         if self.finish_reason is None:
             self.finish_reason = reason
-        self.wake.set()
+        self.poke()
+        if self.on_abort is not None:
+            hook, self.on_abort = self.on_abort, None
+            hook()
 
 
 class RWLock:
@@ -171,6 +185,7 @@ class Engine:
     def __init__(self, config: WorkerConfig, faults: FaultInjector, rooms: "RoomStore",
                  kv_client: "KvClient | None" = None) -> None:
         self.config = config
+        self._timing_zero = config.timing.zero
         self.role = config.role
         self.faults = faults
         self.rooms = rooms
@@ -221,9 +236,6 @@ class Engine:
         if self.inflight_calls == 0 and not self.requests:
             self._idle.set()
 
-    def new_rid(self) -> str:
-        return uuid.uuid4().hex
-
     def dispatch(self, reqs: list[Req]) -> None:
         """The call passed the pause gate and holds the read lock: the scheduler now has its items."""
         for req in reqs:
@@ -259,6 +271,8 @@ class Engine:
         ``on_progress`` is awaited after every new token (streaming).
         """
         try:
+            if req.done:  # its client left while the call waited for the pause or the weight lock
+                return
             if self.faults.faults.hang:
                 await self._park(req, None)
                 return
@@ -266,6 +280,8 @@ class Engine:
                 await self._run_prefill(req)
             elif self.role == "decode":
                 await self._run_decode(req, on_progress)
+            elif on_progress is None and self._instant(req):
+                return
             else:
                 await self._admit(req)
                 if req.done:
@@ -435,7 +451,7 @@ class Engine:
 
     def _wake_waiting(self) -> None:
         if self.waiting:
-            self.waiting[0].wake.set()
+            self.waiting[0].poke()
 
     async def _forward(self, req: Req) -> None:
         limit = self.config.prefill_concurrency
@@ -443,8 +459,7 @@ class Engine:
             return  # aborted while waiting for compute
         req.phase = FORWARD
         try:
-            if self.prefix_cache is not None:
-                req.cached_tokens = self.prefix_cache.match(req.input_ids)
+            self._match_prefix(req)
             delay = self.config.timing.prefill_time(len(req.input_ids) - req.cached_tokens)
             if delay:
                 await self._sleep(req, delay)
@@ -453,10 +468,35 @@ class Engine:
                 self.prefill_busy -= 1
                 self._wake_prefill_queue()
         if not req.done:
-            self.counters.prefill_tokens += len(req.input_ids)
-            self.counters.cached_tokens += req.cached_tokens
-            if self.prefix_cache is not None:
-                self.prefix_cache.insert(req.input_ids)
+            self._record_prefill(req)
+
+    def _match_prefix(self, req: Req) -> None:
+        if self.prefix_cache is not None:
+            req.cached_tokens = self.prefix_cache.match(req.input_ids)
+
+    def _record_prefill(self, req: Req) -> None:
+        self.counters.prefill_tokens += len(req.input_ids)
+        self.counters.cached_tokens += req.cached_tokens
+        if self.prefix_cache is not None:
+            self.prefix_cache.insert(req.input_ids)
+
+    def _instant(self, req: Req) -> bool:
+        """Zero delays, free capacity, nothing to wait for: run the whole item now, without awaiting."""
+        faults = self.faults.faults
+        if (not self._timing_zero or self.config.prefill_concurrency or self.pause_mode is not None
+                or self.waiting or faults.hang_after_tokens is not None):
+            return False
+        need = len(req.input_ids) + max(req.gen.max_new_tokens, 0)
+        if not self._fits(need):
+            return False
+        self._take(req, need)
+        self._match_prefix(req)
+        self._record_prefill(req)
+        req.phase = DECODE
+        self.counters.generation_tokens += req.gen.step(1 << 30)
+        self.last_output = time.monotonic()
+        req.finish_reason = req.gen.finish_reason
+        return True
 
     async def _prefill_slot(self, req: Req, limit: int) -> bool:
         """Wait (first come, first served; in the waiting queue) for a prefill compute slot."""
@@ -480,11 +520,12 @@ class Engine:
 
     def _wake_prefill_queue(self) -> None:
         if self.prefill_queue:
-            self.prefill_queue[0].wake.set()
+            self.prefill_queue[0].poke()
 
     async def _decode_loop(self, req: Req, on_progress: Callable[[Req], Awaitable[None]] | None) -> None:
         req.phase = DECODE
         timing = self.config.timing
+        zero = self._timing_zero
         while not req.done:
             faults = self.faults.faults  # replaced, not mutated, when changed at run time
             if self.pause_mode is not None:
@@ -496,7 +537,7 @@ class Engine:
                                  or self.faults.faults.hang_after_tokens is None
                                  or len(req.output_ids) < self.faults.faults.hang_after_tokens)
                 continue
-            step = timing.decode_step_time(self.running) if not timing.zero else 0.0
+            step = 0.0 if zero else timing.decode_step_time(self.running)
             if step:
                 await self._sleep(req, step)
                 if req.done:
@@ -563,7 +604,7 @@ class Engine:
 
     def wake_all(self) -> None:
         for req in list(self.requests.values()):
-            req.wake.set()
+            req.poke()
 
     # ------------------------------------------------------------ control
 
@@ -607,7 +648,7 @@ class Engine:
             self.pause_mode = mode
             self._scheduler_resumed.clear()
             for req in list(self.requests.values()):
-                req.wake.set()
+                req.poke()
 
     async def _wait_idle_or(self, timeout: float) -> None:
         try:
@@ -622,7 +663,7 @@ class Engine:
         self._unpaused.set()
         self._scheduler_resumed.set()
         for req in list(self.requests.values()):
-            req.wake.set()
+            req.poke()
         self._wake_waiting()
 
     def is_fully_idle(self, *, ignore_waiting: bool = False) -> bool:

@@ -9,11 +9,16 @@ Errors carry SGLang's messages; ``BodyError`` is a pydantic-style 400, ``ValueEr
 
 from __future__ import annotations
 
-import uuid
+import random
 from dataclasses import dataclass
 from typing import Any
 
 from .tokens import encode
+
+
+def new_rid() -> str:
+    """A uuid4-style hex id, without uuid4's os.urandom call per request."""
+    return "%032x" % random.getrandbits(128)
 
 
 class BodyError(Exception):
@@ -75,8 +80,53 @@ def _per_item(value: Any, num: int, batch_size: int, n: int, default: Any) -> li
     return [value] * num
 
 
+def _single(body: dict, default_max_new_tokens: int, context_length: int,
+            default_bootstrap_port: int | None) -> GenerateCall | None:
+    """The common case (one prompt, n = 1, scalar fields) without the batch machinery; None otherwise."""
+    text = body.get("text")
+    if isinstance(text, str):
+        ids = encode(text)
+    else:
+        ids = body.get("input_ids")
+        if text is not None or not isinstance(ids, list) or not ids or not isinstance(ids[0], int):
+            return None
+        ids = list(ids)
+    sp = body.get("sampling_params")
+    if sp is None:
+        sp = {}
+    elif not isinstance(sp, dict) or sp.get("n", 1) not in (1, None):
+        return None
+    rid = body.get("rid")
+    if rid is not None and not isinstance(rid, str):
+        return None
+    room = body.get("bootstrap_room")
+    if isinstance(room, list) or isinstance(body.get("bootstrap_port"), list):
+        return None
+    max_new = sp.get("max_new_tokens", default_max_new_tokens)
+    if max_new is None:
+        max_new = default_max_new_tokens
+    if not isinstance(max_new, int) or isinstance(max_new, bool) or max_new < 0:
+        return None  # the general path has the messages
+    if len(ids) + max_new > context_length:
+        return None
+    stop = sp.get("stop") or []
+    port = body.get("bootstrap_port")
+    item = ItemSpec(
+        rid=rid or new_rid(), input_ids=ids, max_new_tokens=max_new,
+        stop=[stop] if isinstance(stop, str) else list(stop), stop_token_ids=sp.get("stop_token_ids"),
+        return_logprob=bool(body.get("return_logprob")), top_logprobs_num=int(body.get("top_logprobs_num") or 0),
+        logprob_start_len=int(-1 if body.get("logprob_start_len") is None else body["logprob_start_len"]),
+        bootstrap_host=body.get("bootstrap_host"),
+        bootstrap_port=port if port is not None else default_bootstrap_port, bootstrap_room=room)
+    return GenerateCall(items=[item], is_single=True, stream=bool(body.get("stream", False)), parallel_sample_num=1)
+
+
 def parse_generate(body: Any, *, default_max_new_tokens: int, context_length: int,
                    default_bootstrap_port: int | None) -> GenerateCall:
+    if isinstance(body, dict):
+        call = _single(body, default_max_new_tokens, context_length, default_bootstrap_port)
+        if call is not None:
+            return call
     if not isinstance(body, dict):
         raise BodyError([{"type": "model_attributes_type", "loc": ("body",),
                           "msg": "Input should be a valid dictionary or object to extract fields from",
@@ -115,9 +165,9 @@ def parse_generate(body: Any, *, default_max_new_tokens: int, context_length: in
     if is_single:
         if rid is not None and not isinstance(rid, str):
             raise ValueError("The rid should be a string or a list of strings.")
-        rids = [rid or uuid.uuid4().hex]
+        rids = [rid or new_rid()]
     elif rid is None:
-        rids = [uuid.uuid4().hex for _ in range(num)]
+        rids = [new_rid() for _ in range(num)]
     elif isinstance(rid, str):
         rids = [f"{rid}_{i}" for i in range(num)]
     elif isinstance(rid, list):
@@ -133,7 +183,7 @@ def parse_generate(body: Any, *, default_max_new_tokens: int, context_length: in
         raise ValueError(f"Duplicate request IDs detected within the request: {[r for r, c in seen.items() if c > 1]}")
     if n > 1:
         # parallel sampling: every sample gets a fresh rid (TokenizerManager._handle_batch_request)
-        rids = [uuid.uuid4().hex for _ in range(num)]
+        rids = [new_rid() for _ in range(num)]
 
     prompts = prompts * n if n > 1 else prompts
     params = _per_item(sp, num, batch_size, n, {})

@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Any
 
-from .tokens import decode, token_logprob, token_text
+from .tokens import token_logprob, token_text
 
 if TYPE_CHECKING:
     from .engine import Engine, Req
@@ -77,7 +77,7 @@ def meta_info(engine: "Engine", req: "Req", *, finished: bool, first: bool) -> d
 def output_text(engine: "Engine", req: "Req") -> str:
     if engine.role == "prefill":
         return token_text(req.output_ids[0]) if req.output_ids else ""
-    return req.gen.text if req.gen.stop else decode(req.output_ids)
+    return req.gen.text
 
 
 def generate_output(engine: "Engine", req: "Req", *, finished: bool, first: bool) -> dict[str, Any]:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import re
 import zlib
-from array import array
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -29,10 +28,14 @@ _MASK64 = (1 << 64) - 1
 
 def encode(text: str, *, add_bos: bool = True) -> list[int]:
     """Token ids of ``text``: BOS, then one id per word with its leading whitespace."""
-    ids = [BOS_ID] if add_bos else []
-    for piece in _WORD_RE.findall(text):
-        ids.append(FIRST_WORD_ID + zlib.crc32(piece.encode()) % _WORD_SPAN)
-    return ids
+    ids = list(_encode_words(text))
+    return [BOS_ID, *ids] if add_bos else ids
+
+
+@lru_cache(maxsize=8192)
+def _encode_words(text: str) -> tuple[int, ...]:
+    # load tests repeat prompts: the cache keeps tokenization off the hot path
+    return tuple(FIRST_WORD_ID + zlib.crc32(piece.encode()) % _WORD_SPAN for piece in _WORD_RE.findall(text))
 
 
 @lru_cache(maxsize=VOCAB_SIZE)
@@ -48,12 +51,12 @@ def token_text(token_id: int) -> str:
 
 
 def decode(ids: list[int]) -> str:
-    return "".join(token_text(i) for i in ids)
+    return "".join(map(token_text, ids))
 
 
 def _seed(input_ids: list[int]) -> int:
-    data = array("q", input_ids).tobytes()
-    return (zlib.crc32(data) << 32 | zlib.adler32(data)) or 0x9E3779B97F4A7C15
+    # tuple-of-int hashes are not randomised per process (only str/bytes are): stable across workers
+    return (hash(tuple(input_ids)) & _MASK64) or 0x9E3779B97F4A7C15
 
 
 def output_ids(input_ids: list[int], count: int, *, start: int = 0) -> list[int]:
@@ -127,7 +130,7 @@ def expected_generation(
 class Generator:
     """Incremental output of one request: the shared logic of :func:`expected_generation` and the worker."""
 
-    __slots__ = ("input_ids", "max_new_tokens", "stop", "stop_token_ids", "output_ids", "text",
+    __slots__ = ("input_ids", "max_new_tokens", "stop", "stop_token_ids", "output_ids", "_text",
                  "finish_reason", "_x")
 
     def __init__(self, input_ids: list[int], max_new_tokens: int, stop: list[str] | None = None,
@@ -137,7 +140,7 @@ class Generator:
         self.stop = stop or []
         self.stop_token_ids = set(stop_token_ids or ())
         self.output_ids: list[int] = []
-        self.text = ""
+        self._text = ""  # kept up to date only when stop strings need it
         self.finish_reason: dict | None = None
         self._x = _seed(input_ids)
         if max_new_tokens <= 0:
@@ -147,8 +150,17 @@ class Generator:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
+    @property
+    def text(self) -> str:
+        """The output text (with a matched stop string trimmed off)."""
+        return self._text if self.stop else decode(self.output_ids)
+
     def step(self, n: int = 1) -> int:
         """Generate up to ``n`` more tokens; returns how many were added."""
+        if self.finish_reason is not None:
+            return 0
+        if not self.stop and not self.stop_token_ids:
+            return self._step_plain(n)
         added = 0
         x = self._x
         while added < n and self.finish_reason is None:
@@ -161,14 +173,30 @@ class Generator:
             if token in self.stop_token_ids:
                 self.finish_reason = {"type": "stop", "matched": token}
                 break
-            self.text += token_text(token)
+            self._text += token_text(token)
             if self.stop:
-                hit = find_stop(self.text, self.stop)
+                hit = find_stop(self._text, self.stop)
                 if hit is not None:
-                    self.text = self.text[: hit[0]]
+                    self._text = self._text[: hit[0]]
                     self.finish_reason = {"type": "stop", "matched": hit[1]}
                     break
             if len(self.output_ids) >= self.max_new_tokens:
                 self.finish_reason = {"type": "length", "length": self.max_new_tokens}
         self._x = x
         return added
+
+    def _step_plain(self, n: int) -> int:
+        """No stop conditions but the length: a tight loop."""
+        out = self.output_ids
+        count = min(n, self.max_new_tokens - len(out))
+        x = self._x
+        append = out.append
+        for _ in range(count):
+            x ^= (x << 13) & _MASK64
+            x ^= x >> 7
+            x ^= (x << 17) & _MASK64
+            append(FIRST_WORD_ID + x % _WORD_SPAN)
+        self._x = x
+        if len(out) >= self.max_new_tokens:
+            self.finish_reason = {"type": "length", "length": self.max_new_tokens}
+        return count

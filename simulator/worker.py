@@ -75,7 +75,8 @@ class Worker:
             json_serialize=lambda o: orjson.dumps(o).decode(),
         )
         self.engine.kv_client = KvClient(self.session)
-        self._runner = web.AppRunner(self.app, access_log=None, handler_cancellation=True)
+        # no handler_cancellation: it costs a task per request; waiting calls poll their client instead
+        self._runner = web.AppRunner(self.app, access_log=None)
         await self._runner.setup()
         site = web.TCPSite(self._runner, cfg.host, cfg.port, reuse_address=True, backlog=1024)
         await site.start()
@@ -265,6 +266,7 @@ class Worker:
         except ValueError as exc:
             return fmt.failure_response(RequestFailed(str(exc), 400))
         entered = False
+        watch = DisconnectWatch(request, self.config.disconnect_check_s, lambda: engine.abort_on_disconnect(reqs))
         try:
             await engine.enter_call()
             entered = True
@@ -273,9 +275,10 @@ class Worker:
                 return await self._serve_stream(request, reqs, fmt, call)
             return await self._serve_whole(request, reqs, fmt, call)
         except asyncio.CancelledError:
-            engine.abort_on_disconnect(reqs)  # the client went away: SGLang aborts its request
+            engine.abort_on_disconnect(reqs)  # shutting down (or cancelled): nothing of it may linger
             raise
         finally:
+            watch.cancel()
             if entered:
                 engine.leave_call()
             for req in reqs:
@@ -330,8 +333,6 @@ class Worker:
             finally:
                 for task in tasks:
                     task.cancel()
-        if request.transport is None or request.transport.is_closing():
-            raise asyncio.CancelledError()
         return fmt.whole(self, reqs, call)
 
     async def _serve_stream(self, request: web.Request, reqs: list[Req], fmt: "Format",
@@ -371,6 +372,31 @@ class Worker:
         except (ConnectionResetError, aiohttp.ClientConnectionResetError):
             self.engine.abort_on_disconnect(reqs)
         return resp
+
+
+class DisconnectWatch:
+    """Calls ``on_gone`` once if the client's connection closes while the call is in progress."""
+
+    __slots__ = ("_request", "_interval", "_on_gone", "_handle")
+
+    def __init__(self, request: web.Request, interval: float, on_gone: Callable[[], None]) -> None:
+        self._request = request
+        self._interval = interval
+        self._on_gone = on_gone
+        self._handle = asyncio.get_running_loop().call_later(interval, self._check)
+
+    def _check(self) -> None:
+        transport = self._request.transport
+        if transport is None or transport.is_closing():
+            self._handle = None
+            self._on_gone()
+        else:
+            self._handle = asyncio.get_running_loop().call_later(self._interval, self._check)
+
+    def cancel(self) -> None:
+        if self._handle is not None:
+            self._handle.cancel()
+            self._handle = None
 
 
 def outputs_abort() -> dict[str, Any]:

@@ -13,7 +13,8 @@ import orjson
 from simulator.fleet import Fleet, WorkerHandle
 
 # short PD deadlines so failure paths finish in well under a second
-FAST = dict(health_check_s=0.0, bootstrap_retries=3, bootstrap_retry_interval_s=0.02, deferred_release_s=0.0)
+FAST = dict(health_check_s=0.0, bootstrap_retries=3, bootstrap_retry_interval_s=0.02, deferred_release_s=0.0,
+            disconnect_check_s=0.02)
 
 
 def pd_body(body: dict, prefill: WorkerHandle, *, room: Any = None, port: Any = "prefill",
