@@ -100,10 +100,6 @@ async def _first_answer(request: web.Request, call) -> web.Response:
     raise ServiceUnavailable(f"no worker answered: {last.message()}")
 
 
-async def model_info(request: web.Request) -> web.Response:
-    return await _first_answer(request, lambda up, w: up.model_info(w.url, timeout=ADMIN_TIMEOUT))
-
-
 async def models(request: web.Request) -> web.Response:
     return await _first_answer(request, lambda up, w: up.get(w.url, "/v1/models", timeout=ADMIN_TIMEOUT))
 
@@ -116,6 +112,5 @@ def setup(app: web.Application) -> None:
     r.add_route("GET", "/flush_cache", flush_cache)
     r.add_get("/get_server_info", server_info)
     r.add_get("/server_info", server_info)
-    r.add_get("/get_model_info", model_info)
-    r.add_get("/model_info", model_info)
+    # /model_info and /get_model_info: api_control (with the fleet's live weight version)
     r.add_get("/v1/models", models)

@@ -11,7 +11,7 @@ from aiohttp import web
 
 from policies import make_policy
 
-from . import api_conversion, api_info, api_workers, health, logs, metrics, policy_runtime
+from . import api_control, api_conversion, api_info, api_workers, health, logs, metrics, policy_runtime
 from .access import make_access_middleware
 from .admission import Admission
 from .config import DISCOVER, RouterConfig
@@ -90,6 +90,7 @@ def create_app(config: RouterConfig, *, registry: Registry | None = None) -> web
     policy_runtime.setup(app)
     metrics.setup(app)
     logs.setup(app)
+    api_control.setup(app)
     return app
 
 

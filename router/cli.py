@@ -107,7 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
     add("--retry-jitter-factor", type=float, default=0.2)
     add("--disable-retries", action="store_true")
     add("--no-retry-aborted", action="store_true",
-        help="do not re-send requests the router aborted for a conversion or weight update")
+        help="do not re-send requests the router aborted for a conversion")
     # admission
     add("--max-concurrent-requests", type=int, default=0, help="0: unbounded")
     add("--queue-size", type=int, default=1024)
@@ -117,6 +117,10 @@ def build_parser() -> argparse.ArgumentParser:
     add("--drain-timeout-secs", type=float, default=300.0)
     add("--switch-timeout-secs", type=float, default=120.0)
     add("--weight-update-timeout-secs", type=float, default=600.0)
+    add("--abort-timeout-secs", type=float, default=30.0,
+        help="how long an abort, pause or weight update waits for the aborted requests to end")
+    add("--weight-update-retry-aborted", action="store_true",
+        help="re-send requests a weight update aborted before their first token (default: abort answer)")
     add("--no-inject-rid", action="store_true", help="do not add a router-made rid to requests without one")
     cli_policies.add_flags(p)
     return p
@@ -213,6 +217,8 @@ def config_from_args(argv: list[str] | None = None, env: dict | None = None) -> 
         drain_timeout_secs=args.drain_timeout_secs,
         switch_timeout_secs=args.switch_timeout_secs,
         weight_update_timeout_secs=args.weight_update_timeout_secs,
+        abort_timeout_secs=args.abort_timeout_secs,
+        weight_update_retry_aborted=args.weight_update_retry_aborted,
         inject_rid=not args.no_inject_rid,
         policy_params=cli_policies.policy_params_from_args(args),
         load_monitor=cli_policies.load_monitor_from_args(args),

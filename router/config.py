@@ -141,6 +141,10 @@ class RouterConfig:
     drain_timeout_secs: float = 300.0
     switch_timeout_secs: float = 120.0
     weight_update_timeout_secs: float = 600.0
+    # An abort (endpoint, pause, weight update) waits this long for the aborted requests to end.
+    abort_timeout_secs: float = 30.0
+    # Re-send requests a weight update aborted before their first token (else: SGLang's abort answer).
+    weight_update_retry_aborted: bool = False
     # Inject a router-made `rid` when the client gave none, so both legs can be aborted by id.
     inject_rid: bool = True
 
@@ -165,7 +169,7 @@ class RouterConfig:
         if not 0 < self.port <= 65535:
             found.append(f"--port must be in 1..65535, got {self.port}")
         for name in ("request_timeout_secs", "connect_timeout_secs", "drain_timeout_secs",
-                     "switch_timeout_secs", "weight_update_timeout_secs"):
+                     "switch_timeout_secs", "weight_update_timeout_secs", "abort_timeout_secs"):
             if getattr(self, name) <= 0:
                 found.append(f"{name} must be positive")
         if self.max_connections < 1:

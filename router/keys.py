@@ -22,3 +22,4 @@ HEALTH = web.AppKey("health", object)  # router.health.HealthMonitor
 LOAD_MONITOR = web.AppKey("load_monitor", object)
 REBALANCER = web.AppKey("rebalancer", object)
 METRICS = web.AppKey("metrics", object)  # router.metrics.RouterMetrics
+WEIGHTS = web.AppKey("weights", object)  # flows.weights.WeightFlow

@@ -23,9 +23,11 @@ from aiohttp import web
 from policies import Outcome, Policy, RequestInfo
 
 from . import sse
+from .aborts import abort_response
 from .admission import Admission
 from .config import RouterConfig
 from .errors import BadGateway, BadRequest, GatewayTimeout, RouterError, ServiceUnavailable
+from .live import RETRY, LiveRequests
 from .logprobs import index_prefill_events, merge_answer, merge_meta
 from .registry import Registry, Role, Worker
 from .requests import RequestShape, assign_rid, inject_bootstrap, prompt_text, shape_of
@@ -42,6 +44,7 @@ SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
 RETRYABLE_CLIENT_STATUSES = frozenset({408, 429})
 # SGLang's message for a KV transfer that failed: it implicates the pair, not necessarily this server.
 KV_TRANSFER_FAILURE = b"KVTransferError"
+MAX_ABORT_RETRIES = 16
 ABORT_TIMEOUT = aiohttp.ClientTimeout(total=5)
 
 
@@ -104,9 +107,11 @@ class Attempt:
     epochs: tuple[int, int]
     legs: list["Leg"] = field(default_factory=list)
     evicted: str | None = None  # why the router gave up on one of its workers (see Proxy.evict)
+    # Set (through `Proxy.live`) when an operator or a flow aborts this attempt: live.RETRY or live.ANSWER.
+    abort_action: str | None = None
 
     def router_aborted(self) -> bool:
-        return (self.prefill.abort_epoch, self.decode.abort_epoch) != self.epochs
+        return self.abort_action is not None or (self.prefill.abort_epoch, self.decode.abort_epoch) != self.epochs
 
 
 # (worker, verdict) for passive health: True served, False failed by the worker's fault (unreachable, 5xx,
@@ -129,6 +134,7 @@ class Proxy:
         # Attempts that have not sent a byte to their client yet, by worker: what `evict` may re-send.
         self._unanswered: dict[Worker, set[Attempt]] = {}
         self.request_observers: list[RequestObserver] = []
+        self.live = LiveRequests()  # attempts in flight, by rid (abort endpoint, flows)
         self._needs_text = prefill_policy.needs_text or decode_policy.needs_text
         self._timeout = config.request_timeout_secs
         self._retry = config.retry
@@ -213,8 +219,9 @@ class Proxy:
         attempt_no = 0
         failed: set[Worker] = set()
         while True:
-            if attempt_no or aborted_retries:
-                await self.admission.wait_open(deadline)
+            # Also on the first attempt: a request admitted just before a hold must not reach a server that
+            # is being quiesced.
+            await self.admission.wait_open(deadline)
             prefill, decode = self.select_pair(info, failed)
             payload_body = dict(body)
             inject_bootstrap(payload_body, shape, prefill)
@@ -224,18 +231,25 @@ class Proxy:
             record.prefill, record.decode = prefill, decode
             record.attempts += 1
             self._track(attempt)
+            self.live.add(attempt)
             try:
                 if shape.stream:
                     return await self._stream(request, upstream_path, attempt, shape, headers, record)
                 return await self._unary(upstream_path, attempt, shape, headers, record)
             except LegFailed as failure:
-                if failure.router_abort and retry.retry_aborted and aborted_retries < 16:
-                    # The router aborted this pair (conversion or weight update) before any token: re-send.
-                    aborted_retries += 1
-                    record.retries_aborted += 1
-                    logger.info("re-sending request aborted by the router on %s (%s)", failure.worker.url,
-                                failure.reason)
-                    continue
+                if failure.router_abort:
+                    if self._retry_abort(attempt) and aborted_retries < MAX_ABORT_RETRIES:
+                        # Aborted by the router (conversion, weight update) before any token: re-send.
+                        aborted_retries += 1
+                        record.retries_aborted += 1
+                        logger.info("re-sending request aborted by the router on %s (%s)", failure.worker.url,
+                                    failure.reason)
+                        continue
+                    # The servers' answer to the abort was an error or nothing: give SGLang's abort answer.
+                    record.outcome = "aborted"
+                    record.error = failure.reason
+                    return abort_response(route, body, shape, attempt.rids,
+                                          weight_version=attempt.decode.weight_version)
                 attempt_no += 1
                 failed.add(failure.worker)
                 if failure.retryable and attempt_no < max_attempts:
@@ -248,6 +262,7 @@ class Proxy:
                 return failure.response()
             finally:
                 self._untrack(attempt)
+                self.live.discard(attempt)
 
     # ---- eviction: giving up on a worker for requests that can still go elsewhere -------------------
     def _track(self, attempt: Attempt) -> None:
@@ -281,6 +296,12 @@ class Proxy:
         if count:
             logger.warning("re-routing %d request(s) waiting on %s: %s", count, worker.url, reason)
         return count
+
+    def _retry_abort(self, attempt: Attempt) -> bool:
+        """Whether a router-aborted attempt is re-sent (else the client gets the abort answer)."""
+        if attempt.abort_action is not None:
+            return attempt.abort_action == RETRY
+        return self._retry.retry_aborted
 
     # ---- legs --------------------------------------------------------------------------------------
     def _open_leg(self, worker: Worker, role: Role, coro) -> "Leg":
@@ -380,7 +401,7 @@ class Proxy:
                             other.cancel(attempt.rids)
                             raise failure
             status, body, content_type = d.task.result()
-            if attempt.router_aborted() and _router_aborted_answer(body):
+            if attempt.router_aborted() and self._retry_abort(attempt) and _router_aborted_answer(body):
                 # Nothing has reached the client yet, so even a partial answer can be re-sent whole.
                 p.cancel(attempt.rids)
                 raise LegFailed(d.worker, status, body, content_type, retryable=False, router_abort=True,
@@ -460,7 +481,8 @@ class Proxy:
                 p.cancel(attempt.rids)
                 raise failure
             d_resp, events, splitter = d.task.result()[3]
-            if attempt.router_aborted() and _aborted_before_first_token(sse.parse_event(events[0])):
+            if attempt.router_aborted() and self._retry_abort(attempt) \
+                    and _aborted_before_first_token(sse.parse_event(events[0])):
                 d.finish(Outcome.CANCELLED)
                 p.cancel(attempt.rids)
                 raise LegFailed(d.worker, 200, b"", "", retryable=False, router_abort=True,

@@ -290,10 +290,11 @@ class Registry:
 
     async def wait_idle(self, worker: Worker, timeout: float) -> bool:
         """Wait until no routed request holds the worker; False if the deadline passed first."""
-        try:
-            await asyncio.wait_for(worker._idle.wait(), timeout)
+        try:  # asyncio.timeout, not wait_for: 3.11's wait_for can swallow a cancel racing the wake-up
+            async with asyncio.timeout(timeout):
+                await worker._idle.wait()
             return True
-        except asyncio.TimeoutError:
+        except TimeoutError:
             return worker.inflight == 0
 
     # ---- change notification -----------------------------------------------------------------------

@@ -1,0 +1,79 @@
+"""SGLang's answer to an aborted request, for requests the router aborted before any server could give one.
+
+When the router aborts a pair (abort endpoint, pause, weight update), the servers usually answer with
+`finish_reason: {"type": "abort"}` and the partial output, which the request path relays as it is. But a
+request aborted before its KV transfer finished gets a 500 from prefill ("Prefill bootstrap failed ...
+Aborted by AbortReq.") or decode ("Decode transfer failed ..."), or a closed connection. The client asked
+for none of that: it gets the abort answer SGLang gives an aborted request with no output, in the shape of
+its route (native or OpenAI, single, batch or n>1, streaming or not).
+"""
+
+from __future__ import annotations
+
+import time
+
+import orjson
+from aiohttp import web
+
+from .requests import RequestShape
+
+ABORT_MESSAGE = "Aborted by the router"
+SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+
+
+def sequence_ids(shape: RequestShape, rids: list[str]) -> list[str]:
+    """One id per sequence, as SGLang names them (a batch's own rids, or `rid_i` of an expanded rid)."""
+    count = shape.sequences
+    if len(rids) == count:
+        return list(rids)
+    if len(rids) == count + 1:
+        return rids[1:]
+    return [rids[0] if rids else ""] * count
+
+
+def _native(rid: str, message: str, weight_version: str | None, index: int | None) -> dict:
+    meta = {"id": rid, "finish_reason": {"type": "abort", "message": message, "status_code": None},
+            "prompt_tokens": 0, "completion_tokens": 0, "cached_tokens": 0}
+    if weight_version is not None:
+        meta["weight_version"] = weight_version
+    item = {"text": "", "output_ids": [], "meta_info": meta}
+    if index is not None:
+        item["index"] = index
+    return item
+
+
+def _openai(route: str, rid: str, model: object, count: int, stream: bool) -> dict:
+    chat = route == "/v1/chat/completions"
+    choices = []
+    for i in range(count):
+        choice: dict = {"index": i, "logprobs": None, "finish_reason": "abort", "matched_stop": None}
+        if chat:
+            choice["delta" if stream else "message"] = {"role": "assistant", "content": ""}
+        else:
+            choice["text"] = ""
+        choices.append(choice)
+    kind = "chat.completion" if chat else "text_completion"
+    answer = {"id": rid, "object": kind + (".chunk" if stream and chat else ""), "created": int(time.time()),
+              "model": model, "choices": choices}
+    if not stream:
+        answer["usage"] = {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}
+    return answer
+
+
+def abort_response(route: str, body: dict, shape: RequestShape, rids: list[str], *,
+                   message: str = ABORT_MESSAGE, weight_version: str | None = None) -> web.Response:
+    ids = sequence_ids(shape, rids)
+    if route == "/generate":
+        many = shape.is_batch or shape.n > 1
+        items = [_native(rid, message, weight_version, i if (many and shape.stream) else None)
+                 for i, rid in enumerate(ids)]
+        if shape.stream:
+            payload = b"".join(b"data: " + orjson.dumps(item) + b"\n\n" for item in items)
+            return web.Response(body=payload + b"data: [DONE]\n\n", headers=SSE_HEADERS)
+        answer: object = items if many else items[0]
+    else:
+        answer = _openai(route, ids[0], body.get("model"), len(ids), shape.stream)
+        if shape.stream:
+            return web.Response(body=b"data: " + orjson.dumps(answer) + b"\n\ndata: [DONE]\n\n",
+                                headers=SSE_HEADERS)
+    return web.Response(body=orjson.dumps(answer), content_type="application/json")

@@ -1,0 +1,200 @@
+"""Fleet-wide building blocks of the control flows: fan a call out to many servers, read the live weight
+version of each, and wait until a set of servers is really quiet (router side and server side)."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Awaitable, Callable, Iterable
+
+from ..registry import Registry, Worker
+from ..upstream import Load, Reply, Upstream
+
+logger = logging.getLogger(__name__)
+
+INFO_TIMEOUT = 5.0
+POLL_FIRST, POLL_MAX = 0.01, 0.25
+ABORT_REPEAT_SECS = 0.25  # abort mode: abort again on servers that are still busy after this long
+
+
+@dataclass(slots=True)
+class Outcome:
+    """One server's answer to one fan-out call."""
+
+    worker: Worker
+    success: bool
+    status: int
+    message: str
+    data: object = None
+    extra: dict = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, worker: Worker, reply: Reply, **extra) -> "Outcome":
+        return cls(worker, reply.success(), reply.status, _message(reply), reply.data, extra)
+
+    @property
+    def answered(self) -> bool:
+        """The server gave an answer of its own (a refusal is an answer; unreachable or a 5xx is not)."""
+        return 0 < self.status < 500
+
+    def to_dict(self) -> dict:
+        return {"url": self.worker.url, "role": self.worker.role.value, "success": self.success,
+                "status": self.status, "message": self.message, **self.extra}
+
+
+def _message(reply: Reply) -> str:
+    if reply.status == 0:
+        return f"unreachable: {reply.text}"
+    if isinstance(reply.data, dict):
+        return reply.message()
+    return reply.text.strip()[:500]
+
+
+async def fan_out(workers: Iterable[Worker], call: Callable[[Worker], Awaitable[Outcome]]) -> list[Outcome]:
+    workers = list(workers)
+    return list(await asyncio.gather(*(call(w) for w in workers)))
+
+
+def http_status(outcomes: list[Outcome]) -> int:
+    """200 when every server succeeded; 502 when one did not answer (unreachable, 5xx); else 400 (SGLang's
+    status for a refused control call)."""
+    if all(o.success for o in outcomes):
+        return 200
+    if any(not o.success and not o.answered for o in outcomes):
+        return 502
+    return 400
+
+
+def summary(outcomes: list[Outcome], what: str) -> str:
+    failed = [o for o in outcomes if not o.success]
+    if not failed:
+        messages = {o.message for o in outcomes}
+        return messages.pop() if len(messages) == 1 else f"{what} succeeded on {len(outcomes)} servers."
+    details = "; ".join(f"{o.worker.url} ({o.worker.role}): {o.message}" for o in failed)
+    return f"{what} failed on {len(failed)} of {len(outcomes)} servers: {details}"
+
+
+# ---- weight versions ---------------------------------------------------------------------------------
+async def live_weight_version(upstream: Upstream, worker: Worker, timeout: float = INFO_TIMEOUT) -> str | None:
+    """The version the server serves now. 0.5.23: `/server_info` internal_states[0].weight_version (the
+    scheduler's, as in every answer's meta_info; `/model_info` can lag it); 0.5.6: `GET
+    /get_weight_version`; older: whatever `/model_info` says."""
+    reply = await upstream.server_info(worker.url, timeout=timeout)
+    if reply.ok and isinstance(reply.data, dict):
+        states = reply.data.get("internal_states")
+        if isinstance(states, list) and states and isinstance(states[0], dict):
+            version = states[0].get("weight_version")
+            if version is not None:
+                return str(version)
+    elif reply.status == 0:
+        return None
+    legacy = await upstream.get(worker.url, "/get_weight_version", timeout=timeout)
+    if legacy.ok and isinstance(legacy.data, dict) and legacy.data.get("weight_version") is not None:
+        return str(legacy.data["weight_version"])
+    info = await upstream.model_info(worker.url, timeout=timeout)
+    if info.ok and isinstance(info.data, dict) and info.data.get("weight_version") is not None:
+        return str(info.data["weight_version"])
+    return None
+
+
+@dataclass(slots=True)
+class FleetVersion:
+    version: str | None  # the one version every routable server reports, else None
+    consistent: bool
+    workers: list[dict]
+
+    def to_dict(self) -> dict:
+        return {"weight_version": self.version, "consistent": self.consistent, "workers": self.workers}
+
+
+async def fleet_weight_version(registry: Registry, upstream: Upstream, workers: list[Worker] | None = None,
+                               timeout: float = INFO_TIMEOUT) -> FleetVersion:
+    """Read every server's live version; the fleet's version is the one its routable servers agree on.
+    Servers left out of routing are listed (with `routable: false`) but do not make the fleet disagree."""
+    workers = list(registry.workers()) if workers is None else workers
+    versions = await asyncio.gather(*(live_weight_version(upstream, w, timeout) for w in workers))
+    rows = []
+    for worker, version in zip(workers, versions):
+        if version is not None and version != worker.weight_version and registry.find(worker.id) is worker:
+            registry.update_info(worker, weight_version=version)
+        rows.append({"url": worker.url, "role": worker.role.value, "weight_version": version,
+                     "state": worker.state.value, "routable": worker.routable})
+    served = {row["weight_version"] for row in rows if row["routable"]}
+    if not served:  # nothing routable: the fleet's version is whatever the servers agree on, if they do
+        served = {row["weight_version"] for row in rows}
+    consistent = len(served) == 1 and None not in served
+    return FleetVersion(served.pop() if consistent else None, consistent, rows)
+
+
+def most_common(values: Iterable[str | None]) -> str | None:
+    counts = collections.Counter(v for v in values if v is not None)
+    return counts.most_common(1)[0][0] if counts else None
+
+
+# ---- quiescing ---------------------------------------------------------------------------------------
+@dataclass(slots=True)
+class Quiet:
+    ok: bool
+    duration_s: float
+    busy: list[dict]  # what was still running at the deadline
+    aborts_sent: int = 0
+    silent: list[str] = field(default_factory=list)  # servers that tell nothing about their load
+
+
+async def wait_quiet(registry: Registry, upstream: Upstream, workers: list[Worker], deadline: float, *,
+                     abort: bool) -> Quiet:
+    """Wait until no routed request holds any of `workers` and each server reports nothing running or
+    waiting (`/v1/loads`, else `/get_load`). With `abort`, send `abort_all` first and again to servers
+    still busy every ABORT_REPEAT_SECS (SGLang's abort is asynchronous, and a leg already on the wire
+    can reach the server after it). The caller holds admission, so nothing new arrives from the router."""
+    started = time.monotonic()
+    aborts = 0
+
+    async def abort_all(targets: list[Worker]) -> None:
+        nonlocal aborts
+        aborts += len(targets)
+        await asyncio.gather(*(upstream.abort(w.url, abort_all=True, timeout=INFO_TIMEOUT) for w in targets))
+
+    if abort:
+        await abort_all(workers)
+    last_abort = time.monotonic()
+    delay = POLL_FIRST
+    silent: set[Worker] = set()
+    while True:
+        busy: list[dict] = [{"url": w.url, "role": w.role.value, "router_inflight": w.inflight}
+                            for w in workers if w.inflight]
+        busy_workers = [w for w in workers if w.inflight]
+        if not busy:
+            loads = await asyncio.gather(*(upstream.load(w.url, timeout=INFO_TIMEOUT) for w in workers))
+            for worker, load in zip(workers, loads):
+                if load is None:
+                    silent.add(worker)
+                elif not load.idle:
+                    busy.append({"url": worker.url, "role": worker.role.value, "running": load.running,
+                                 "waiting": load.waiting})
+                    busy_workers.append(worker)
+            if not busy:
+                if silent:
+                    logger.warning("servers %s report no load: quiet judged from the router's side only",
+                                   ", ".join(w.url for w in silent))
+                return Quiet(True, time.monotonic() - started, [], aborts, sorted(w.url for w in silent))
+        now = time.monotonic()
+        if now >= deadline:
+            return Quiet(False, now - started, busy, aborts, sorted(w.url for w in silent))
+        if abort and now - last_abort >= ABORT_REPEAT_SECS:
+            await abort_all(busy_workers)
+            last_abort = time.monotonic()
+        wait = min(delay, max(deadline - time.monotonic(), 0))
+        routed = [w for w in busy_workers if w.inflight]
+        if routed:  # wake as soon as the router's side empties, polling the servers otherwise
+            await registry.wait_idle(routed[0], wait)
+        else:
+            await asyncio.sleep(wait)
+        delay = min(delay * 1.5, POLL_MAX)
+
+
+def load_summary(load: Load | None) -> dict | None:
+    return None if load is None else {"running": load.running, "waiting": load.waiting}

@@ -1,0 +1,83 @@
+"""The live requests of the router: every attempt in flight, indexed by rid.
+
+The request path adds an attempt once its pair and rids are chosen and removes it when the attempt ends;
+the control API reads it to abort one request on exactly the two servers that hold it, or to mark every
+request on a set of servers before the router aborts them (so the request path can tell a router-made
+abort from a failure, and knows whether to re-send or to answer with the abort).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Iterable, Iterator
+
+if TYPE_CHECKING:
+    from .proxy import Attempt
+    from .registry import Worker
+
+# What the request path does with an attempt that an operator (or a flow) aborted.
+RETRY = "retry"  # aborted before its first token: re-send once the fleet is open again
+ANSWER = "answer"  # give the client SGLang's abort answer (with the partial output, if any)
+
+
+class LiveRequests:
+    __slots__ = ("_attempts", "_by_rid")
+
+    def __init__(self) -> None:
+        self._attempts: set[Attempt] = set()
+        self._by_rid: dict[str, Attempt] = {}
+
+    # ---- request path (hot) ------------------------------------------------------------------------
+    def add(self, attempt: "Attempt") -> None:
+        self._attempts.add(attempt)
+        for rid in attempt.rids:
+            self._by_rid[rid] = attempt
+
+    def discard(self, attempt: "Attempt") -> None:
+        self._attempts.discard(attempt)
+        by_rid = self._by_rid
+        for rid in attempt.rids:
+            if by_rid.get(rid) is attempt:
+                del by_rid[rid]
+
+    # ---- control -----------------------------------------------------------------------------------
+    def __len__(self) -> int:
+        return len(self._attempts)
+
+    def __contains__(self, attempt: "Attempt") -> bool:
+        return attempt in self._attempts
+
+    def __iter__(self) -> Iterator["Attempt"]:
+        return iter(list(self._attempts))
+
+    def on(self, workers: Iterable["Worker"]) -> list["Attempt"]:
+        """Attempts with a leg on any of these workers."""
+        wanted = set(workers)
+        return [a for a in self._attempts if a.prefill in wanted or a.decode in wanted]
+
+    def by_rid(self, rid: str) -> tuple["Attempt", list[str]] | None:
+        """The attempt that knows `rid`, and the rids to abort on its servers: the rid itself and, for a
+        parent rid, the `rid_i` of its sequences (SGLang 0.5.23 aborts by exact rid). Falls back to a
+        prefix match (older servers matched rids as prefixes)."""
+        attempt = self._by_rid.get(rid)
+        if attempt is None:
+            for known, candidate in self._by_rid.items():
+                if known.startswith(rid):
+                    attempt = candidate
+                    break
+            if attempt is None:
+                return None
+        child = rid + "_"
+        rids = [r for r in attempt.rids if r == rid or r.startswith(child)]
+        if not rids:  # prefix match: every rid of the attempt under that prefix
+            rids = [r for r in attempt.rids if r.startswith(rid)]
+        return attempt, rids
+
+    @staticmethod
+    def mark(attempts: Iterable["Attempt"], action: str) -> int:
+        """Tell the request path what to do when these attempts come back aborted."""
+        count = 0
+        for attempt in attempts:
+            if attempt.abort_action is None or action == ANSWER:
+                attempt.abort_action = action
+            count += 1
+        return count
