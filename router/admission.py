@@ -42,6 +42,11 @@ class Admission:
     def waiting(self) -> int:
         return len(self._waiters)
 
+    @property
+    def hold_reasons(self) -> str:
+        """What holds the fleet (a weight update, a pause, released memory), for messages."""
+        return ", ".join(sorted(self._holds)) or "nothing"
+
     def hold(self, reason: str) -> None:
         self._holds.add(reason)
         self._open.clear()
@@ -60,7 +65,7 @@ class Admission:
         try:
             await asyncio.wait_for(self._open.wait(), max(remaining, 0))
         except asyncio.TimeoutError:
-            raise ServiceUnavailable("the fleet is held (weight update in progress) past the request deadline",
+            raise ServiceUnavailable(f"the fleet is held ({self.hold_reasons}) past the request deadline",
                                      headers={"Retry-After": "5"}) from None
 
     # ---- slots -----------------------------------------------------------------------------------
@@ -83,7 +88,7 @@ class Admission:
             if self.is_open:
                 raise TooManyRequests("too many requests in flight and the wait queue is full",
                                       headers={"Retry-After": "1"})
-            raise ServiceUnavailable("the fleet is held (weight update in progress) and the wait queue is full",
+            raise ServiceUnavailable(f"the fleet is held ({self.hold_reasons}) and the wait queue is full",
                                      headers={"Retry-After": "5"})
         waiter = asyncio.get_running_loop().create_future()
         self._waiters.append(waiter)

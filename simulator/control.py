@@ -50,6 +50,12 @@ def add_routes(router: web.UrlDispatcher, worker: "Worker") -> None:
     if v.at_least("0.5.23"):
         router.add_post("/begin_weight_update", c.begin_weight_update)
         router.add_post("/end_weight_update", c.end_weight_update)
+    for method in ("GET", "POST"):  # SGLang's api_route takes both
+        router.add_route(method, "/release_memory_occupation", c.release_memory_occupation)
+        router.add_route(method, "/resume_memory_occupation", c.resume_memory_occupation)
+
+
+MEMORY_TAGS = ("kv_cache", "weights", "cuda_graph")  # GPU_MEMORY_ALL_TYPES
 
 
 class Control:
@@ -296,3 +302,33 @@ class Control:
         self.engine.model_version = version
         return json_response({"success": True, "message": f"Weight version updated to {version}",
                               "new_version": version})
+
+    # ------------------------------------------------------------ memory (RL colocation)
+
+    async def _memory_tags(self, request: web.Request, handler: str) -> Any:
+        body = await read_json(request, handler=handler) if request.body_exists else {}
+        if is_response(body):
+            return body
+        tags = body.get("tags") if isinstance(body, dict) else None
+        if tags is not None and (not isinstance(tags, list) or not all(isinstance(t, str) for t in tags)):
+            return json_response({"error": {"message": "tags must be a list of strings or null"}}, 400)
+        return set(tags or MEMORY_TAGS)
+
+    async def release_memory_occupation(self, request: web.Request) -> web.Response:
+        """0.5.23: the scheduler asserts it is idle (a paused server's queue does not count); success answers
+        200 with a null body (the handler returns nothing), a failure 400 ``{"error": {"message"}}``."""
+        tags = await self._memory_tags(request, "release_memory_occupation")
+        if is_response(tags):
+            return tags
+        if not self.engine.is_fully_idle(ignore_waiting=self.engine.is_pause):
+            return json_response({"error": {"message": "release_memory_occupation should be called only when "
+                                                       "server is idle."}}, 400)
+        self.engine.released_memory |= tags
+        return json_response(None)
+
+    async def resume_memory_occupation(self, request: web.Request) -> web.Response:
+        tags = await self._memory_tags(request, "resume_memory_occupation")
+        if is_response(tags):
+            return tags
+        self.engine.released_memory -= tags
+        return json_response(None)

@@ -217,6 +217,7 @@ class Engine:
         self.unhealthy = False  # a failed role switch left this worker broken
         self.switch_in_progress = False
         self.weight_session_open = False
+        self.released_memory: set[str] = set()  # GPU memory tags given back, until resumed
         self.flush_pending = False
         self.last_gen_throughput = 0.0
 
@@ -758,6 +759,7 @@ class Engine:
             "weight_lock": {"readers": self.lock.readers, "writer": self.lock.writer,
                             "waiting_writers": self.lock.waiting_writers},
             "weight_session_open": self.weight_session_open,
+            "released_memory": sorted(self.released_memory),
             "rooms": self.rooms.snapshot(),
             "used_tokens": self.used_tokens,
             "deferred_release_s": max(0.0, round(self.deferred_release_until - time.monotonic(), 3)),
