@@ -43,3 +43,12 @@ def test_instant_servers_answer_like_sglang(tmp_path):
     assert procs.http_status(fleet.decode[0] + "/health") is None
     with pytest.raises(ProcessLookupError):  # nothing left in nginx's process group (master and workers)
         os.killpg(pid, 0)
+
+
+async def test_client_cost_measures_each_client_against_the_backend(tmp_path):
+    from bench.client_cost import compare
+
+    with CeilingFleet(tmp_path) as fleet:
+        costs = await compare(fleet.decode[0], requests=200, concurrency=4)  # each raises on a non-200
+    assert set(costs) == {"aiohttp pooled", "aiohttp new connection", "minimal protocol"}
+    assert all(micros > 0 for micros in costs.values())
