@@ -48,6 +48,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--faults", default="", help='faults set on every worker once up (POST /_sim/faults), e.g. '
                                                 '\'{"error_rate": 0.1, "error_status": 500}\'')
     p.add_argument("--convert-mode", choices=("drain", "abort"), default="drain", help="convert: how to empty the server")
+    p.add_argument("--update-mode", choices=("drain", "abort"), default="drain",
+                   help="weights: let in-flight requests finish, or abort them (abort_all_requests)")
     p.add_argument("--out", type=Path, default=None, help="run directory (default: a new temporary one)")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     return p
@@ -91,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     options = RunOptions(load=load, workdir=workdir, prefill=args.prefill, decode=args.decode,
                          worker_args=tuple(shlex.split(args.worker_args)),
                          extra_router_args=tuple(shlex.split(args.router_args)), faults=faults)
-    scenario = scenario_cls(convert_mode=args.convert_mode)
+    scenario = scenario_cls(convert_mode=args.convert_mode, update_mode=args.update_mode)
     try:
         import uvloop  # noqa: PLC0415
 

@@ -20,8 +20,8 @@ import orjson
 
 from .load import LoadOptions, LoadRun
 from .stack import DEFAULT_WORKER_ARGS, SimWorker, Stack, wait_until
-from .summary import (Check, Event, Summary, check_answers, check_no_aborts, check_no_errors, stats_of)
-from .workload import ABORTED, ERROR
+from .summary import (Check, Event, Summary, check_answers, check_no_aborts, check_no_errors, phases, stats_of)
+from .workload import ABORTED, ERROR, OK
 
 SERVED_AFTER_CHANGE = 5  # answers a worker must serve in its new role / after rejoining to count as back
 
@@ -136,6 +136,12 @@ class Convert(Scenario):
                      and not any(r["start"] <= e.end and r["end"] >= e.start for e in windows)]
             checks.append(Check("aborted answers only during a conversion", not stray,
                                 f"{sum(r['outcome'] == ABORTED for r in records)} aborted, {len(stray)} outside"))
+            unseen = [r for r in records if r["outcome"] == ABORTED and r["ttft_ms"] is None]
+            checks.append(Check("aborted answers only once tokens were streamed", not unseen,
+                                "the router re-sends the others" if not unseen else
+                                f"{len(unseen)} aborted before the client saw a token (whole or stream): "
+                                + ", ".join(f"{r['id']} {r['route']}{' stream' if r['stream'] else ''}"
+                                            for r in unseen[:3])))
         return checks
 
 
@@ -211,7 +217,85 @@ class KillDecode(Scenario):
         return checks
 
 
-SCENARIOS: dict[str, type[Scenario]] = {s.name: s for s in (Steady, Convert, KillDecode)}
+class UpdateWeights(Scenario):
+    name = "weights"
+    help = "the fleet's weights are updated twice through the router (/update_weights_from_disk) under load"
+    default_duration_s = 40.0
+    min_duration_s = 15.0
+    VERSIONS = ("loadtest-v1", "loadtest-v2")
+
+    async def act(self, ctx: Context) -> None:
+        stack = ctx.stack
+        status, info = await stack.router_call("GET", "/get_model_info", timeout=10)
+        model_path = info.get("model_path") if status == 200 and isinstance(info, dict) else None
+        if not model_path:
+            raise RuntimeError(f"GET /get_model_info answered {status}: {info}")
+        await ctx.load.wait_answers(10, timeout=30, what="answers before the first update")
+        ctx.notes["updates"] = []
+        for fraction, version in zip((0.25, 0.6), self.VERSIONS):
+            await ctx.at(fraction)
+            await self._update(ctx, model_path, version)
+
+    async def _update(self, ctx: Context, model_path: str, version: str) -> None:
+        stack = ctx.stack
+        mode = self.options.get("update_mode") or "drain"
+        body = {"model_path": model_path, "weight_version": version}
+        if mode == "abort":
+            body["abort_all_requests"] = True
+        start = time.time()
+        status, answer = await stack.router_call("POST", "/update_weights_from_disk", body, timeout=120)
+        end = time.time()
+        ok = status == 200 and isinstance(answer, dict) and answer.get("success") is True
+        detail = f"HTTP {status}: {answer.get('message') if isinstance(answer, dict) else answer}"
+        ctx.events.append(Event(f"update weights to {version} ({mode})", start, end, detail[:200]))
+        ctx.notes["updates"].append({"version": version, "start": start, "end": end, "ok": ok})
+        if not ctx.check(f"update to {version} succeeded", ok, detail[:300]):
+            return
+        workers = await stack.router_workers()
+        stale = [f"{w['url']} {w['weight_version']} ({w['state']})" for w in workers if w["weight_version"] != version]
+        ctx.check(f"every worker reports {version}", not stale, "; ".join(stale) or f"{len(workers)} workers")
+        await ctx.load.wait_answers(SERVED_AFTER_CHANGE, since=end, timeout=20,
+                                    what=f"{SERVED_AFTER_CHANGE} answers after the update to {version}")
+
+    def judge(self, ctx: Context, records: list[dict]) -> list[Check]:
+        checks = [check_no_errors(records)]
+        updates = ctx.notes.get("updates") or []
+        if (self.options.get("update_mode") or "drain") == "drain":
+            checks.append(check_no_aborts(records))
+        else:
+            stray = [r for r in records if r["outcome"] == ABORTED
+                     and not any(r["start"] <= u["end"] and r["end"] >= u["start"] for u in updates)]
+            checks.append(Check("aborted answers only during an update", not stray,
+                                f"{sum(r['outcome'] == ABORTED for r in records)} aborted, {len(stray)} outside"))
+        checks.extend(version_checks(records, updates, initial="default"))
+        return checks
+
+
+def version_checks(records: list[dict], updates: list[dict], initial: str) -> list[Check]:
+    """Answers sent after an update ended carry its version (until the next update began); answers that
+    ended before an update began carry the version before it. Streamed OpenAI answers carry none."""
+    checks = []
+    versioned = [r for r in records if r["outcome"] == OK and r.get("weight_version") is not None]
+    previous = initial
+    for i, update in enumerate(updates):
+        if not update["ok"]:
+            break
+        next_start = updates[i + 1]["start"] if i + 1 < len(updates) else float("inf")
+        after = [r for r in versioned if update["end"] <= r["start"] and r["end"] <= next_start]
+        wrong = [r for r in after if r["weight_version"] != update["version"]]
+        checks.append(Check(f"answers sent after the update carry {update['version']}", bool(after) and not wrong,
+                            f"{len(after)} answers, {len(wrong)} with another version"
+                            + (f": {wrong[0]['id']} has {wrong[0]['weight_version']}" if wrong else "")))
+        before = [r for r in versioned if r["end"] <= update["start"]
+                  and (i == 0 or updates[i - 1]["end"] <= r["start"])]
+        old = [r for r in before if r["weight_version"] != previous]
+        checks.append(Check(f"answers done before the update carry {previous}", not old,
+                            f"{len(before)} answers, {len(old)} with another version"))
+        previous = update["version"]
+    return checks
+
+
+SCENARIOS: dict[str, type[Scenario]] = {s.name: s for s in (Steady, Convert, UpdateWeights, KillDecode)}
 
 
 def failed_requests_in_router_log(path: Path) -> dict[str, dict]:
@@ -277,6 +361,8 @@ async def run(scenario: Scenario, options: RunOptions) -> Summary:
         records = load.records()
         stats = stats_of(records)
         checks = [check_answers(stats), *ctx.checks, *scenario.judge(ctx, records)]
+        if ctx.events:
+            ctx.notes["phases"] = phases(records, ctx.events)
     finally:
         await stack.stop()
     return _saved(Summary(scenario.name, stats, checks, ctx.events, ctx.notes, str(workdir)))

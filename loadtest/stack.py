@@ -75,17 +75,25 @@ def spawn(name: str, argv: list[str], workdir: Path, *, stdout_path: Path | None
     return Process(name, popen, log_path)
 
 
-def stop_process(proc: Process, grace: float = 10.0) -> None:
-    """SIGTERM the process group, SIGKILL what is left after `grace` seconds."""
-    if proc.popen.poll() is None:
+def stop_processes(procs: list[Process], grace: float = 10.0) -> None:
+    """SIGTERM every process group at once, SIGKILL what is left after `grace` seconds."""
+    for proc in procs:
+        if proc.popen.poll() is None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(proc.pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    for proc in procs:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.popen.wait(timeout=max(deadline - time.monotonic(), 0.01))
+    for proc in procs:
         with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(proc.pid, signal.SIGTERM)
+            os.killpg(proc.pid, signal.SIGKILL)  # the leader may be gone while its children live on
         with contextlib.suppress(subprocess.TimeoutExpired):
             proc.popen.wait(timeout=grace)
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(proc.pid, signal.SIGKILL)  # the leader may be gone while its children live on
-    with contextlib.suppress(subprocess.TimeoutExpired):
-        proc.popen.wait(timeout=grace)
+
+
+def stop_process(proc: Process, grace: float = 10.0) -> None:
+    stop_processes([proc], grace)
 
 
 async def wait_until(condition: Callable[[], Any], *, timeout: float, what: str, interval: float = 0.1,
@@ -200,7 +208,7 @@ class Stack:
             await self.session.close()
             self.session = None
         procs = [p for p in (self.router, *(w.restarted for w in self.workers), self.fleet) if p is not None]
-        await asyncio.get_running_loop().run_in_executor(None, lambda: [stop_process(p) for p in procs])
+        await asyncio.get_running_loop().run_in_executor(None, stop_processes, procs)
 
     async def __aenter__(self) -> "Stack":
         return await self.start()

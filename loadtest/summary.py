@@ -86,6 +86,32 @@ def stats_of(records: Iterable[dict]) -> Stats:
     return stats
 
 
+def phases(records: list[dict], events: list[Event]) -> dict[str, Any]:
+    """Good answers before the first event, overlapping an event, and after the last one: count, p50/p99
+    e2e and TTFT, and the ratio of the disturbed phase's p99 to the calm one's (same run, same load)."""
+    if not events:
+        return {}
+    first = min(e.start for e in events)
+    last = max(e.end for e in events)
+    good = [r for r in records if r["outcome"] == OK]
+    groups = {
+        "before": [r for r in good if r["end"] < first],
+        "during": [r for r in good if any(r["start"] <= e.end and r["end"] >= e.start for e in events)],
+        "after": [r for r in good if r["start"] > last],
+    }
+    out: dict[str, Any] = {}
+    for name, group in groups.items():
+        e2e = [r["e2e_ms"] for r in group]
+        ttft = [r["ttft_ms"] for r in group if r.get("ttft_ms") is not None]
+        out[name] = {"n": len(group), "e2e_p50_ms": percentile(e2e, 50), "e2e_p99_ms": percentile(e2e, 99),
+                     "ttft_p99_ms": percentile(ttft, 99)}
+    calm, busy = out["before"], out["during"]
+    for key in ("e2e_p99_ms", "ttft_p99_ms"):
+        if calm[key] and busy[key] is not None:
+            out[f"during_vs_before_{key[:-3]}"] = round(busy[key] / calm[key], 2)
+    return out
+
+
 @dataclass
 class Summary:
     scenario: str
@@ -124,6 +150,15 @@ class Summary:
             lines.append("  by route:   " + ", ".join(
                 f"{name} {row[OK]}" + (f"/{row[ABORTED]}a" if row[ABORTED] else "")
                 + (f"/{row[ERROR]}e" if row[ERROR] else "") for name, row in sorted(s.by_route.items())))
+        ph = self.notes.get("phases") or {}
+        if ph:
+            lines.append("  phases:     " + "; ".join(
+                f"{name} {ph[name]['n']} answers, e2e p99 {ms(ph[name]['e2e_p99_ms'])} ms"
+                for name in ("before", "during", "after")))
+            ratios = [f"{key[len('during_vs_before_'):]} x{value:.2f}" for key, value in ph.items()
+                      if key.startswith("during_vs_before_")]
+            if ratios:
+                lines.append("  during the events vs before (p99): " + ", ".join(ratios))
         for e in self.events:
             lines.append(f"  event  {e.name}: {e.seconds:.2f} s{': ' + e.detail if e.detail else ''}")
         for c in self.checks:

@@ -7,8 +7,8 @@ import random
 import orjson
 import pytest
 
-from loadtest.scenarios import failed_requests_in_router_log
-from loadtest.summary import check_no_aborts, check_no_errors, percentile, stats_of
+from loadtest.scenarios import failed_requests_in_router_log, version_checks
+from loadtest.summary import Event, check_no_aborts, check_no_errors, percentile, phases, stats_of
 from loadtest.workload import (ABORTED, ERROR, OK, ROUTES, ArrivalClock, Lengths, make_prompt, parse_route_weights)
 from simulator.tokens import encode
 
@@ -193,3 +193,34 @@ def test_router_log_failures_by_request_id(tmp_path):
     log.write_bytes(b"\n".join(orjson.dumps(x) for x in lines) + b"\nnot json\n{broken\n")
     assert failed_requests_in_router_log(log) == {"a": lines[0]}
     assert failed_requests_in_router_log(tmp_path / "missing.log") == {}
+
+
+def versioned(i: int, start: float, end: float, version: str | None) -> dict:
+    return {**record(i, start=start, e2e=(end - start) * 1000), "weight_version": version}
+
+
+def test_version_checks_around_updates():
+    updates = [{"version": "v1", "start": 10.0, "end": 11.0, "ok": True},
+               {"version": "v2", "start": 20.0, "end": 21.0, "ok": True}]
+    good = [versioned(0, 1, 9, "default"), versioned(1, 9.5, 12, "default"),  # in flight at the update: either
+            versioned(2, 11, 12, "v1"), versioned(3, 15, 19, "v1"), versioned(4, 22, 23, "v2"),
+            versioned(5, 22, 23, None)]  # streamed OpenAI answers carry no version
+    checks = version_checks(good, updates, initial="default")
+    assert [c.passed for c in checks] == [True] * 4, checks
+    stale = version_checks(good + [versioned(6, 21.5, 22, "v1")], updates, initial="default")
+    assert [c.name for c in stale if not c.passed] == ["answers sent after the update carry v2"]
+    early = version_checks(good + [versioned(7, 2, 3, "v1")], updates, initial="default")
+    assert [c.name for c in early if not c.passed] == ["answers done before the update carry default"]
+    # an update with no answer after it proves nothing
+    assert not version_checks(good[:2], updates[:1], initial="default")[0].passed
+
+
+def test_phases_split_answers_around_the_events():
+    records = [record(i, start=float(i), e2e=100.0) for i in range(5)]  # 0..4 s, 0.1 s each
+    records += [record(10, start=5.0, e2e=400.0), record(11, start=5.2, e2e=300.0), record(12, ERROR, start=5.1)]
+    records += [record(20 + i, start=7.0 + i, e2e=100.0) for i in range(3)]
+    out = phases(records, [Event("update", 5.3, 5.5)])
+    assert (out["before"]["n"], out["during"]["n"], out["after"]["n"]) == (5, 2, 3)  # the error is left out
+    assert out["during"]["e2e_p99_ms"] == pytest.approx(399.0)
+    assert out["during_vs_before_e2e_p99"] == pytest.approx(3.99)
+    assert phases(records, []) == {}
