@@ -23,6 +23,7 @@ from .stack import DEFAULT_WORKER_ARGS, SimWorker, Stack, wait_until
 from .summary import (Check, Event, Summary, check_answers, check_no_aborts, check_no_errors, phases, stats_of)
 from .workload import ABORTED, ERROR, OK
 
+WARMUP_S = 3.0  # the first seconds of load (users starting at once) are left out of the "before" phase
 SERVED_AFTER_CHANGE = 5  # answers a worker must serve in its new role / after rejoining to count as back
 
 
@@ -362,7 +363,9 @@ async def run(scenario: Scenario, options: RunOptions) -> Summary:
         stats = stats_of(records)
         checks = [check_answers(stats), *ctx.checks, *scenario.judge(ctx, records)]
         if ctx.events:
-            ctx.notes["phases"] = phases(records, ctx.events)
+            warmup = min(WARMUP_S, 0.1 * options.load.duration_s)
+            first_sent = min((r["start"] for r in records), default=load.started_at)
+            ctx.notes["phases"] = phases(records, ctx.events, warmup_until=first_sent + warmup)
     finally:
         await stack.stop()
     return _saved(Summary(scenario.name, stats, checks, ctx.events, ctx.notes, str(workdir)))

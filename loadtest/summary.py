@@ -86,16 +86,17 @@ def stats_of(records: Iterable[dict]) -> Stats:
     return stats
 
 
-def phases(records: list[dict], events: list[Event]) -> dict[str, Any]:
-    """Good answers before the first event, overlapping an event, and after the last one: count, p50/p99
-    e2e and TTFT, and the ratio of the disturbed phase's p99 to the calm one's (same run, same load)."""
+def phases(records: list[dict], events: list[Event], warmup_until: float = 0.0) -> dict[str, Any]:
+    """Good answers before the first event (those sent after `warmup_until`: the first answers of a run
+    include its ramp), overlapping an event, and after the last one: count, p50/p99 e2e and TTFT, and the
+    ratio of the disturbed phase's p99 to the calm one's (same run, same load)."""
     if not events:
         return {}
     first = min(e.start for e in events)
     last = max(e.end for e in events)
     good = [r for r in records if r["outcome"] == OK]
     groups = {
-        "before": [r for r in good if r["end"] < first],
+        "before": [r for r in good if warmup_until <= r["start"] and r["end"] < first],
         "during": [r for r in good if any(r["start"] <= e.end and r["end"] >= e.start for e in events)],
         "after": [r for r in good if r["start"] > last],
     }
