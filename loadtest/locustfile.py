@@ -20,13 +20,18 @@ from __future__ import annotations
 import itertools
 import os
 import random
+import sys
 import time
 
 import gevent
 import orjson
 from locust import FastHttpUser, events, task
 
-from loadtest.workload import (ABORTED, ERROR, OK, ROUTES, ArrivalClock, Lengths, Verdict, make_prompt,
+try:
+    from loadtest.workload import ROUTES
+except ImportError:  # `locust -f path/to/loadtest/locustfile.py` without pd-router installed
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from loadtest.workload import (ABORTED, ERROR, OK, ROUTES, ArrivalClock, Lengths, Verdict, make_prompt,  # noqa: E402
                                parse_route_weights)
 
 ALL_STATUSES = frozenset(range(100, 600))  # judge statuses here, keeping error bodies for the report
@@ -103,7 +108,13 @@ class LLMUser(FastHttpUser):
         super().__init__(environment)
 
     def wait_time(self) -> float:
-        return 0.0  # pacing, when asked for, happens before each request (see next_request)
+        """Closed loop: none. Fixed rate: until the next free slot (locust interrupts this wait on stop)."""
+        clock = self.workload.clock
+        if clock is None:
+            return 0.0
+        now = time.monotonic()
+        self.due = clock.take(now)
+        return max(self.due - now, 0.0)
 
     def on_start(self) -> None:
         workload = self.workload
@@ -112,18 +123,14 @@ class LLMUser(FastHttpUser):
         self.routes = list(workload.weights)
         self.route_weights = [workload.weights[name] for name in self.routes]
         self.client.client.valid_response_codes = ALL_STATUSES
+        self.due = 0.0
+        if workload.clock is not None:
+            gevent.sleep(self.wait_time())  # the first request waits for its slot too
 
     @task
     def next_request(self) -> None:
         workload = self.workload
-        lag = 0.0
-        if workload.clock is not None:
-            due = workload.clock.take(time.monotonic())
-            delay = due - time.monotonic()
-            if delay > 0:
-                gevent.sleep(delay)
-            else:
-                lag = -delay
+        lag = max(time.monotonic() - self.due, 0.0) if workload.clock is not None else 0.0
         rng = self.rng
         route = ROUTES[rng.choices(self.routes, self.route_weights)[0]]
         stream = rng.random() < workload.stream_fraction

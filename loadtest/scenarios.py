@@ -10,6 +10,7 @@ runs to its end so the summary covers it.
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -346,6 +347,7 @@ async def run(scenario: Scenario, options: RunOptions) -> Summary:
     try:
         load = LoadRun(stack.router_url, options.load, workdir)
         ctx = Context(stack, load)
+        ctx.notes["load_average_at_start"] = round(os.getloadavg()[0], 2)  # the machine's other users
         load.start()
         try:
             try:
@@ -359,6 +361,7 @@ async def run(scenario: Scenario, options: RunOptions) -> Summary:
                 ctx.check("locust ran", False, f"exit code {code}: {load.process.log_tail(500)}")
         finally:
             load.stop()
+        ctx.notes["load_average_at_end"] = round(os.getloadavg()[0], 2)
         records = load.records()
         stats = stats_of(records)
         checks = [check_answers(stats), *ctx.checks, *scenario.judge(ctx, records)]

@@ -7,6 +7,7 @@ scenario observed; `Summary.render()` is the text the command prints, `to_dict()
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import asdict, dataclass, field
 from typing import Any, Iterable
 
@@ -164,6 +165,9 @@ class Summary:
             lines.append(f"  event  {e.name}: {e.seconds:.2f} s{': ' + e.detail if e.detail else ''}")
         for c in self.checks:
             lines.append(f"  [{'ok' if c.passed else 'FAIL'}] {c.name}{': ' + c.detail if c.detail else ''}")
+        if "load_average_at_start" in self.notes:
+            lines.append(f"  machine load average {self.notes['load_average_at_start']} at start,"
+                         f" {self.notes.get('load_average_at_end')} at end ({os.cpu_count()} cores)")
         if self.workdir:
             lines.append(f"  logs, records and locust CSVs: {self.workdir}")
         return "\n".join(lines)
