@@ -195,6 +195,12 @@ async def test_safe_failure_restores_and_unsafe_failure_fails(fake_fleet, make_r
     resp = await client.post(f"/admin/workers/{worker.id}/reinstate")
     assert resp.status == 502 and worker.state is WorkerState.FAILED
     p2.role = "decode"  # the operator repaired it as a decode server
+    p2.weight_version = "v2"  # ... but it does not carry the fleet's weights
+    await wait_for(lambda: all(w.weight_version == "default" for w in client.registry.workers() if w.routable))
+    resp = await client.post(f"/admin/workers/{worker.id}/reinstate", json={})
+    assert resp.status == 409 and "weight version 'v2' differs" in (await resp.json())["error"]["message"]
+    assert worker.state is WorkerState.FAILED
+    p2.weight_version = "default"
     resp = await client.post(f"/admin/workers/{worker.id}/reinstate", json={})
     body = await resp.json()
     assert resp.status == 200, body

@@ -31,8 +31,9 @@ from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable
 
 from ..errors import BadGateway, Conflict
+from ..health import fleet_weight_version, rejoin_refusal
 from ..registry import Registry, Role, Worker, WorkerState
-from ..upstream import Reply, Upstream, bootstrap_port_of, live_role_of
+from ..upstream import Reply, Upstream, bootstrap_port_of, live_role_of, weight_version_of
 
 logger = logging.getLogger(__name__)
 
@@ -633,6 +634,13 @@ class Conversions:
                              f"{health.message()}")
         if worker.state is not WorkerState.FAILED or self.registry.find(worker.id) is not worker:
             raise Conflict(f"worker {worker.id} changed while it was being checked")
+        # Never a silent mix of weights: it must carry the version the routable fleet agrees on.
+        version = weight_version_of(server.data if server is not None else None)
+        fleet = fleet_weight_version([w.weight_version for w in self.registry.workers() if w.routable])
+        if (refusal := rejoin_refusal(version, fleet)) is not None:
+            raise Conflict(f"cannot reinstate {worker.url}: {refusal}")
+        if version is not None:
+            self.registry.update_info(worker, weight_version=version)
         role = Role(live)
         port = None
         if role is Role.PREFILL:
