@@ -15,6 +15,7 @@ import argparse
 import asyncio
 import json
 import random
+import re
 import socket
 import time
 from dataclasses import dataclass, field
@@ -46,6 +47,11 @@ class Pair:
     steps: list[dict] = field(default_factory=list)
     # how long to let a server act before checking that something did NOT happen
     settle_s: float = 1.0
+    # for calls expected to hang (a client gives up): None keeps each call's own timeout
+    hang_s: float | None = None
+
+    def hang(self, timeout: float) -> float:
+        return self.hang_s if self.hang_s is not None else timeout
 
     def url(self, role: str) -> str:
         return self.prefill if role == "prefill" else self.decode
@@ -204,7 +210,7 @@ async def generate_batch(pair: Pair) -> None:
     await pd(pair, "/generate", body, "batch_scalar_room")
     # n > 1 on one prompt
     body = pair.pd_body({"text": PROMPT, "sampling_params": {"max_new_tokens": 2, "n": 2, "temperature": 0.5}})
-    await pd(pair, "/generate", body, "parallel_n2", timeout=10)  # decode never answers: its warm-up waits
+    await pd(pair, "/generate", body, "parallel_n2", timeout=pair.hang(10))  # decode never answers: its warm-up waits
     await pair.wait_idle()
 
 
@@ -260,7 +266,8 @@ async def bootstrap_failures(pair: Pair) -> None:
 async def bootstrap_listener(pair: Pair) -> None:
     async def boot(port: int, path: str, label: str) -> None:
         started = time.monotonic()
-        step: dict[str, Any] = {"label": label, "server": f"bootstrap:{port}", "method": "GET", "path": path}
+        who = "prefill" if port == pair.prefill_bootstrap_port else "decode"
+        step: dict[str, Any] = {"label": label, "server": f"bootstrap:{who}", "method": "GET", "path": path}
         async with pair.session.get(f"http://{pair.host}:{port}{path}") as resp:  # type: ignore[union-attr]
             step["status"] = resp.status
             step["content_type"] = resp.content_type
@@ -330,7 +337,8 @@ async def abort(pair: Pair) -> None:
 async def client_disconnect(pair: Pair) -> None:
     body = pair.pd_body(_gen(LONG_TOKENS, rid="conf-disconnect"))
     calls = [
-        asyncio.create_task(pair.call(role, "POST", "/generate", body, label=f"disconnect:{role}", timeout=3))
+        asyncio.create_task(pair.call(role, "POST", "/generate", body, label=f"disconnect:{role}",
+                                          timeout=pair.hang(3)))
         for role in ("prefill", "decode")
     ]
     await asyncio.gather(*calls)
@@ -455,17 +463,18 @@ async def role_switch(pair: Pair) -> None:
         await pair.call(role, "GET", "/v1/loads", label="loads_switched")
     # generate through the swapped pair: the old decode is now prefill with its own bootstrap port
     swapped = Pair(pair.decode, pair.prefill, pair.decode_bootstrap_port, pair.prefill_bootstrap_port,
-                   pair.host, pair.session, pair.steps)
+                   pair.host, pair.session, pair.steps, pair.settle_s, pair.hang_s)
     await pd(swapped, "/generate", swapped.pd_body(_gen(4)), "swapped_generate")
     # and a request routed with the old roles (to the old prefill's bootstrap port)
     stale_route = pair.pd_body(_gen(2))
-    await pair.call("prefill", "POST", "/generate", stale_route, label="old_roles_to_new_decode", timeout=40)
+    await pair.call("prefill", "POST", "/generate", stale_route, label="old_roles_to_new_decode",
+                    timeout=pair.hang(40))
     await pair.wait_idle(timeout=120)
     # swap back
     await pair.call("decode", "POST", "/pd_role_switch", {"new_role": "decode", "decode_cuda_graph_memory_gb": 0},
                     label="back_d")
     await pair.call("prefill", "POST", "/pd_role_switch", {"new_role": "prefill"}, label="back_p")
-    await pd(pair, "/generate", pair.pd_body(_gen(4)), "generate_after_swap_back")
+    await pd(pair, "/generate", pair.pd_body(_gen(4)), "generate_after_swap_back", timeout=pair.hang(120))
 
 
 async def _wait_decoding(pair: Pair, timeout: float = 60.0) -> None:
@@ -488,7 +497,7 @@ async def extras(pair: Pair) -> None:
     for path, base in (("/v1/completions", {"prompt": PROMPT}),
                        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}]})):
         for stream in (False, True):
-            rid = f"conf-x-oai-{path.rsplit('/', 1)[-1]}-{stream}"
+            rid = f"conf-x-oai{path.replace('/', '-')}-{stream}"
             body = pair.pd_body(dict(base, model="default", max_tokens=LONG_TOKENS, stream=stream, rid=rid,
                                      ignore_eos=True))
             task = asyncio.create_task(pd(pair, path, body, f"abort_openai{path}:{stream}"))
@@ -498,7 +507,7 @@ async def extras(pair: Pair) -> None:
     comp = {"model": "default", "prompt": PROMPT, "max_tokens": 3, "stream": True,
             "stream_options": {"include_usage": True}}
     await pd(pair, "/v1/completions", pair.pd_body(comp), "completions_stream_usage")
-    await pd(pair, "/v1/completions", pair.pd_body(dict(comp, n=2, stream=False)), "completions_n2", timeout=10)
+    await pd(pair, "/v1/completions", pair.pd_body(dict(comp, n=2, stream=False)), "completions_n2", timeout=pair.hang(10))
     await pair.wait_idle()
     # a transfer-phase abort when the prefill leg never came: does the decode hold its KV?
     body = pair.pd_body(_gen(4, rid="conf-x-no-prefill"))
@@ -536,6 +545,95 @@ SCENARIOS: dict[str, Callable[[Pair], Awaitable[None]]] = {
     "convert_api": convert_api,
     "extras": extras,
 }
+
+
+# ---------------------------------------------------------------- comparing two recordings
+
+_HEX_ID = re.compile(r"\b[0-9a-f]{32}\b")
+_NUMBER = re.compile(r"\d+(\.\d+)?")
+
+
+def normalize_message(text: str) -> str:
+    """A message with ids, rooms, ports and timings replaced, and pydantic details cut to their first line."""
+    if "validation error" in text:
+        text = text.split("\n", 1)[0]
+    return _NUMBER.sub("N", _HEX_ID.sub("ID", text))
+
+
+def _kind(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "bool"
+    if isinstance(value, (int, float)):
+        return "number"
+    return type(value).__name__
+
+
+def shape_diff(real: Any, sim: Any, path: str) -> list[str]:
+    """Differences of structure: keys, kinds of values, and (normalised) messages."""
+    diffs: list[str] = []
+    if _kind(real) != _kind(sim):
+        return [f"{path}: {_kind(real)} on real, {_kind(sim)} on sim"]
+    if isinstance(real, dict) and path.endswith("]") and ".top_logprobs[" in path:
+        return []  # {token text: logprob}: the keys are the generated tokens themselves
+    if isinstance(real, dict):
+        for key in real:
+            if key not in sim:
+                diffs.append(f"{path}.{key}: missing on sim")
+        for key in sim:
+            if key not in real:
+                diffs.append(f"{path}.{key}: extra on sim")
+        for key in real:
+            if key in sim:
+                if key == "message" and isinstance(real[key], str) and isinstance(sim[key], str):
+                    if normalize_message(real[key]) != normalize_message(sim[key]):
+                        diffs.append(f"{path}.message: {normalize_message(real[key])!r} on real, "
+                                     f"{normalize_message(sim[key])!r} on sim")
+                else:
+                    diffs.extend(shape_diff(real[key], sim[key], f"{path}.{key}"))
+    elif isinstance(real, list) and real and sim:
+        diffs.extend(shape_diff(real[0], sim[0], f"{path}[0]"))
+        if len(real) > 1 and len(sim) > 1:
+            diffs.extend(shape_diff(real[-1], sim[-1], f"{path}[-1]"))
+    return diffs
+
+
+def compare_steps(scenario: str, real_steps: list[dict], sim_steps: list[dict]) -> list[str]:
+    """Step-by-step differences between a real recording and a simulated one of the same scenario."""
+    diffs: list[str] = []
+
+    def keyed(steps: list[dict]) -> dict[tuple, dict]:
+        # concurrent calls finish in any order: match steps by label, server and occurrence
+        seen: dict[tuple, int] = {}
+        out = {}
+        for step in steps:
+            key = (step.get("label"), step.get("server"))
+            seen[key] = seen.get(key, 0) + 1
+            out[key + (seen[key],)] = step
+        return out
+
+    real_by, sim_by = keyed(real_steps), keyed(sim_steps)
+    if set(real_by) != set(sim_by):
+        return [f"{scenario}: steps differ: {sorted(map(str, set(real_by) - set(sim_by)))} only on real, "
+                f"{sorted(map(str, set(sim_by) - set(real_by)))} only on sim"]
+    pairs = [(real_by[k], sim_by[k]) for k in real_by]
+    for real, sim in pairs:
+        where = f"{scenario}[{real.get('label')}@{real.get('server')}]"
+        for key in ("status", "content_type", "exception", "value"):
+            if real.get(key) != sim.get(key):
+                diffs.append(f"{where}.{key}: {real.get(key)!r} on real, {sim.get(key)!r} on sim")
+        if "text" in real or "text" in sim:
+            rt, st = real.get("text"), sim.get("text")
+            if rt is None or st is None or normalize_message(rt) != normalize_message(st):
+                diffs.append(f"{where}.text: {rt!r} on real, {st!r} on sim")
+        if "json" in real and "json" in sim:
+            diffs.extend(shape_diff(real["json"], sim["json"], f"{where}.json"))
+        elif ("json" in real) != ("json" in sim):
+            diffs.append(f"{where}.json: {'json' in real} on real, {'json' in sim} on sim")
+        if "events" in real and "events" in sim:
+            diffs.extend(shape_diff(real["events"], sim["events"], f"{where}.events"))
+    return diffs
 
 
 async def run_scenario(name: str, pair: Pair) -> list[dict]:

@@ -50,8 +50,9 @@ def server_args(worker: "Worker") -> dict[str, Any]:
         "served_model_name": cfg.model_name,
         "host": cfg.host,
         "port": worker.port,
-        "context_length": cfg.context_length,
-        "max_running_requests": cfg.max_running_requests,
+        # launch flags the real reference deployment leaves unset (the model and memory decide them)
+        "context_length": None,
+        "max_running_requests": None,
         "max_total_tokens": cfg.max_total_tokens,
         "max_total_num_tokens": cfg.max_total_tokens,
         "weight_version": cfg.weight_version,
@@ -63,6 +64,10 @@ def server_args(worker: "Worker") -> dict[str, Any]:
         "device": "sim",
         "random_seed": cfg.seed,
     })
+    # role-dependent launch defaults, as a real prefill / decode server reports them
+    if cfg.role == "prefill":
+        args.update({"hicache_ratio": 2.0, "disaggregation_decode_retraction_backup": None,
+                     "disaggregation_decode_extra_slots": None, "load_balance_method": "follow_bootstrap_room"})
     if cfg.api == "convert":
         # the earlier design rewrites server_args on conversion: the top level follows the live role
         args["disaggregation_mode"] = worker.engine.role
@@ -82,6 +87,8 @@ def internal_state(worker: "Worker", args: dict[str, Any]) -> dict[str, Any]:
     if isinstance(state.get("startup_time"), dict):
         state["startup_time"] = {k: v for k, v in state["startup_time"].items() if k != "tokenizer_e2e"}
     state.update(copy.deepcopy(tpl["internal_state_extra"]))
+    if worker.config.role == "prefill":
+        state["disaggregation_decode_retraction_backup"] = "cpu_tensor"  # what a prefill's scheduler shows
     state.update({
         "model_path": engine.model_path,
         "weight_version": engine.weight_version,
@@ -141,7 +148,7 @@ def _load_row(worker: "Worker") -> dict[str, Any]:
         "gen_throughput": engine.last_gen_throughput,
         "cache_hit_rate": round(engine.counters.cached_tokens / engine.counters.prefill_tokens, 4)
         if engine.counters.prefill_tokens else 0.0,
-        "decode_moments": row["decode_moments"] if engine.role == "decode" else None,
+        "decode_moments": row["decode_moments"] if cfg.role == "decode" else None,  # set up at launch
     })
     row["memory"]["token_capacity"] = cfg.max_total_tokens
     disagg = row["disaggregation"]
