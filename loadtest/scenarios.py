@@ -300,6 +300,34 @@ def version_checks(records: list[dict], updates: list[dict], initial: str) -> li
 SCENARIOS: dict[str, type[Scenario]] = {s.name: s for s in (Steady, Convert, UpdateWeights, KillDecode)}
 
 
+async def settled(stack: Stack, timeout: float = 10.0) -> Check:
+    """Once the load has ended, nothing may stay in flight: not in the router's counts, not on a server
+    (a leg left waiting for a KV transfer that never comes, a leaked count)."""
+    busy: list[str] = []
+
+    async def idle() -> bool:
+        busy.clear()
+        for entry in await stack.router_workers():
+            if entry["inflight"]:
+                busy.append(f"router counts {entry['inflight']} in flight on {entry['url']}")
+        for worker in stack.workers:
+            try:
+                state = await stack.sim_state(worker)
+            except Exception as exc:  # noqa: BLE001 - a server that does not answer is not idle
+                busy.append(f"{worker.url}: {type(exc).__name__}: {exc}")
+                continue
+            left = state["running_rids"] + state["waiting_rids"] + state["undispatched_rids"]
+            if left or state["inflight_calls"]:
+                busy.append(f"{worker.url} ({state['role']}): {state['inflight_calls']} calls, rids {left[:3]}")
+        return not busy
+
+    try:
+        await wait_until(idle, timeout=timeout, interval=0.2, what="nothing in flight after the load")
+        return Check("nothing left in flight", True, "router and servers idle")
+    except TimeoutError:
+        return Check("nothing left in flight", False, "; ".join(busy[:4]))
+
+
 def failed_requests_in_router_log(path: Path) -> dict[str, dict]:
     """request id -> the router's access line, for every request the router logged as not successful."""
     found: dict[str, dict] = {}
@@ -361,6 +389,7 @@ async def run(scenario: Scenario, options: RunOptions) -> Summary:
                 ctx.check("locust ran", False, f"exit code {code}: {load.process.log_tail(500)}")
         finally:
             load.stop()
+        ctx.checks.append(await settled(stack))
         ctx.notes["load_average_at_end"] = round(os.getloadavg()[0], 2)
         records = load.records()
         stats = stats_of(records)
