@@ -48,8 +48,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--faults", default="", help='faults set on every worker once up (POST /_sim/faults), e.g. '
                                                 '\'{"error_rate": 0.1, "error_status": 500}\'')
     p.add_argument("--convert-mode", choices=("drain", "abort"), default="drain", help="convert: how to empty the server")
-    p.add_argument("--update-mode", choices=("drain", "abort"), default="drain",
-                   help="weights: let in-flight requests finish, or abort them (abort_all_requests)")
+    p.add_argument("--update-mode", choices=("drain", "abort", "abort-retry"), default="drain",
+                   help="weights: let in-flight requests finish, abort them (abort_all_requests: clients get "
+                        "finish_reason abort), or abort them with retry_aborted (the router re-sends those "
+                        "without a token out)")
     p.add_argument("--out", type=Path, default=None, help="run directory (default: a new temporary one)")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     return p

@@ -138,13 +138,17 @@ class Convert(Scenario):
                      and not any(r["start"] <= e.end and r["end"] >= e.start for e in windows)]
             checks.append(Check("aborted answers only during a conversion", not stray,
                                 f"{sum(r['outcome'] == ABORTED for r in records)} aborted, {len(stray)} outside"))
-            unseen = [r for r in records if r["outcome"] == ABORTED and r["ttft_ms"] is None]
-            checks.append(Check("aborted answers only once tokens were streamed", not unseen,
-                                "the router re-sends the others" if not unseen else
-                                f"{len(unseen)} aborted before the client saw a token (whole or stream): "
-                                + ", ".join(f"{r['id']} {r['route']}{' stream' if r['stream'] else ''}"
-                                            for r in unseen[:3])))
+            checks.append(check_aborted_only_once_streaming(records))
         return checks
+
+
+def check_aborted_only_once_streaming(records: list[dict]) -> Check:
+    """With retry_aborted, the router re-sends every request it aborted before the client saw a token."""
+    unseen = [r for r in records if r["outcome"] == ABORTED and r["ttft_ms"] is None]
+    return Check("aborted answers only once tokens were streamed", not unseen,
+                 "the router re-sent the others" if not unseen else
+                 f"{len(unseen)} aborted before the client saw a token (whole or stream): "
+                 + ", ".join(f"{r['id']} {r['route']}{' stream' if r['stream'] else ''}" for r in unseen[:3]))
 
 
 class KillDecode(Scenario):
@@ -242,8 +246,10 @@ class UpdateWeights(Scenario):
         stack = ctx.stack
         mode = self.options.get("update_mode") or "drain"
         body = {"model_path": model_path, "weight_version": version}
-        if mode == "abort":
+        if mode in ("abort", "abort-retry"):
             body["abort_all_requests"] = True
+        if mode == "abort-retry":
+            body["retry_aborted"] = True  # a router field: re-send what the client has not seen a token of
         start = time.time()
         status, answer = await stack.router_call("POST", "/update_weights_from_disk", body, timeout=120)
         end = time.time()
@@ -269,6 +275,8 @@ class UpdateWeights(Scenario):
                      and not any(r["start"] <= u["end"] and r["end"] >= u["start"] for u in updates)]
             checks.append(Check("aborted answers only during an update", not stray,
                                 f"{sum(r['outcome'] == ABORTED for r in records)} aborted, {len(stray)} outside"))
+            if self.options.get("update_mode") == "abort-retry":
+                checks.append(check_aborted_only_once_streaming(records))
         checks.extend(version_checks(records, updates, initial="default"))
         return checks
 
