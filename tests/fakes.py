@@ -37,7 +37,9 @@ class FakeWorker:
         # Role switching: "0.5.23" serves /pd_role_switch, "convert" the earlier design's /convert_pd_role.
         self.api = api
         self.switch_calls: list[dict] = []
-        self.switch_fault: str | None = None  # "safe" | "unsafe" | "noop" (success without changing role)
+        # "safe" | "unsafe" | "noop" (success without changing role) | "hang" (no answer) | "late" (switches,
+        # then never answers)
+        self.switch_fault: str | None = None
         self.not_idle_refusals = 0  # refuse this many switches as "not idle" (like 0.5.23's deferred KV release)
         self.convert_bootstrap_port = 9500  # the port a decode converted by /convert_pd_role reports
         self.bootstrap_port = bootstrap_port
@@ -204,6 +206,10 @@ class FakeWorker:
         if self.api == "0.5.23" and new == "decode" and body.get("decode_cuda_graph_memory_gb") is None:
             return answer(400, False, "decode_cuda_graph_memory_gb is required before capturing decode graphs",
                           True)
+        if self.switch_fault in ("hang", "late"):
+            if self.switch_fault == "late":
+                self.role = new
+            await self.release.wait()
         if self.switch_fault == "safe":
             return answer(400, False, "injected refusal", True)
         if self.switch_fault == "unsafe":

@@ -323,3 +323,30 @@ async def test_no_conversion_starts_while_the_fleet_is_held(fake_fleet, make_rou
                                                       "server_options": {"custom": 1}})
     assert resp.status == 200
     assert p2.switch_calls == [{"new_role": "decode", "decode_cuda_graph_memory_gb": 0.0, "custom": 1}]
+
+
+async def test_unreachable_server_is_left_unchanged_in_its_pool(fake_fleet, make_router):
+    p1, p2, d1 = await fake_fleet(2, 1)
+    client = await make_router([p1, p2], [d1])
+    await p2.stop()  # nothing listens there any more: the switch cannot have reached it
+    resp = await client.post(f"/admin/workers/{worker_of(client, p2).id}/convert", json={})
+    record = await resp.json()
+    assert resp.status == 502 and record["outcome"] == "restored", record
+    assert "got no answer" in record["message"]
+    assert worker_of(client, p2).state is WorkerState.ACTIVE and worker_of(client, p2).role is Role.PREFILL
+
+
+@pytest.mark.parametrize("fault,outcome,status", [("hang", "restored", 504), ("late", "converted", 200)])
+async def test_switch_without_an_answer_is_decided_by_the_live_role(fake_fleet, make_router, fault, outcome, status):
+    p1, p2, d1 = await fake_fleet(2, 1)
+    client = await make_router([p1, p2], [d1])
+    p2.switch_fault = fault
+    resp = await client.post(f"/admin/workers/{worker_of(client, p2).id}/convert", json={"switch_timeout_s": 0.3})
+    record = await resp.json()
+    assert resp.status == status and record["outcome"] == outcome, record
+    assert record["steps"][1]["outcome"] == "timeout"
+    worker = worker_of(client, p2)
+    assert worker.state is WorkerState.ACTIVE and worker.role is Role(p2.role)
+    if fault == "late":  # it did switch: verified and moved, with a note of what happened
+        assert [s["step"] for s in record["steps"]] == ["drain", "switch", "verify"]
+        assert "the server reports role decode: verifying" in record["notes"][0]

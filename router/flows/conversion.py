@@ -488,8 +488,9 @@ class Conversions:
         delay = SWITCH_RETRY_FIRST
         while True:
             started = time.monotonic()
+            # The step's own deadline ends a call that outlives it (as a timeout); the call's is a backstop.
             reply = await self.upstream.post(worker.url, "/" + api, body,
-                                             timeout=max(deadline - started, 0.001))
+                                             timeout=max(deadline - started, 0.0) + 1.0)
             conversion.server_switch_s = time.monotonic() - started
             step.attempts += 1
             if reply.status in (404, 405):
@@ -499,7 +500,9 @@ class Conversions:
                 return reply.data if isinstance(reply.data, dict) else {}
             message = reply.message()
             if reply.status == 0:
-                raise StepFailed(f"/{api} got no answer: {message}", safe=None)
+                # Refused connections mean nothing reached the server; a timeout or a cut answer may have.
+                reached = not reply.text.startswith("ClientConnector")
+                raise StepFailed(f"/{api} got no answer: {message}", safe=None if reached else True)
             data = reply.data if isinstance(reply.data, dict) else {}
             safe = data.get("safe_to_restore")
             if _not_idle(message) and safe is not False:
