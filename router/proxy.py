@@ -497,6 +497,11 @@ class Proxy:
                     self._conclude(p, attempt)
                 if not p.task.cancelled() and p.task.exception() is None:
                     prefill_first = index_prefill_events(p.task.result()[3])
+            if p.is_open:
+                # Decode has its KV: the prefill leg holds its worker until its own answer ends, not until
+                # decode's stream does (that would count it as prefill load, and stretch prefill drains).
+                p.detach()
+                self.spawn(self._finish_later(p, attempt))
             response = web.StreamResponse(status=200, headers=SSE_HEADERS)
             record.response = response
             await response.prepare(request)
@@ -504,9 +509,6 @@ class Proxy:
             record.ttft_s = first_at - record.started
             ok = await self._relay(response, d_resp, events, splitter, prefill_first, record, first_at)
             d.finish(Outcome.SUCCESS if ok else Outcome.ERROR)
-            if p.is_open:
-                p.detach()
-                self.spawn(self._finish_later(p, attempt))
             return response
         except (asyncio.CancelledError, ClientGone):
             record.outcome = "client_disconnect"
