@@ -23,7 +23,7 @@ class Timing:
     prefill_overhead_s: float = 0.0  # fixed cost of one prefill
     prefill_per_token_s: float = 0.0  # per input token
     decode_step_s: float = 0.0  # one decode step with a single running request
-    decode_step_per_running_s: float = 0.0  # added per running request (batch cost)
+    decode_step_per_running_s: float = 0.0  # added per request decoding at the same time (batch cost)
     kv_transfer_s: float = 0.0  # prefill -> decode transfer of one room
 
     def prefill_time(self, input_tokens: int) -> float:

@@ -194,6 +194,7 @@ class Engine:
         self.waiting: deque[Req] = deque()
         self.prefill_queue: deque[Req] = deque()  # admitted, waiting for a prefill compute slot
         self.prefill_busy = 0
+        self.decoding = 0  # requests in a decode loop: the batch whose size sets the decode step time
         self.prefix_cache = PrefixCache(config.prefix_cache_tokens) if config.prefix_cache_tokens else None
         self.running = 0
         self.used_tokens = 0
@@ -524,6 +525,15 @@ class Engine:
             self.prefill_queue[0].poke()
 
     async def _decode_loop(self, req: Req, on_progress: Callable[[Req], Awaitable[None]] | None) -> None:
+        # Only requests that are decoding make the batch: on a decode server, those still waiting for their
+        # KV hold memory (self.running) but take no part in the forward passes.
+        self.decoding += 1
+        try:
+            await self._decode_steps(req, on_progress)
+        finally:
+            self.decoding -= 1
+
+    async def _decode_steps(self, req: Req, on_progress: Callable[[Req], Awaitable[None]] | None) -> None:
         req.phase = DECODE
         timing = self.config.timing
         zero = self._timing_zero
@@ -538,7 +548,7 @@ class Engine:
                                  or self.faults.faults.hang_after_tokens is None
                                  or len(req.output_ids) < self.faults.faults.hang_after_tokens)
                 continue
-            step = 0.0 if zero else timing.decode_step_time(self.running)
+            step = 0.0 if zero else timing.decode_step_time(self.decoding)
             if step:
                 await self._sleep(req, step)
                 if req.done:

@@ -119,3 +119,33 @@ def test_prefix_cache_matches_evicts_deepest_first_and_keeps_one_token_to_comput
 def test_capacity_knobs_are_validated():
     with pytest.raises(ValueError, match="prefill_concurrency"):
         WorkerConfig(prefill_concurrency=-1)
+
+
+async def test_decode_batch_counts_requests_decoding_not_those_waiting_for_kv(session):
+    """A decode server holds KV for a request whose prefill is still running, but that request is not in
+    the decode batch: only decoding requests set the step time."""
+    async with Fleet(1, 1, prefill_per_token_s=0.005, decode_step_s=0.05, **FAST) as fleet:
+        engine = fleet.decode[0].worker.engine
+        decoding = asyncio.ensure_future(pd_generate(session, fleet, {"text": "short",
+                                                                      "sampling_params": {"max_new_tokens": 40}}))
+        await wait_until(lambda: engine.decoding == 1, timeout=10)
+        waiting = asyncio.ensure_future(pd_generate(session, fleet, {"text": LONG,  # ~1 s of prefill
+                                                                     "sampling_params": {"max_new_tokens": 2}}))
+        await wait_until(lambda: engine.running == 2, timeout=10)
+        assert engine.decoding == 1
+        for (p, _), (d, _) in await asyncio.gather(decoding, waiting):
+            assert (p, d) == (200, 200)
+        assert engine.decoding == 0 and engine.running == 0
+
+
+async def test_a_released_hang_lets_the_generation_finish(session):
+    """POST /_sim/faults replaces the faults object: a decode loop must see the release (it used to spin)."""
+    async with Fleet(1, 1, **FAST) as fleet:
+        await fleet.set_faults(fleet.decode[0], hang_after_tokens=2)
+        engine = fleet.decode[0].worker.engine
+        pending = asyncio.ensure_future(pd_generate(session, fleet, {"text": "stall me",
+                                                                     "sampling_params": {"max_new_tokens": 6}}))
+        await wait_until(lambda: any(len(r.output_ids) == 2 for r in engine.requests.values()), timeout=10)
+        await fleet.set_faults(fleet.decode[0], hang_after_tokens=None)
+        (p, _), (d, out) = await asyncio.wait_for(pending, 10)
+        assert (p, d) == (200, 200) and len(out["output_ids"]) == 6
