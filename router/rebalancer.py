@@ -40,6 +40,7 @@ CONVERTING_STATES = frozenset({WorkerState.DRAINING, WorkerState.ABORTING, Worke
 class ConversionResult:
     ok: bool
     detail: str = ""
+    conversion_id: str | None = None  # the conversion flow's record (GET /admin/conversions/{id})
 
 
 class Converter(Protocol):
@@ -63,7 +64,7 @@ class FlowConverter:
             return ConversionResult(True, f"{worker.id} already is {to_role}")
         conversion.notes.append(reason)
         await conversion.wait()
-        return ConversionResult(conversion.success, f"{conversion.id} {conversion.outcome}: {conversion.message}")
+        return ConversionResult(conversion.success, f"{conversion.outcome}: {conversion.message}", conversion.id)
 
 
 def p90(values: list[float]) -> float:
@@ -200,7 +201,7 @@ class Rebalancer:
             self.applying = None
             self.state = conversion_ended(self.state, now, ok=result.ok)
             self.counters["conversions_succeeded" if result.ok else "conversions_failed"] += 1
-            record.update(ended_at=now, ok=result.ok, detail=result.detail)
+            record.update(ended_at=now, ok=result.ok, detail=result.detail, conversion_id=result.conversion_id)
             self.conversions.append(record)
             self._emit("conversion", record)
             (logger.info if result.ok else logger.warning)("rebalancer conversion of %s to %s %s: %s", worker.id,
