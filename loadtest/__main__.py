@@ -81,6 +81,10 @@ def main(argv: list[str] | None = None) -> int:
             problems.append(f"--faults must be a JSON object: {exc}")
     if duration < scenario_cls.min_duration_s:
         problems.append(f"--duration: {args.scenario} needs at least {scenario_cls.min_duration_s:g} s")
+    for role, given, needed in (("prefill", args.prefill, scenario_cls.min_prefill),
+                                ("decode", args.decode, scenario_cls.min_decode)):
+        if given is not None and given < needed:
+            problems.append(f"--{role}: {args.scenario} needs at least {needed} {role} server(s)")
     if args.users < 1:
         problems.append("--users must be at least 1")
     if problems:

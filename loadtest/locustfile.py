@@ -42,18 +42,17 @@ _id_prefix = f"lt{os.getpid():x}"
 
 @events.init_command_line_parser.add_listener
 def _add_arguments(parser) -> None:
-    group = parser  # locust's own parser: its arguments show in the web UI
-    group.add_argument("--routes", default="generate,completions,chat",
+    parser.add_argument("--routes", default="generate,completions,chat",
                        help="routes and weights: generate,completions,chat or generate=2,chat=1")
-    group.add_argument("--stream-fraction", type=float, default=0.5, help="share of streaming requests (0..1)")
-    group.add_argument("--prompt-tokens", default="128:32", help="prompt length MEAN[:STD[:LOW:HIGH]]")
-    group.add_argument("--output-tokens", default="32:8", help="answer length MEAN[:STD[:LOW:HIGH]]")
-    group.add_argument("--rate", type=float, default=0.0,
+    parser.add_argument("--stream-fraction", type=float, default=0.5, help="share of streaming requests (0..1)")
+    parser.add_argument("--prompt-tokens", default="128:32", help="prompt length MEAN[:STD[:LOW:HIGH]]")
+    parser.add_argument("--output-tokens", default="32:8", help="answer length MEAN[:STD[:LOW:HIGH]]")
+    parser.add_argument("--rate", type=float, default=0.0,
                        help="fixed arrival rate, requests/s over all users of this process (0: closed loop)")
-    group.add_argument("--model", default="default", help="model name sent to the OpenAI routes")
-    group.add_argument("--request-timeout", type=float, default=60.0, help="seconds, per request")
-    group.add_argument("--seed", type=int, default=None, help="seed of prompts, lengths and routes")
-    group.add_argument("--record-file", default="", include_in_web_ui=False,
+    parser.add_argument("--model", default="default", help="model name sent to the OpenAI routes")
+    parser.add_argument("--request-timeout", type=float, default=60.0, help="seconds, per request")
+    parser.add_argument("--seed", type=int, default=None, help="seed of prompts, lengths and routes")
+    parser.add_argument("--record-file", default="", include_in_web_ui=False,
                        help="write one JSON line per request to this file")
 
 
@@ -84,11 +83,13 @@ class Workload:
 _workload: Workload | None = None
 
 
-@events.init.add_listener
-def _on_init(environment, **_kw) -> None:
+@events.test_start.add_listener
+def _on_test_start(environment, **_kw) -> None:
+    """Read the options when a test starts (the web UI may have changed them since the command line)."""
     global _workload
-    if environment.parsed_options is not None:
-        _workload = Workload(environment.parsed_options)
+    if _workload is not None:
+        _workload.close()
+    _workload = Workload(environment.parsed_options)
 
 
 @events.quitting.add_listener

@@ -25,7 +25,7 @@ from .summary import (Check, Event, Summary, check_answers, check_no_aborts, che
 from .workload import ABORTED, ERROR, OK
 
 WARMUP_S = 3.0  # the first seconds of load (users starting at once) are left out of the "before" phase
-SERVED_AFTER_CHANGE = 5  # answers a worker must serve in its new role / after rejoining to count as back
+SERVED_AFTER_CHANGE = 5  # requests the router must send a worker in its new role / after rejoining
 
 
 @dataclass
@@ -59,7 +59,7 @@ class Context:
             return bool(current and current["role"] == role and current["requests_total"] >= base + count)
 
         await wait_until(enough, timeout=timeout, interval=0.2,
-                         what=f"{worker.url} serving {count} requests as {role}")
+                         what=f"{worker.url} given {count} requests as {role}")
         return time.monotonic() - started
 
 
@@ -70,6 +70,8 @@ class Scenario:
     decode = 2
     default_duration_s = 30.0
     min_duration_s = 5.0
+    min_prefill = 1  # what the scenario needs so that no pool empties
+    min_decode = 1
 
     def __init__(self, **options: Any) -> None:
         self.options = options
@@ -95,6 +97,7 @@ class Convert(Scenario):
     help = "a prefill server converts to decode and back through the router while the load runs"
     default_duration_s = 40.0
     min_duration_s = 15.0
+    min_prefill = 2
 
     async def act(self, ctx: Context) -> None:
         worker = ctx.stack.of_role("prefill")[0]
@@ -124,7 +127,7 @@ class Convert(Scenario):
                   f"{entry and entry['routable']}")
         if in_pool:
             took = await ctx.served(worker, SERVED_AFTER_CHANGE, role=role, timeout=20)
-            ctx.check(f"served {SERVED_AFTER_CHANGE} requests as {role}", True, f"within {took:.2f} s")
+            ctx.check(f"routed {SERVED_AFTER_CHANGE} requests as {role}", True, f"within {took:.2f} s")
 
     def judge(self, ctx: Context, records: list[dict]) -> list[Check]:
         checks = [check_no_errors(records)]
@@ -156,6 +159,7 @@ class KillDecode(Scenario):
     help = "a decode server is SIGKILLed and started again on its port; the router takes it out and back"
     default_duration_s = 40.0
     min_duration_s = 20.0
+    min_decode = 2
     # Probes every second, out after 2 failures, back after 2 passes; an open breaker retries after 3 s.
     ROUTER_ARGS = ["--health-check-interval-secs", "1", "--health-check-timeout-secs", "3",
                    "--health-failure-threshold", "2", "--health-success-threshold", "2",
@@ -200,7 +204,7 @@ class KillDecode(Scenario):
         ctx.events.append(Event("restarted decode back in routing", up_at, back_at))
         took = await ctx.served(victim, SERVED_AFTER_CHANGE, role="decode", timeout=20)
         ctx.check("the killed decode rejoined", True,
-                  f"routable {back_at - up_at:.2f} s after it was up, served {SERVED_AFTER_CHANGE} requests within "
+                  f"routable {back_at - up_at:.2f} s after it was up, routed {SERVED_AFTER_CHANGE} requests within "
                   f"{took:.2f} s more")
 
     def judge(self, ctx: Context, records: list[dict]) -> list[Check]:

@@ -71,9 +71,10 @@ def test_failed_requests_fail_the_scenario(tmp_path):
 
 
 def test_bad_arguments_are_refused_before_starting_anything(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "loadtest", "steady", "--prompt-tokens", "x", "--routes", "nope",
-                           "--out", str(tmp_path)], cwd=REPO, capture_output=True, text=True, timeout=30,
-                          env={**os.environ})
+    proc = subprocess.run([sys.executable, "-m", "loadtest", "kill", "--prompt-tokens", "x", "--routes", "nope",
+                           "--decode", "1", "--out", str(tmp_path)], cwd=REPO, capture_output=True, text=True,
+                          timeout=30, env={**os.environ})
     assert proc.returncode == 2
     assert "--prompt-tokens" in proc.stderr and "--routes" in proc.stderr
+    assert "kill needs at least 2 decode" in proc.stderr
     assert not (tmp_path / "fleet.json").exists()
