@@ -288,12 +288,31 @@ async def test_a_failed_server_rejoins_through_the_next_update(sim_router):
     bad = router.fleet.decode[0]
     await router.fleet.set_faults(bad, update_failure=True)
     assert (await router.call("/update_weight_version", {"new_version": "v2"}))[0] == 200  # no fault there
-    assert (await router.call("/update_weights_from_disk", {"model_path": "sim/m", "weight_version": "v3"}))[0] == 400
-    assert router.worker(bad).state is WorkerState.FAILED
+    for version in ("v3", "v4"):  # failing again keeps it out
+        status, answer = await router.call("/update_weights_from_disk", {"model_path": "sim/m",
+                                                                         "weight_version": version})
+        assert status == 400 and answer["left_out"] == [bad.url]
+        assert router.worker(bad).state is WorkerState.FAILED and list(router.flow.left_out) == [router.worker(bad).id]
     await router.fleet.set_faults(bad, update_failure=False)
-    status, answer = await router.call("/update_weights_from_disk", {"model_path": "sim/m", "weight_version": "v4"})
+    status, answer = await router.call("/update_weights_from_disk", {"model_path": "sim/m", "weight_version": "v5"})
     assert status == 200 and router.worker(bad).state is WorkerState.ACTIVE
     assert router.flow.left_out == {}
+
+
+async def test_a_new_worker_on_another_version_is_kept_out_until_updated(sim_router):
+    router = await sim_router(1, 1)
+    assert (await router.call("/update_weight_version", {"new_version": "v2"}))[0] == 200
+    async with Fleet(0, 1, **SIM) as extra:
+        newcomer = extra.decode[0]
+        status, _ = await router.call("/workers", {"url": newcomer.url, "worker_type": "decode"})
+        assert status in (200, 201, 202)
+        await wait_for(lambda: router.worker(newcomer).state is WorkerState.FAILED, timeout=10,
+                       message="a worker serving 'default' does not join a fleet serving 'v2'")
+        answers = await asyncio.gather(*(router.generate() for _ in range(6)))
+        assert {a.weight_version for a in answers} == {"v2"}
+        status, answer = await router.call("/update_weights_from_disk", {"model_path": "sim/m", "weight_version": "v3"})
+        assert status == 200 and router.worker(newcomer).state is WorkerState.ACTIVE
+        await quiet(router)
 
 
 async def test_an_update_refused_everywhere_changes_nothing_and_keeps_serving(sim_router):

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Awaitable, Callable, Iterable
 
 from ..registry import Registry, Worker
-from ..upstream import Load, Reply, Upstream
+from ..upstream import Reply, Upstream
 
 logger = logging.getLogger(__name__)
 
@@ -174,7 +174,7 @@ async def wait_quiet(registry: Registry, upstream: Upstream, workers: list[Worke
                     silent.add(worker)
                 elif not load.idle:
                     busy.append({"url": worker.url, "role": worker.role.value, "running": load.running,
-                                 "waiting": load.waiting})
+                                 "waiting": load.waiting, "pd_queues": load.queued})
                     busy_workers.append(worker)
             if not busy:
                 if silent:
@@ -195,6 +195,3 @@ async def wait_quiet(registry: Registry, upstream: Upstream, workers: list[Worke
             await asyncio.sleep(wait)
         delay = min(delay * 1.5, POLL_MAX)
 
-
-def load_summary(load: Load | None) -> dict | None:
-    return None if load is None else {"running": load.running, "waiting": load.waiting}

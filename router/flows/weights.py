@@ -297,11 +297,14 @@ class WeightFlow:
             workers = self.targets()
             if not workers:
                 raise ServiceUnavailable("there is no server to update")
-            # What each server serves before: tells a refused update (nothing changed) from a half-done one.
-            before = dict(zip(workers, await asyncio.gather(*(live_weight_version(self.upstream, w)
-                                                              for w in workers))))
-            if not await self._quiesce(op, workers, abort=abort, retry=retry):
+            # What each server serves before (read while quiescing): tells a refused update, where nothing
+            # changed, from a half-done one.
+            snapshot, quiet = await asyncio.gather(
+                asyncio.gather(*(live_weight_version(self.upstream, w) for w in workers)),
+                self._quiesce(op, workers, abort=abort, retry=retry))
+            if not quiet:
                 return self._quiesce_timeout_answer(op, "update")
+            before = dict(zip(workers, snapshot))
 
             step = op.step("update", self.config.weight_update_timeout_secs)
             outcomes = await fan_out(workers, lambda w: self._apply(kind, w, body, deadline))
@@ -416,6 +419,10 @@ class WeightFlow:
         if event == "removed":
             self.left_out.pop(worker.id, None)
             self._no_session_api.discard(worker.id)
+        elif event == "state" and details.get("old") == WorkerState.FAILED.value \
+                and details.get("new") != WorkerState.FAILED.value and worker.id in self.left_out:
+            self.left_out.pop(worker.id)  # an operator put it back (reinstate): no longer ours to hold out
+            self._wake.set()
         elif event == "added" or (event == "state" and details.get("new") == WorkerState.ACTIVE.value) \
                 or (event == "info" and "weight_version" in details):
             self._wake.set()
