@@ -121,16 +121,19 @@ def opposite(role: str) -> str:
     return "decode" if role == "prefill" else "prefill"
 
 
+def bootstrap_port_problem(req: ConvertRequest, bootstrap_port: int) -> Optional[str]:
+    """Decidable from the request alone: the bootstrap server never moves."""
+    if req.bootstrap_port is None or req.bootstrap_port == bootstrap_port:
+        return None
+    return (f"bootstrap_port {req.bootstrap_port} requested, but this server's bootstrap server listens on "
+            f"{bootstrap_port} and an in-place switch cannot move it")
+
+
 def plan_conversion(req: ConvertRequest, view: ServerView) -> SwitchPlan:
     if view.role not in ROLES:
         raise ConversionRefused(f"server is not a PD server (role {view.role!r}); nothing to convert")
     new_role = opposite(view.role)
-    problems = []
-    if req.bootstrap_port is not None and req.bootstrap_port != view.bootstrap_port:
-        problems.append(
-            f"bootstrap_port {req.bootstrap_port} requested, but this server's bootstrap server listens on "
-            f"{view.bootstrap_port} and an in-place switch cannot move it"
-        )
+    problems = [p for p in [bootstrap_port_problem(req, view.bootstrap_port)] if p]
     will_disable_radix = view.radix_cache_disabled_in[new_role]
     if req.disable_radix_cache is not None and req.disable_radix_cache != will_disable_radix:
         problems.append(

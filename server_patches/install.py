@@ -6,9 +6,9 @@ Defaults: the git-ignored `.real-sglang/{venv,work}` of this checkout (env PDR_R
 Idempotent: every step looks first and skips what is already there; each prints its time. Steps:
   venv        python -m venv
   torch       torch 2.13.0 CPU build, no deps (the closure pins them): pip finds the local wheel
-  sglang      sglang==0.5.23 --no-deps (its metadata pulls CUDA-only packages)
-  torchvision torchvision==0.28.0 --no-deps (the release matching torch 2.13; a CUDA build, see runtime/cpu.py)
   closure     requirements-real.txt: the exact pins of every other package
+  sglang      sglang==0.5.23 --no-deps (its metadata asks for torch 2.14.1 and CUDA-only packages)
+  torchvision torchvision==0.28.0 --no-deps (the release matching torch 2.13; a CUDA build, see runtime/cpu.py)
   debs        libibverbs1, libnl-3-200, libnl-route-3-200: `apt-get download` + `dpkg -x` into WORK/debs/root
               (unpacked, never installed; preloaded at run time by the cpu_preload_rdma_libs patch)
   site-hook   our own `.pth` + module in the venv's site-packages that activate server_patches.runtime in
@@ -230,7 +230,7 @@ class Installer:
             ENV_PATCHES_LIBDIRS: os.pathsep.join(map(str, self.paths.lib_dirs)),
             "SGLANG_USE_CPU_ENGINE": "1",
         })
-        _run([str(self.paths.python), "-c", CHECK_SCRIPT], env=env, cwd=self.paths.venv)
+        _run([str(self.paths.python), "-W", "ignore", "-c", CHECK_SCRIPT], env=env, cwd=self.paths.venv)
         return None
 
     def write_manifest(self) -> None:
@@ -250,9 +250,11 @@ class Installer:
             self.paths.manifest.unlink()  # "installed" again only once this run completes
         self._step("venv", self.venv)
         self._step("torch", self._pinned_step(self.torch_spec, "--no-deps"))
+        # The closure before sglang: pip would otherwise list every CUDA-only requirement of sglang as "not
+        # installed" (harmless, but it reads like a failure).
+        self._step("closure", self.closure)
         self._step("sglang", self._pinned_step(SGLANG_SPEC, "--no-deps"))
         self._step("torchvision", self._pinned_step(TORCHVISION_SPEC, "--no-deps"))
-        self._step("closure", self.closure)
         self._step("debs", self.debs)
         self._step("site-hook", self.site_hook)
         self._step("check", self.run_check)

@@ -43,7 +43,7 @@ CPU_PD_ARGS = (
     "--device", "cpu", "--attention-backend", "torch_native", "--sampling-backend", "pytorch",
     "--host", HOST, "--max-total-tokens", "4096", "--skip-server-warmup", "--disable-cuda-graph",
     "--grammar-backend", "none", "--dtype", "bfloat16", "--disaggregation-transfer-backend", "mooncake_tcp",
-    "--disable-overlap-schedule", launch_server.CONVERT_FLAG,
+    "--disable-overlap-schedule", "--sleep-on-idle", launch_server.CONVERT_FLAG,
 )
 
 
@@ -83,6 +83,7 @@ def ensure_tiny_model(paths: StackPaths, timeout: float = 300.0) -> Path:
     if not is_complete(str(paths.tiny_model)):
         t0 = time.monotonic()
         env = launch_server.server_environment(paths, ["--device", "cpu"])
+        env["PDR_SERVER_PATCHES_VERBOSE"] = "0"
         subprocess.run(
             [str(paths.python), "-m", "server_patches.tinymodel", str(paths.tiny_model)],
             cwd=CHECKOUT_ROOT, env=env, check=True, timeout=timeout, stdin=subprocess.DEVNULL,
@@ -274,6 +275,18 @@ class RealPair:
         pair._write_run_files()
         return pair
 
+    @classmethod
+    def attach(cls, run_dir: Path) -> "RealPair":
+        """A pair started elsewhere (`pair start`), recorded in run_dir; stop() leaves it running."""
+        recorded = _load(Path(run_dir))
+        servers = [RealServer(ServerInfo(**recorded[role])) for role in ("prefill", "decode")]
+        dead = [s.url for s in servers if not s.alive() or not s.healthy()]
+        if dead:
+            raise PairError(f"the pair recorded in {run_dir} is not healthy: {dead}")
+        pair = cls(*servers, Path(run_dir), recorded.get("started_in_s", 0.0))
+        pair.attached = True
+        return pair
+
     def describe(self) -> dict:
         return {
             "prefill": asdict(self.prefill.info),
@@ -288,6 +301,8 @@ class RealPair:
         (self.run_dir / "pair.json").write_text(json.dumps(self.describe(), indent=2) + "\n")
 
     def stop(self) -> None:
+        if getattr(self, "attached", False):
+            return
         # Both at once: each may take its grace period.
         for server in (self.prefill, self.decode):
             try:
