@@ -142,10 +142,14 @@ class RealServer:
             env[ENV_PATCHES_DISABLE] = ",".join(disabled_patches)
         env["PDR_REAL_VENV"] = str(paths.venv)
         log_path.parent.mkdir(parents=True, exist_ok=True)
+        # Run from the log's folder, not the checkout: `python -m` puts the working directory first on sys.path,
+        # and the checkout's top-level packages (router, tests, ...) have no business shadowing anything there.
+        launcher = (f"import sys; sys.path.insert(0, {str(CHECKOUT_ROOT)!r}); "
+                    "from server_patches.launch_server import main; sys.exit(main())")
         with open(log_path, "ab") as log_file:
             process = subprocess.Popen(
-                [sys.executable, "-m", "server_patches.launch_server", *args],
-                cwd=CHECKOUT_ROOT, env=env, stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT,
+                [sys.executable, "-c", launcher, *args],
+                cwd=log_path.parent, env=env, stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT,
                 start_new_session=True,  # its own process group: stop() reaches scheduler and detokenizer too
             )
         info = ServerInfo(role, f"http://{HOST}:{port}", port, bootstrap_port, process.pid, str(log_path))
@@ -237,6 +241,7 @@ class RealPair:
     decode: RealServer
     run_dir: Path
     started_in_s: float = 0.0
+    attached: bool = False  # started elsewhere: stop() leaves it running
 
     @classmethod
     def launch(
@@ -283,9 +288,7 @@ class RealPair:
         dead = [s.url for s in servers if not s.alive() or not s.healthy()]
         if dead:
             raise PairError(f"the pair recorded in {run_dir} is not healthy: {dead}")
-        pair = cls(*servers, Path(run_dir), recorded.get("started_in_s", 0.0))
-        pair.attached = True
-        return pair
+        return cls(*servers, Path(run_dir), recorded.get("started_in_s", 0.0), attached=True)
 
     def describe(self) -> dict:
         return {
@@ -301,7 +304,7 @@ class RealPair:
         (self.run_dir / "pair.json").write_text(json.dumps(self.describe(), indent=2) + "\n")
 
     def stop(self) -> None:
-        if getattr(self, "attached", False):
+        if self.attached:
             return
         # Both at once: each may take its grace period.
         for server in (self.prefill, self.decode):
