@@ -109,11 +109,17 @@ async def checked_json_body(request: web.Request) -> dict | None:
 
 def make_access_middleware(config: RouterConfig):
     keys = {access: required_keys(access, config) for access in Access}
+    by_resource: dict[object, Access] = {}  # classification cached per route (the hot path is one lookup)
 
     @web.middleware
     async def access_middleware(request: web.Request, handler):
-        access = route_access(request)
-        if access is None or access is Access.PUBLIC:
+        resource = request.match_info.route.resource
+        access = by_resource.get(resource)
+        if access is None:
+            if resource is None:  # 404/405: nothing to protect
+                return await handler(request)
+            access = by_resource[resource] = classify(resource.canonical)
+        if access is Access.PUBLIC:
             return await handler(request)
         wanted = keys[access]
         if wanted and not key_matches(bearer_token(request.headers.get("Authorization")), wanted):

@@ -1,10 +1,11 @@
 """Prometheus metrics: one `CollectorRegistry` per app (tests and replicas in one process never collide).
 
-What is counted where, to keep the request path cheap:
-- the request middleware counts every request by route and status (label children cached: one dict lookup
-  and one increment);
-- the proxy's request observer adds, per generation request, end-to-end latency, TTFT, mean inter-token
-  latency and retries (cached children as well);
+What is counted where, to keep the request path cheap (prometheus-client's own Counter and Histogram take a
+lock per increment and scan buckets in Python: several microseconds per request):
+- the request middleware counts every request by route and status, and the proxy's request observer adds
+  end-to-end latency, TTFT, mean inter-token latency and retries, into plain ints and lists (`HotCounter`,
+  `HotHistogram`: a dict lookup, a `bisect`, two additions) that a collector turns into Prometheus families
+  at scrape time; everything runs on the event loop's thread, so no lock is needed;
 - everything that is state (in-flight per worker, worker state, health, breaker, queue length) is read
   from the registry and admission at scrape time by a collector: nothing on the hot path;
 - registry events count health and breaker transitions;
@@ -16,11 +17,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Callable
+from bisect import bisect_left
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.utils import floatToGoString
 
 from .admission import Admission
 from .keys import ADMISSION, CONFIG, METRICS, PROXY, REGISTRY
@@ -37,29 +39,88 @@ BREAKER_PHASES = {"closed": 0, "half_open": 1, "open": 2}
 UNMATCHED = "unmatched"  # the route label of requests no route matched (404/405)
 
 
+class HotCounter:
+    """A labelled counter for the request path: plain ints, exported at scrape time."""
+
+    __slots__ = ("name", "help", "labels", "values")
+
+    def __init__(self, name: str, help_text: str, labels: tuple[str, ...]) -> None:
+        self.name, self.help, self.labels = name, help_text, labels
+        self.values: dict[tuple, float] = {}
+
+    def inc(self, key: tuple, amount: float = 1) -> None:
+        values = self.values
+        values[key] = values.get(key, 0) + amount
+
+    def family(self) -> CounterMetricFamily:
+        family = CounterMetricFamily(self.name, self.help, labels=self.labels)
+        for key, value in self.values.items():
+            family.add_metric([str(k) for k in key], value)
+        return family
+
+
+class HotHistogram:
+    """A labelled histogram for the request path: per label set, bucket counts, sum and count."""
+
+    __slots__ = ("name", "help", "labels", "bounds", "series")
+
+    def __init__(self, name: str, help_text: str, labels: tuple[str, ...], bounds: tuple[float, ...]) -> None:
+        self.name, self.help, self.labels, self.bounds = name, help_text, labels, bounds
+        self.series: dict[tuple, list] = {}  # key -> [bucket counts (last: +Inf), sum]
+
+    def observe(self, key: tuple, value: float) -> None:
+        series = self.series.get(key)
+        if series is None:
+            series = self.series[key] = [[0] * (len(self.bounds) + 1), 0.0]
+        series[0][bisect_left(self.bounds, value)] += 1
+        series[1] += value
+
+    def family(self) -> HistogramMetricFamily:
+        family = HistogramMetricFamily(self.name, self.help, labels=self.labels)
+        for key, (counts, total) in self.series.items():
+            cumulative, buckets = 0, []
+            for bound, count in zip((*self.bounds, float("inf")), counts):
+                cumulative += count
+                buckets.append((floatToGoString(bound), cumulative))
+            family.add_metric([str(k) for k in key], buckets, total)
+        return family
+
+
+class _HotCollector:
+    def __init__(self, metrics: list) -> None:
+        self.metrics = metrics
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        for metric in self.metrics:
+            yield metric.family()
+
+
 class RouterMetrics:
     def __init__(self, registry: Registry, admission: Admission) -> None:
         self.registry = registry
         self.admission = admission
         self.prometheus = CollectorRegistry(auto_describe=True)
         reg = self.prometheus
-        self.requests = Counter(f"{PREFIX}_requests", "HTTP requests by route and status",
-                                ["route", "status"], registry=reg)
-        self.e2e = Histogram(f"{PREFIX}_request_duration_seconds",
-                             "end-to-end latency of generation requests (until the last byte)", ["route"],
-                             buckets=E2E_BUCKETS, registry=reg)
-        self.ttft = Histogram(f"{PREFIX}_time_to_first_token_seconds",
-                              "time until decode's first event reached the client (streaming)", ["route"],
-                              buckets=TTFT_BUCKETS, registry=reg)
-        self.itl = Histogram(f"{PREFIX}_inter_token_latency_seconds",
-                             "mean gap between streamed events, one sample per request", ["route"],
-                             buckets=ITL_BUCKETS, registry=reg)
-        self.retries = Counter(f"{PREFIX}_retries", "attempts re-sent to another pair",
-                               ["route", "reason"], registry=reg)
-        self.outcomes = Counter(f"{PREFIX}_request_outcomes", "generation requests by outcome",
-                                ["route", "outcome"], registry=reg)
-        self.aborts = Counter(f"{PREFIX}_aborts", "requests aborted on the servers, by reason",
-                              ["reason"], registry=reg)
+        self.requests = HotCounter(f"{PREFIX}_requests", "HTTP requests by route and status",
+                                   ("route", "status"))
+        self.e2e = HotHistogram(f"{PREFIX}_request_duration_seconds",
+                                "end-to-end latency of generation requests (until the last byte)", ("route",),
+                                E2E_BUCKETS)
+        self.ttft = HotHistogram(f"{PREFIX}_time_to_first_token_seconds",
+                                 "time until decode's first event reached the client (streaming)", ("route",),
+                                 TTFT_BUCKETS)
+        self.itl = HotHistogram(f"{PREFIX}_inter_token_latency_seconds",
+                                "mean gap between streamed events, one sample per request", ("route",),
+                                ITL_BUCKETS)
+        self.retries = HotCounter(f"{PREFIX}_retries", "attempts re-sent to another pair", ("route", "reason"))
+        self.outcomes = HotCounter(f"{PREFIX}_request_outcomes", "generation requests that did not succeed, "
+                                   "by outcome", ("route", "outcome"))
+        self.aborts = HotCounter(f"{PREFIX}_aborts", "requests aborted on the servers, by reason", ("reason",))
+        reg.register(_HotCollector([self.requests, self.e2e, self.ttft, self.itl, self.retries, self.outcomes,
+                                    self.aborts]))
         self.conversions = Counter(f"{PREFIX}_conversions", "role conversions by outcome", ["outcome"],
                                    registry=reg)
         self.conversion_seconds = Histogram(f"{PREFIX}_conversion_duration_seconds",
@@ -77,42 +138,33 @@ class RouterMetrics:
         self.worker_events = Counter(f"{PREFIX}_worker_events", "registry events (added, removed, moved, state)",
                                      ["event"], registry=reg)
         reg.register(_StateCollector(registry, admission))
-        self._request_children: dict[tuple[str, int], Callable[[], None]] = {}
-        self._route_children: dict[str, tuple] = {}
         self._last_health: dict[str, tuple[bool, str]] = {}  # per worker id, to count transitions
         registry.subscribe(self._on_registry_event)
 
     # ---- hot path ------------------------------------------------------------------------------------------
     def count_request(self, route: str, status: int) -> None:
-        inc = self._request_children.get((route, status))
-        if inc is None:
-            inc = self._request_children[(route, status)] = self.requests.labels(route, str(status)).inc
-        inc()
+        self.requests.inc((route, status))
 
     def observe_request(self, record) -> None:
         """A `Proxy.request_observers` entry: one `RequestRecord` per generation request."""
-        children = self._route_children.get(record.route)
-        if children is None:
-            r = record.route
-            children = self._route_children[r] = (
-                self.e2e.labels(r).observe, self.ttft.labels(r).observe, self.itl.labels(r).observe)
-        e2e, ttft, itl = children
-        e2e(record.e2e_s)
+        key = (record.route,)
+        self.e2e.observe(key, record.e2e_s)
         if record.ttft_s is not None:
-            ttft(record.ttft_s)
+            self.ttft.observe(key, record.ttft_s)
         if record.itl_s is not None:
-            itl(record.itl_s)
+            self.itl.observe(key, record.itl_s)
         if record.outcome != "success":
-            self.outcomes.labels(record.route, record.outcome).inc()
+            self.outcomes.inc((record.route, record.outcome))
             if record.outcome == "client_disconnect":
-                self.aborts.labels("client_disconnect").inc()
+                self.aborts.inc(("client_disconnect",))
             elif record.status == 504:
-                self.aborts.labels("timeout").inc()
-        retries = record.attempts - 1 - record.retries_aborted
-        if retries > 0:
-            self.retries.labels(record.route, "failure").inc(retries)
-        if record.retries_aborted:
-            self.retries.labels(record.route, "router_abort").inc(record.retries_aborted)
+                self.aborts.inc(("timeout",))
+        if record.attempts > 1:
+            retries = record.attempts - 1 - record.retries_aborted
+            if retries > 0:
+                self.retries.inc((record.route, "failure"), retries)
+            if record.retries_aborted:
+                self.retries.inc((record.route, "router_abort"), record.retries_aborted)
 
     # ---- flows (called by router/flows/*) ---------------------------------------------------------------
     def observe_conversion(self, outcome: str, seconds: float) -> None:
@@ -128,7 +180,7 @@ class RouterMetrics:
     def observe_abort(self, reason: str, count: int = 1) -> None:
         """Requests the router aborted on the servers (e.g. reason=conversion, weight_update, admin)."""
         if count > 0:
-            self.aborts.labels(reason).inc(count)
+            self.aborts.inc((str(reason),), count)
 
     # ---- registry events ------------------------------------------------------------------------------
     def _on_registry_event(self, event: str, worker: Worker, details: dict) -> None:

@@ -133,6 +133,7 @@ class Proxy:
         self.leg_observers: list[LegObserver] = []
         # Attempts that have not sent a byte to their client yet, by worker: what `evict` may re-send.
         self._unanswered: dict[Worker, set[Attempt]] = {}
+        registry.subscribe(self._forget_removed)
         self.request_observers: list[RequestObserver] = []
         self.live = LiveRequests()  # attempts in flight, by rid (abort endpoint, flows)
         self._needs_text = prefill_policy.needs_text or decode_policy.needs_text
@@ -273,12 +274,15 @@ class Proxy:
             bucket.add(attempt)
 
     def _untrack(self, attempt: Attempt) -> None:
+        # Empty sets stay (re-creating them per request costs more); a removed worker's goes with it.
         for worker in (attempt.prefill, attempt.decode):
             bucket = self._unanswered.get(worker)
             if bucket is not None:
                 bucket.discard(attempt)
-                if not bucket:
-                    del self._unanswered[worker]
+
+    def _forget_removed(self, event: str, worker: Worker, details: dict) -> None:
+        if event == "removed":
+            self._unanswered.pop(worker, None)
 
     def evict(self, worker: Worker, reason: str) -> int:
         """Stop waiting on `worker` (declared down by its health probes) for every request that has not sent

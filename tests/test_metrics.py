@@ -134,3 +134,17 @@ async def test_metrics_on_the_prometheus_port_and_public_under_api_key(fake_flee
             assert resp.status == 200
             exported = parse(await resp.text())
     assert value(exported, "pd_router_requests_total", route="/generate", status="401") == 1
+
+
+def test_hot_histogram_buckets_are_cumulative_and_inclusive():
+    from router.metrics import HotHistogram
+
+    hist = HotHistogram("h", "help", ("route",), (0.1, 1.0))
+    for v in (0.05, 0.1, 0.5, 1.0, 7.0):
+        hist.observe(("/g",), v)
+    (family,) = [hist.family()]
+    samples = {(s.name, s.labels.get("le")): s.value for s in family.samples}
+    assert samples[("h_bucket", "0.1")] == 2  # le: a value on the bound counts in that bucket
+    assert samples[("h_bucket", "1.0")] == 4
+    assert samples[("h_bucket", "+Inf")] == 5
+    assert samples[("h_count", None)] == 5 and samples[("h_sum", None)] == 8.65
