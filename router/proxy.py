@@ -288,7 +288,11 @@ class Proxy:
         """Stop waiting on `worker` (declared down by its health probes) for every request that has not sent
         a byte to its client: its leg is cancelled and aborted on the server, and the request is retried on
         another pair like any failure before the first byte. Requests already streaming are left alone.
-        Returns how many requests were re-routed."""
+        Returns how many requests were re-routed. Nothing happens while the worker is the last of its pool:
+        with nowhere else to go, waiting on a slow server beats failing its requests."""
+        if not self.registry.routable(worker.role):
+            logger.warning("%s is down but the last of its pool: its requests keep waiting", worker.url)
+            return 0
         count = 0
         for attempt in list(self._unanswered.get(worker, ())):
             for leg in attempt.legs:

@@ -195,7 +195,8 @@ async def test_request_deadline_on_a_hung_decode_is_504_naming_the_pair(fake_fle
 
 
 # ---- real worker processes ------------------------------------------------------------------------------
-SIM_HEALTH = HealthConfig(interval_secs=0.1, timeout_secs=0.5, failure_threshold=1, success_threshold=2)
+# A killed process refuses connections at once; the timeout only has to survive a loaded machine.
+SIM_HEALTH = HealthConfig(interval_secs=0.1, timeout_secs=2.0, failure_threshold=1, success_threshold=2)
 LONG = {"text": "tell me a long story", "sampling_params": {"max_new_tokens": 150, "ignore_eos": True}}
 SHORT = {"text": "hi", "sampling_params": {"max_new_tokens": 4}}
 
@@ -260,12 +261,33 @@ async def test_decode_process_killed_mid_request_and_brought_back(sim, make_rout
     await settled(client)
 
 
+async def test_last_worker_of_a_pool_is_not_evicted(fake_fleet, make_router):
+    """Probes fail on the only decode: its waiting request is not failed over to nowhere; it keeps waiting
+    and succeeds when the server answers."""
+    p, d = await fake_fleet(1, 1)
+    d.behaviour.hang = True
+    client = await make_router([p], [d], retry=FAST_RETRY,
+                               health=HealthConfig(interval_secs=0.02, timeout_secs=0.5, failure_threshold=1,
+                                                   success_threshold=1))
+    worker = client.registry.get(d.url)
+    await wait_for(lambda: client.app[HEALTH].record(worker).probe.proven)
+    pending = asyncio.ensure_future(client.post("/generate", json={"text": "x"}))
+    await wait_for(lambda: d.in_handler == 1)
+    d.behaviour.health_status = 503
+    await wait_for(lambda: not worker.healthy)
+    assert not pending.done() and d.aborts == [] and d.in_handler == 1
+    d.behaviour.health_status = 200
+    d.release.set()
+    assert (await pending).status == 200
+    await settled(client)
+
+
 async def test_hung_decode_costs_no_request(sim, make_router):
     """Requests caught on a decode that stops making progress are re-routed once its probes fail; the ones
     after that never go there."""
     fleet = await sim(2)
     client = await make_router(fleet.prefill, fleet.decode, request_timeout_secs=30, retry=FAST_RETRY,
-                               health=HealthConfig(interval_secs=0.1, timeout_secs=0.3, failure_threshold=2,
+                               health=HealthConfig(interval_secs=0.1, timeout_secs=1.0, failure_threshold=2,
                                                    success_threshold=1))
     hung = fleet.decode[0]
     hung_worker = client.registry.get(hung.url)
@@ -292,7 +314,7 @@ async def test_requests_waiting_on_a_worker_declared_down_are_rerouted(sim, make
     hung = fleet.prefill[0]
     client = await make_router(fleet.prefill, fleet.decode, request_timeout_secs=60, retry=FAST_RETRY,
                                prefill_policy="round_robin",
-                               health=HealthConfig(interval_secs=0.05, timeout_secs=0.2, failure_threshold=2,
+                               health=HealthConfig(interval_secs=0.05, timeout_secs=0.5, failure_threshold=2,
                                                    success_threshold=1))
     hung_worker = client.registry.get(hung.url)
     await wait_for(lambda: client.app[HEALTH].record(hung_worker).probe.proven)
