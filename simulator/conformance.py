@@ -487,7 +487,12 @@ async def _wait_decoding(pair: Pair, timeout: float = 60.0) -> None:
 
 
 async def extras(pair: Pair) -> None:
-    """Input logprobs, aborts of requests that are decoding (stream, OpenAI), usage chunks."""
+    """Input logprobs, aborts of requests that are decoding (stream, OpenAI), usage chunks, invalid streams."""
+    for role in ("prefill", "decode"):
+        await pair.call(role, "POST", "/generate",
+                        pair.pd_body({"text": PROMPT, "stream": True, "sampling_params": {"max_new_tokens": -1}}),
+                        label="stream_invalid")
+        await pair.call(role, "POST", "/generate", {"text": PROMPT, "stream": True}, label="stream_without_room")
     await pd(pair, "/generate", pair.pd_body(_gen(3, return_logprob=True, logprob_start_len=0)), "input_logprobs")
     body = pair.pd_body(_gen(LONG_TOKENS, rid="conf-x-stream", stream=True))
     task = asyncio.create_task(pd(pair, "/generate", body, "abort_decoding_stream"))

@@ -771,7 +771,7 @@ class Engine:
             "weight_session_open": self.weight_session_open,
             "released_memory": sorted(self.released_memory),
             "rooms": self.rooms.snapshot(),
-            "used_tokens": self.used_tokens,
+            "kv_reserved_tokens": self.used_tokens,  # admission: input + max_new_tokens of each running item
             "deferred_release_s": max(0.0, round(self.deferred_release_until - time.monotonic(), 3)),
             "counters": self.counters.__dict__.copy(),
         }

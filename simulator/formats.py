@@ -57,6 +57,16 @@ class Format:
     def tail(self, worker: "Worker", reqs: list[Req], state: StreamState) -> list[bytes]:
         return []
 
+    async def rejected_stream(self, request: web.Request, message: str) -> web.StreamResponse:
+        """A stream refused by validation: SGLang has already answered 200, so the error is an event."""
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8"})
+        await resp.prepare(request)
+        await resp.write_eof(sse(self.stream_error(message)) + SSE_DONE)
+        return resp
+
+    def stream_error(self, message: str) -> dict[str, Any]:
+        return {"error": {"message": message, "type": "invalid_request_error", "code": 400, "retryable": False}}
+
     def failure_response(self, exc: RequestFailed) -> web.Response:
         """A non-streamed call that ended in SGLang's ValueError (400) or HTTPException (5xx)."""
         if exc.status == 400:

@@ -183,6 +183,9 @@ class OpenAIFormat(Format):
             exc.status, str(exc.status))
         return [sse({"error": outputs.http_error(exc.status, exc.message, err_type)})]
 
+    def stream_error(self, message: str) -> dict[str, Any]:
+        return {"error": outputs.http_error(400, message, "BadRequestError")}
+
     def failure_response(self, exc: RequestFailed) -> web.Response:
         if exc.status == 400:
             return _bad_request(exc.message)

@@ -16,7 +16,7 @@ import asyncio
 import logging
 import os
 import time
-from typing import Any, Awaitable, Callable
+from typing import Awaitable, Callable
 
 import aiohttp
 import orjson
@@ -25,7 +25,7 @@ from aiohttp import web
 from . import control, info, metrics, openai, outputs, roles, simapi
 from .bootstrap import BootstrapListener, KvClient, RoomStore
 from .config import WorkerConfig
-from .engine import Engine, Req, RequestFailed
+from .engine import ABORTED, Engine, Req, RequestFailed
 from .faults import FaultInjector, Faults
 from .formats import SSE_DONE, Format, NativeFormat
 from .httputil import http_error, json_response, method_not_allowed, not_found, read_json, value_error
@@ -95,7 +95,7 @@ class Worker:
     async def stop(self) -> None:
         self.stopping = True
         for req in list(self.engine.requests.values()):
-            req.abort(dict(outputs_abort()))
+            req.abort(dict(ABORTED))
         await self.close_listener()
         if self._runner is not None:
             await self._runner.cleanup()
@@ -228,6 +228,8 @@ class Worker:
         except BodyError as exc:
             return json_response(outputs.validation_error(request.path, "generate_request", exc.errors), 400)
         except ValueError as exc:
+            if isinstance(body, dict) and body.get("stream"):
+                return await NativeFormat().rejected_stream(request, str(exc))
             return value_error(str(exc))
         return await self.serve(request, call, "generate", NativeFormat())
 
@@ -264,6 +266,8 @@ class Worker:
         try:
             reqs = self.make_reqs(call, route)
         except ValueError as exc:
+            if call.stream:
+                return await fmt.rejected_stream(request, str(exc))
             return fmt.failure_response(RequestFailed(str(exc), 400))
         entered = False
         watch = DisconnectWatch(request, self.config.disconnect_check_s, lambda: engine.abort_on_disconnect(reqs))
@@ -327,7 +331,7 @@ class Worker:
                 await asyncio.gather(*tasks)
             except RequestFailed as exc:
                 for req in reqs:
-                    req.abort(dict(outputs_abort()))
+                    req.abort(dict(ABORTED))
                 await asyncio.gather(*tasks, return_exceptions=True)
                 return fmt.failure_response(exc)
             finally:
@@ -399,5 +403,3 @@ class DisconnectWatch:
             self._handle = None
 
 
-def outputs_abort() -> dict[str, Any]:
-    return {"type": "abort", "message": "Aborted", "status_code": None, "err_type": None}

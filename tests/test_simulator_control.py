@@ -135,7 +135,7 @@ async def test_pause_retract_requeues_and_finishes_identically(fleet, session):
     await decoding(fleet, "rt")
     await post(session, fleet.decode[0].url + "/pause_generation", {"mode": "retract"})
     state = await fleet.wait_for(fleet.decode[0], lambda s: s["rids_by_phase"].get("retracted") == ["rt"])
-    assert state["used_tokens"] == 0
+    assert state["kv_reserved_tokens"] == 0
     status, text = await post(session, fleet.decode[0].url + "/flush_cache", None)
     assert status == 200 and text.startswith("Cache flushed.")
     _, loads = await get(session, fleet.decode[0].url + "/v1/loads")

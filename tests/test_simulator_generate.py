@@ -156,6 +156,14 @@ async def test_bad_input_is_a_400_with_sglang_message(fleet, session, body, mess
     assert out["error"]["message"].startswith(message)
 
 
+async def test_invalid_stream_is_an_error_event_after_200(fleet, session):
+    status, events = await post(session, fleet.decode[0].url + "/generate",
+                                {"text": PROMPT, "stream": True, "sampling_params": {"max_new_tokens": -1}})
+    assert status == 200 and events[-1] == "[DONE]"
+    assert events[0] == {"error": {"message": "max_new_tokens must be at least 0, got -1.",
+                                   "type": "invalid_request_error", "code": 400, "retryable": False}}
+
+
 async def test_context_length_exceeded(session):
     async with Fleet(0, 1, context_length=64, **FAST) as f:
         status, out = await post(session, f.decode[0].url + "/generate",
