@@ -226,14 +226,11 @@ class BootstrapListener:
         room = store.attach_decode(room_id)
         took = False
         try:
-            told_prefill = room.prefill_rid is not None
-            pending = orjson.dumps({"status": "accepted", "prefill": told_prefill}) + b"\n"
+            # "acks": a live prefill answers a decode's abort at once; a stale registration never does
+            pending = orjson.dumps({"status": "accepted", "acks": engine.role == "prefill"}) + b"\n"
             resp: web.StreamResponse | None = None
             deadline = time.monotonic() + timeout
             while room.kv is None and not room.failed:
-                if not told_prefill and room.prefill_rid is not None:
-                    told_prefill = True
-                    pending += b'{"status":"prefill"}\n'
                 if resp is None:  # about to wait: the decode leg must know the handshake is done
                     resp = web.StreamResponse()
                     resp.content_type = "application/x-ndjson"
@@ -327,15 +324,11 @@ class KvClient:
                     if not first.startswith(b'{"status":"accepted"'):
                         return FetchResult("retry", first.decode(errors="replace"))
                     req.phase = TRANSFER
-                    req.peer_attached = b'"prefill":true' in first
-                    while True:
-                        line = await resp.content.readline()
-                        if not line:
-                            return None if req.done else FetchResult(TRANSFER, None)  # the prefill went away
-                        outcome = orjson.loads(line)
-                        if outcome.get("status") != "prefill":
-                            break
-                        req.peer_attached = True
+                    req.peer_acks = b'"acks":true' in first
+                    line = await resp.content.readline()
+                    if not line:
+                        return None if req.done else FetchResult(TRANSFER, None)  # the prefill went away
+                    outcome = orjson.loads(line)
                 finally:
                     req.on_abort = None
         except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, asyncio.TimeoutError, OSError) as exc:

@@ -1,8 +1,8 @@
 """Settings of one simulated worker, and the command-line flags that set them.
 
 Defaults are the real server's (SGLang 0.5.23) wherever it has one: a 300 s bootstrap and KV
-wait, 15 one-second bootstrap retries on decode, a 1 s ``/health`` probe, a 30 s deferred KV
-release after an aborted PD request. Tests shorten the ones they exercise.
+wait, 15 one-second bootstrap retries on decode, a 1 s ``/health`` probe. Tests shorten the ones
+they exercise.
 """
 
 from __future__ import annotations
@@ -67,7 +67,10 @@ class WorkerConfig:
     kv_wait_timeout_s: float = 300.0
     bootstrap_retries: int = 15
     bootstrap_retry_interval_s: float = 1.0
-    # after an aborted PD request a decode server holds KV until prefill acks (30 s on real)
+    # A decode leg aborted during its KV transfer holds its KV until the prefill acks the abort. A live
+    # prefill acks at once; a stale registration (a listener whose server switched to decode) never does,
+    # so the KV is released after SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT (30 s), and
+    # until then the worker is not idle (role switch refused, flush_cache fails).
     deferred_release_s: float = 30.0
     # /health sends a 1-token probe and checks for progress after this long (1 s on real)
     health_check_s: float = 1.0

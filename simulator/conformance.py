@@ -49,6 +49,9 @@ class Pair:
     settle_s: float = 1.0
     # for calls expected to hang (a client gives up): None keeps each call's own timeout
     hang_s: float | None = None
+    # act on long requests only once they decode (not while their KV is in transfer): a run that must
+    # not depend on where an abort lands (the real fixtures were recorded without it)
+    strict_running: bool = False
 
     def hang(self, timeout: float) -> float:
         return self.hang_s if self.hang_s is not None else timeout
@@ -312,6 +315,8 @@ async def _long_pd(pair: Pair, label: str, **extra: Any) -> asyncio.Task:
     body = pair.pd_body(_gen(LONG_TOKENS, **extra))
     task = asyncio.create_task(pd(pair, "/generate", body, label))
     await pair.wait_running("decode")
+    if pair.strict_running:
+        await _wait_decoding(pair)
     return task
 
 
@@ -463,7 +468,7 @@ async def role_switch(pair: Pair) -> None:
         await pair.call(role, "GET", "/v1/loads", label="loads_switched")
     # generate through the swapped pair: the old decode is now prefill with its own bootstrap port
     swapped = Pair(pair.decode, pair.prefill, pair.decode_bootstrap_port, pair.prefill_bootstrap_port,
-                   pair.host, pair.session, pair.steps, pair.settle_s, pair.hang_s)
+                   pair.host, pair.session, pair.steps, pair.settle_s, pair.hang_s, pair.strict_running)
     await pd(swapped, "/generate", swapped.pd_body(_gen(4)), "swapped_generate")
     # and a request routed with the old roles (to the old prefill's bootstrap port)
     stale_route = pair.pd_body(_gen(2))
@@ -546,9 +551,9 @@ SCENARIOS: dict[str, Callable[[Pair], Awaitable[None]]] = {
     "pause": pause_modes,
     "flush_cache": flush_cache,
     "weights": weights,
-    "role_switch": role_switch,
     "convert_api": convert_api,
     "extras": extras,
+    "role_switch": role_switch,  # last: it leaves the pair's roles as a router with stale roles would see them
 }
 
 

@@ -76,7 +76,7 @@ class Req:
     on_abort: Callable[[], Any] | None = None  # interrupts what the item is blocked in (a KV pull)
     done_failed: bool = False  # ended in a RequestFailed (5xx) outcome
     dispatched: bool = False  # past the pause gate: the scheduler knows it (aborts reach it)
-    peer_attached: bool = False  # decode: the prefill leg of its room had arrived
+    peer_acks: bool = True  # decode: its room's listener belongs to a live prefill (which acks aborts)
     cached_tokens: int = 0  # prompt tokens found in the prefix cache when it was prefilled
 
     @property
@@ -378,7 +378,6 @@ class Engine:
             req.phase = TRANSFER
             await self._wait_until(req, lambda: False, time.monotonic() + self.config.kv_wait_timeout_s)
             if req.done:
-                self._defer_release()
                 raise self._decode_failure(req, "transfer", "Aborted by AbortReq.")
             raise self._decode_failure(
                 req, "transfer",
@@ -399,12 +398,14 @@ class Engine:
                 await on_progress(req)
             await self._decode_loop(req, on_progress)
             return
-        if result.stage == "transfer" and req.done and not req.peer_attached:
-            self._defer_release()  # nobody on the prefill side to ack the abort: hold the KV
+        if result.stage == "transfer" and req.done and not req.peer_acks:
+            self._defer_release()  # nobody will ack the abort: hold the KV until the deadline
         raise self._decode_failure(req, result.stage, result.reason)
 
     def _defer_release(self) -> None:
-        """An aborted transfer: the decode side keeps the KV until prefill acks (30 s on real)."""
+        """An aborted transfer: the decode side keeps the KV until the prefill acks (``deferred_release_s``)."""
+        if not self.config.deferred_release_s:
+            return
         self.deferred_release_until = max(self.deferred_release_until,
                                           time.monotonic() + self.config.deferred_release_s)
 

@@ -291,16 +291,26 @@ async def test_missing_model_path_is_a_validation_error(fleet, session):
     assert status == 400 and "'model_path'), 'msg': 'Field required'" in out["message"]
 
 
-async def test_aborted_transfer_without_prefill_holds_kv_for_a_while(session):
+async def test_aborted_transfer_holds_kv_when_nobody_acks(session):
+    """A live prefill acks a decode's abort at once; a stale registration (its server switched to decode)
+    never does, so the decode keeps the KV until deferred_release_s (30 s on real servers)."""
     async with Fleet(1, 1, **{**FAST, "deferred_release_s": 0.3}) as f:
-        body = pd_body({"text": PROMPT, "rid": "orphan"}, f.prefill[0], room=808)
-        task = asyncio.ensure_future(post(session, f.decode[0].url + "/generate", body))
-        await f.wait_for(f.decode[0], lambda s: "orphan" in s["rids_by_phase"].get("transfer", []))
-        await post(session, f.decode[0].url + "/abort_request", {"rid": "orphan"})
+        p, d = f.prefill[0], f.decode[0]
+        live = pd_body({"text": PROMPT, "rid": "live"}, p, room=807)
+        task = asyncio.ensure_future(post(session, d.url + "/generate", live))
+        await f.wait_for(d, lambda s: "live" in s["rids_by_phase"].get("transfer", []))
+        await post(session, d.url + "/abort_request", {"rid": "live"})
+        assert (await task)[0] == 500
+        assert (await post(session, d.url + "/flush_cache", None))[0] == 200  # acked at once: no hold
+        await post(session, p.url + "/pd_role_switch", {"new_role": "decode", "decode_cuda_graph_memory_gb": 0})
+        stale = pd_body({"text": PROMPT, "rid": "orphan"}, p, room=808)  # p's listener: a stale registration
+        task = asyncio.ensure_future(post(session, d.url + "/generate", stale))
+        await f.wait_for(d, lambda s: "orphan" in s["rids_by_phase"].get("transfer", []))
+        await post(session, d.url + "/abort_request", {"rid": "orphan"})
         status, out = await task
         assert status == 500 and out["message"].endswith("Aborted by AbortReq.")
-        assert await post(session, f.decode[0].url + "/flush_cache", None) == (400, "Flush cache failed.\n")
-        status, out = await post(session, f.decode[0].url + "/pd_role_switch", {"new_role": "prefill"})
+        assert await post(session, d.url + "/flush_cache", None) == (400, "Flush cache failed.\n")
+        status, out = await post(session, d.url + "/pd_role_switch", {"new_role": "prefill"})
         assert status == 400 and out["message"] == "instance is not idle; drain all requests before switching"
-        await f.wait_for(f.decode[0], lambda s: s["deferred_release_s"] == 0)
-        assert (await post(session, f.decode[0].url + "/flush_cache", None))[0] == 200
+        await f.wait_for(d, lambda s: s["deferred_release_s"] == 0)
+        assert (await post(session, d.url + "/flush_cache", None))[0] == 200

@@ -23,18 +23,17 @@ FIXTURES = Path(__file__).parent / "fixtures" / "real_sglang"
 # Like the real pair the fixtures come from (tiny Llama: 2048 context, --max-total-tokens 4096), with the
 # slow parts shortened: failures after 3 bootstrap retries instead of 15 x 1 s, no 1 s /health probe.
 SIM_PAIR = dict(context_length=2048, max_total_tokens=4096, health_check_s=0.0, bootstrap_retries=3,
-                bootstrap_retry_interval_s=0.01, disconnect_check_s=0.05, deferred_release_s=0.2,
-                decode_step_s=0.004, prefill_overhead_s=0.02)
+                bootstrap_retry_interval_s=0.01, disconnect_check_s=0.05, decode_step_s=0.004)
 
-# Steps that race an abort against the KV transfer: on the real CPU pair the abort landed while the decode
-# leg still waited for its KV (both legs 500 "... transfer failed"); on the simulator it may land once the
-# decode runs (200 with finish_reason abort) or after the prefill leg finished (200, length 0). Either
-# outcome is one real servers give; the test checks the simulator's is one of them.
+# Steps that race an abort against the KV transfer: on the real CPU pair these aborts landed while the
+# decode leg still waited for its KV (both legs 500 "... transfer failed"); the simulated run acts on long
+# requests only once they decode (Pair.strict_running), so its aborts land in the decode (200, finish_reason
+# abort; the prefill leg already finished). Both are outcomes real servers give; the test checks the
+# simulator's is one of them.
 RACY = {
     ("abort", "abort_stream:prefill"), ("abort", "abort_stream:decode"),
     ("weights", "update_busy:prefill"), ("weights", "update_busy:decode"),
     ("role_switch", "switch_busy:prefill"), ("role_switch", "switch_busy:decode"),
-    ("pause", "pause_abort:prefill"), ("pause", "pause_abort:decode"),
 }
 
 KNOWN_DIFFERENCES = {
@@ -72,7 +71,7 @@ async def test_simulator_matches_real_sglang(recorded):
     found: list[str] = []
     async with Fleet(1, 1, **SIM_PAIR) as fleet, aiohttp.ClientSession() as session:
         pair = Pair(fleet.prefill[0].url, fleet.decode[0].url, fleet.prefill[0].bootstrap_port,
-                    fleet.decode[0].bootstrap_port, session=session, settle_s=0.2, hang_s=0.5)
+                    fleet.decode[0].bootstrap_port, session=session, settle_s=0.2, hang_s=0.5, strict_running=True)
         for name, real_steps in recorded.items():  # in SCENARIOS order: role_switch last, as recorded
             sim_steps = await run_scenario(name, pair)
             for diff in compare_steps(name, real_steps, sim_steps):
