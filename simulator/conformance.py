@@ -603,9 +603,11 @@ def shape_diff(real: Any, sim: Any, path: str) -> list[str]:
                 else:
                     diffs.extend(shape_diff(real[key], sim[key], f"{path}.{key}"))
     elif isinstance(real, list) and real and sim:
+        # lengths differ by nature (tokens, chunks): compare the ends (first, last, the one before the last)
         diffs.extend(shape_diff(real[0], sim[0], f"{path}[0]"))
-        if len(real) > 1 and len(sim) > 1:
-            diffs.extend(shape_diff(real[-1], sim[-1], f"{path}[-1]"))
+        for i in (-2, -1):
+            if len(real) >= 1 - i and len(sim) >= 1 - i:
+                diffs.extend(shape_diff(real[i], sim[i], f"{path}[{i}]"))
     return diffs
 
 

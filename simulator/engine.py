@@ -63,7 +63,6 @@ class Req:
     logprob_start_len: int = -1
     bootstrap_addr: str | None = None  # "host:port" of the prefill's listener (decode role)
     room: int | None = None
-    fake_bootstrap: bool = False  # health probes: no partner, no transfer
     parallel_sample: bool = False  # n > 1: a decode leg waits for a warm-up KV that never comes
     phase: str = WAITING
     finish_reason: dict | None = None
@@ -294,7 +293,7 @@ class Engine:
             self._release_kv(req)
 
     async def _run_prefill(self, req: Req) -> None:
-        if req.fake_bootstrap or req.parallel_sample:
+        if req.parallel_sample:  # SGLang's n>1 prefill legs end without a decode partner (seen on 0.5.23)
             await self._admit(req)
             if not req.done:
                 await self._forward(req)
@@ -363,16 +362,11 @@ class Engine:
             f"with exception KVTransferError(bootstrap_room={req.room}): {reason or UNKNOWN_PEER_FAILURE}")
 
     async def _run_decode(self, req: Req, on_progress: Callable[[Req], Awaitable[None]] | None) -> None:
-        if req.fake_bootstrap:
-            await self._admit(req)
-            if not req.done:
-                await self._decode_loop(req, on_progress)
-            return
         req.phase = HANDSHAKE
         await self._admit(req)
         if req.done:
             raise self._decode_failure(req, "handshake", "Aborted by AbortReq.")
-        req.phase = HANDSHAKE
+        req.phase = HANDSHAKE  # admission may have queued it: it is in the prealloc queue again
         if req.parallel_sample:
             # SGLang's n>1 warm-up leg waits for a room no prefill ever fills (seen on 0.5.23)
             req.phase = TRANSFER

@@ -195,12 +195,20 @@ class OpenAIFormat(Format):
         if not self.include_usage:
             return []
         return [sse({"id": state.extra["id"], "object": self.chunk_object, "created": self.created,
-                     "model": self.model, "choices": [], "usage": self.usage(reqs)})]
+                     "model": self.model, "choices": [], "usage": self.stream_usage(reqs)})]
+
+    def stream_usage(self, reqs: list[Req]) -> dict[str, Any]:
+        return self.usage(reqs)
 
 
 class CompletionFormat(OpenAIFormat):
     object_name = "text_completion"
     chunk_object = "text_completion"
+
+    def stream_usage(self, reqs: list[Req]) -> dict[str, Any]:
+        # SGLang 0.5.23's completions usage chunk has no *_details fields (the chat one has them)
+        usage = self.usage(reqs)
+        return {k: usage[k] for k in ("prompt_tokens", "total_tokens", "completion_tokens", "reasoning_tokens")}
 
     def __init__(self, body: dict) -> None:
         super().__init__(body)

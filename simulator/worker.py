@@ -312,7 +312,7 @@ class Worker:
                 request.transport.abort()  # the connection drops mid-answer
 
     async def _run_item(self, req: Req, on_progress: Callable[[Req], Awaitable[None]] | None) -> None:
-        if self.engine.role != "null" and req.room is None and not req.fake_bootstrap:
+        if self.engine.role != "null" and req.room is None:
             raise RequestFailed("Invalid request: Disaggregated request received without bootstrap room id. "
                                 f"req.rid={req.rid!r}", 400)
         await self.engine.run(req, on_progress)

@@ -53,7 +53,8 @@ async def test_completion_stream_deltas_and_usage(fleet, session):
     deltas = [e["choices"][0]["text"] for e in events[:-2]]
     assert "".join(deltas) == expected_generation(PROMPT, max_new_tokens=3).text
     assert [e["choices"][0]["finish_reason"] for e in events[:-2]] == [None, None, "length"]
-    assert events[-2]["choices"] == [] and events[-2]["usage"]["completion_tokens"] == 3
+    assert events[-2]["choices"] == [] and events[-2]["usage"] == {
+        "prompt_tokens": 5, "total_tokens": 8, "completion_tokens": 3, "reasoning_tokens": 0}
 
 
 async def test_completion_prompt_list_gets_a_room_per_prompt(fleet, session):
