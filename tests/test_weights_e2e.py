@@ -234,6 +234,20 @@ async def test_retry_aborted_re_sends_requests_after_the_update(sim_router):
     await quiet(router)
 
 
+async def test_retry_aborted_cannot_re_send_a_stream_the_client_is_reading(sim_router):
+    router = await sim_router(1, 1)
+    await router.fleet.set_faults(router.fleet.decode[0], hang_after_tokens=2)
+    stream = asyncio.ensure_future(router.generate(stream=True))
+    await router.fleet.wait_for(router.fleet.decode[0], lambda s: len(s["rids_by_phase"].get("decode", [])) == 1)
+    status, answer = await router.call("/update_weight_version", {"new_version": "v2", "retry_aborted": True})
+    assert status == 200 and answer["num_aborted_requests"] == 1
+    aborted = await stream
+    assert aborted.outcome == "abort", "tokens already reached the client: it gets the abort with them"
+    await router.fleet.set_faults(router.fleet.decode[0], hang_after_tokens=None)
+    assert (await router.generate(stream=True)).weight_version == "v2"
+    await quiet(router)
+
+
 async def test_update_without_abort_waits_for_requests_to_finish(sim_router):
     router = await sim_router(1, 1, decode_step_s=0.02)
     task = asyncio.ensure_future(router.generate())
@@ -434,6 +448,20 @@ async def test_pause_without_body_and_update_while_paused(sim_router):
     await wait_for(lambda: router.admission.waiting == 1)
     assert (await router.call("/continue_generation"))[0] == 200
     assert (await held).weight_version == "p2"
+
+
+async def test_a_server_that_misses_continue_is_left_out(sim_router):
+    router = await sim_router(1, 2)
+    assert (await router.call("/pause_generation", {"mode": "retract"}))[0] == 200
+    gone = router.fleet.decode[1]
+    await gone.worker.stop()
+    status, answer = await router.call("/continue_generation", {})
+    assert status == 502 and answer["error"]["code"] == 502
+    assert router.worker(gone).state is WorkerState.FAILED
+    assert router.flow.left_out[router.worker(gone).id].kind == "paused"
+    assert router.admission.is_open and router.flow.paused is None
+    answers = await asyncio.gather(*(router.generate() for _ in range(4)))
+    assert {a.outcome for a in answers} == {"complete"}
 
 
 async def test_queue_full_while_held_is_503_with_retry_after(sim_router):

@@ -403,6 +403,9 @@ class WeightFlow:
     def _leave_out(self, worker: Worker, kind: str, reason: str) -> None:
         if self.registry.find(worker.id) is not worker:
             return
+        held = self.left_out.get(worker.id)
+        if held is not None and held.kind != kind and kind == "weights":
+            kind = held.kind  # still paused / without its memory: only that call can bring it back
         self.left_out[worker.id] = LeftOut(kind, reason)
         self.registry.set_state(worker, WorkerState.FAILED, f"left out by {kind}: {reason}")
 
@@ -414,6 +417,19 @@ class WeightFlow:
         if self.registry.find(worker.id) is worker and worker.state is WorkerState.FAILED:
             self.registry.set_state(worker, WorkerState.ACTIVE, reason)
         return True
+
+    async def _rejoin_if_current(self, worker: Worker, reason: str, kind: str) -> None:
+        """A server left out by `kind` that is fixed now: back in routing if it serves the fleet's version,
+        else still out, for its weights."""
+        left = self.left_out.get(worker.id)
+        if left is None or left.kind != kind:
+            return
+        version = await live_weight_version(self.upstream, worker)
+        if self.fleet_version is not None and version != self.fleet_version:
+            left.kind = "weights"
+            left.reason = f"serves weight_version {version!r}, the fleet serves {self.fleet_version!r}"
+            return
+        self._rejoin(worker, reason, kinds=(kind,))
 
     def _on_registry_event(self, event: str, worker: Worker, details: dict) -> None:
         if event == "removed":
@@ -525,7 +541,7 @@ class WeightFlow:
         step.end("ok" if all(o.success for o in outcomes) else "failed", summary(outcomes, "continue_generation"))
         for outcome in outcomes:
             if outcome.success:
-                self._rejoin(outcome.worker, "continue_generation succeeded", kinds=("paused",))
+                await self._rejoin_if_current(outcome.worker, "continue_generation succeeded", "paused")
             else:  # still paused (or unreachable): new requests would wait there forever
                 self._leave_out(outcome.worker, "paused", f"continue_generation failed: {outcome.message}")
             outcome.extra["routable"] = outcome.worker.routable
@@ -575,7 +591,7 @@ class WeightFlow:
         step.end("ok" if all(o.success for o in outcomes) else "failed", summary(outcomes, "resume_memory_occupation"))
         for outcome in outcomes:
             if outcome.success:
-                self._rejoin(outcome.worker, "resume_memory_occupation succeeded", kinds=("memory",))
+                await self._rejoin_if_current(outcome.worker, "resume_memory_occupation succeeded", "memory")
             else:  # its memory is not back: it cannot serve
                 self._leave_out(outcome.worker, "memory", f"resume_memory_occupation failed: {outcome.message}")
         tags = body.get("tags")
