@@ -435,6 +435,19 @@ async def test_pause_holds_new_requests_and_continue_releases_them(sim_router, m
     await quiet(router)
 
 
+async def test_pause_abort_with_retry_aborted_re_sends_after_continue(sim_router):
+    router = await sim_router(1, 1, decode_step_s=0.02)
+    running = [asyncio.ensure_future(router.generate()) for _ in range(3)]
+    await wait_for(lambda: router.decoding() == 3)
+    status, answer = await router.call("/pause_generation", {"mode": "abort", "retry_aborted": True})
+    assert status == 200 and answer["num_aborted_requests"] == 3
+    await wait_for(lambda: router.inflight() == 0 and len(router.live) == 0, message="aborted, waiting to re-send")
+    assert not any(t.done() for t in running)
+    assert (await router.call("/continue_generation", {}))[0] == 200
+    assert [(a.outcome, a.output_tokens) for a in await asyncio.gather(*running)] == [("complete", 16)] * 3
+    await quiet(router)
+
+
 async def test_pause_without_body_and_update_while_paused(sim_router):
     router = await sim_router(1, 1)
     resp = await router.http.post("/pause_generation")  # no body at all, as old servers took it
