@@ -19,8 +19,8 @@ from .api_info import any_prefill_first
 from .api_workers import read_json_object
 from .errors import BadRequest, NotFound, ServiceUnavailable, json_response
 from .flows.fleet import INFO_TIMEOUT, fleet_weight_version
-from .flows.weights import DISK, DISTRIBUTED, TENSOR, VERSION, WeightFlow
-from .keys import ADMISSION, CONFIG, PROXY, REGISTRY, TASKS, UPSTREAM, WEIGHTS
+from .flows.weights import DISK, DISTRIBUTED, TENSOR, UPDATE_KINDS, VERSION, WeightFlow
+from .keys import ADMISSION, CONFIG, METRICS, PROXY, REGISTRY, TASKS, UPSTREAM, WEIGHTS
 
 PAUSE_MODES = ("abort", "retract", "in_place")
 SELECTORS = ("target", "draft", "all")
@@ -271,9 +271,20 @@ async def _weights_ctx(app: web.Application):
     flow = WeightFlow(app[CONFIG], app[REGISTRY], app[UPSTREAM], app[ADMISSION], app[PROXY].live,
                       app[TASKS].spawn)
     app[WEIGHTS] = flow
+    if METRICS in app:
+        flow.observers.append(_metrics_observer(app[METRICS]))
     flow.start()
     yield
     await flow.close()
+
+
+def _metrics_observer(metrics) -> Callable:
+    def observe(op) -> None:
+        if op.kind in UPDATE_KINDS:
+            metrics.observe_weight_update(op.state, op.duration_s or 0.0)
+        metrics.observe_abort(op.kind, op.aborted_requests)
+
+    return observe
 
 
 def setup(app: web.Application) -> None:

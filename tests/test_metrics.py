@@ -148,3 +148,23 @@ def test_hot_histogram_buckets_are_cumulative_and_inclusive():
     assert samples[("h_bucket", "1.0")] == 4
     assert samples[("h_bucket", "+Inf")] == 5
     assert samples[("h_count", None)] == 5 and samples[("h_sum", None)] == 8.65
+
+
+async def test_weight_updates_and_their_aborts_are_counted(make_router):
+    """The weight-update flow reports every finished operation to app[METRICS]."""
+    from simulator.fleet import Fleet
+    from tests.sim_support import FAST
+
+    async with Fleet(1, 1, **FAST) as fleet:
+        client = await make_router(fleet.prefill, fleet.decode, health=NO_PROBES)
+        assert (await client.post("/generate", json={"text": "x", "sampling_params": {"max_new_tokens": 2}})
+                ).status == 200
+        resp = await client.post("/update_weights_from_disk", json={"model_path": "sim/x", "weight_version": "v2"})
+        assert resp.status == 200, await resp.text()
+        resp = await client.post("/update_weights_from_disk", json={"model_path": "/nonexistent/model"})
+        assert resp.status >= 400
+        m = await scrape(client)
+        assert value(m, "pd_router_weight_updates_total", outcome="succeeded") == 1
+        assert value(m, "pd_router_weight_updates_total", outcome="failed") == 1
+        assert value(m, "pd_router_weight_update_duration_seconds_count", outcome="succeeded") == 1
+        await client.close()

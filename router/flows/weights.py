@@ -158,6 +158,7 @@ class WeightFlow:
         self._lock = asyncio.Lock()
         self._ids = itertools.count(1)
         self._no_session_api: set[str] = set()  # workers whose server has no begin/end_weight_update
+        self.observers: list[Callable[[Operation], None]] = []  # told of every finished operation (metrics)
         self._wake = asyncio.Event()
         self._reconciler: asyncio.Task | None = None
         registry.subscribe(self._on_registry_event)
@@ -231,6 +232,8 @@ class WeightFlow:
             op.finish(status, str(answer.get("message", "")))
             self.current = None
             self.history.append(op)
+            for observe in self.observers:
+                observe(op)
             self._lock.release()
             logger.info("fleet operation %s %s: %s in %.3f s (%s)", op.id, kind, op.state, op.duration_s,
                         op.message[:300])
