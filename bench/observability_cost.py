@@ -23,7 +23,7 @@ from router.access import make_access_middleware
 from router.admission import Admission
 from router.config import AdmissionConfig, BreakerConfig, HealthConfig, RouterConfig
 from router.health import HealthMonitor
-from router.proxy import Attempt, Proxy, RequestRecord
+from router.proxy import RequestRecord
 from router.registry import Registry, Role
 
 
@@ -51,9 +51,6 @@ async def measure(iterations: int) -> dict:
     monitor.start()
     record = RequestRecord(route="/generate", stream=True, status=200, started=0.0, e2e_s=0.25, ttft_s=0.05,
                            itl_s=0.01, attempts=1, prefill=prefill, decode=decode)
-    proxy = Proxy.__new__(Proxy)
-    proxy._unanswered = {}
-    attempt = Attempt(prefill, decode, b"", ["rid"], (0, 0))
 
     def noop(*args) -> None:
         return None
@@ -63,7 +60,6 @@ async def measure(iterations: int) -> dict:
         "metrics.observe_request": lambda: router_metrics.observe_request(record),
         "logs.log_request (success, DEBUG off)": lambda: logs.log_request(record),
         "health.on_leg (served, breaker closed)": lambda: monitor.on_leg(decode, True),
-        "proxy track+untrack attempt": lambda: (proxy._track(attempt), proxy._untrack(attempt)),
     }
     baseline = per_call_us(lambda: noop(record), iterations)
     out: dict = {"iterations": iterations, "baseline_call_us": round(baseline, 4), "hooks": {}}
@@ -115,7 +111,7 @@ async def measure(iterations: int) -> dict:
     m = out["middlewares"]
     total = (m["request_id_middleware"]["us"] + m["metrics_middleware"]["us"] + m["access_middleware (no keys)"]["us"]
              + h["metrics.observe_request"]["us"] + h["logs.log_request (success, DEBUG off)"]["us"]
-             + 2 * h["health.on_leg (served, breaker closed)"]["us"] + h["proxy track+untrack attempt"]["us"])
+             + 2 * h["health.on_leg (served, breaker closed)"]["us"])
     out["added_per_request_us"] = round(total, 2)
     await monitor.close()
     return out

@@ -107,6 +107,7 @@ class Attempt:
     epochs: tuple[int, int]
     legs: list["Leg"] = field(default_factory=list)
     evicted: str | None = None  # why the router gave up on one of its workers (see Proxy.evict)
+    streaming: bool = False  # the client has seen bytes of this attempt: it can no longer be re-sent
     # Set (through `Proxy.live`) when an operator or a flow aborts this attempt: live.RETRY or live.ANSWER.
     abort_action: str | None = None
 
@@ -131,9 +132,6 @@ class Proxy:
         self.admission = admission
         self.spawn = spawn  # owned background tasks (aborts, lingering prefill legs)
         self.leg_observers: list[LegObserver] = []
-        # Attempts that have not sent a byte to their client yet, by worker: what `evict` may re-send.
-        self._unanswered: dict[Worker, set[Attempt]] = {}
-        registry.subscribe(self._forget_removed)
         self.request_observers: list[RequestObserver] = []
         self.live = LiveRequests()  # attempts in flight, by rid (abort endpoint, flows)
         self._needs_text = prefill_policy.needs_text or decode_policy.needs_text
@@ -231,7 +229,6 @@ class Proxy:
                               (prefill.abort_epoch, decode.abort_epoch))
             record.prefill, record.decode = prefill, decode
             record.attempts += 1
-            self._track(attempt)
             self.live.add(attempt)
             try:
                 if shape.stream:
@@ -262,28 +259,9 @@ class Proxy:
                 record.error = failure.reason
                 return failure.response()
             finally:
-                self._untrack(attempt)
                 self.live.discard(attempt)
 
     # ---- eviction: giving up on a worker for requests that can still go elsewhere -------------------
-    def _track(self, attempt: Attempt) -> None:
-        for worker in (attempt.prefill, attempt.decode):
-            bucket = self._unanswered.get(worker)
-            if bucket is None:
-                bucket = self._unanswered[worker] = set()
-            bucket.add(attempt)
-
-    def _untrack(self, attempt: Attempt) -> None:
-        # Empty sets stay (re-creating them per request costs more); a removed worker's goes with it.
-        for worker in (attempt.prefill, attempt.decode):
-            bucket = self._unanswered.get(worker)
-            if bucket is not None:
-                bucket.discard(attempt)
-
-    def _forget_removed(self, event: str, worker: Worker, details: dict) -> None:
-        if event == "removed":
-            self._unanswered.pop(worker, None)
-
     def evict(self, worker: Worker, reason: str) -> int:
         """Stop waiting on `worker` (declared down by its health probes) for every request that has not sent
         a byte to its client: its leg is cancelled and aborted on the server, and the request is retried on
@@ -294,9 +272,11 @@ class Proxy:
             logger.warning("%s is down but the last of its pool: its requests keep waiting", worker.url)
             return 0
         count = 0
-        for attempt in list(self._unanswered.get(worker, ())):
+        for attempt in self.live.on((worker,)):
+            if attempt.streaming:
+                continue
             for leg in attempt.legs:
-                if leg.worker is worker and leg.is_open and not leg.task.done():
+                if leg.worker is worker and leg.is_open and not leg.detached and not leg.task.done():
                     attempt.evicted = reason
                     leg.task.cancel()
                     self._abort_on(worker, attempt.rids)
@@ -497,7 +477,7 @@ class Proxy:
                                 reason="aborted by the router before the first token")
 
             # Phase 2: the client sees a stream from here on.
-            self._untrack(attempt)
+            attempt.streaming = True
             prefill_first: dict[int, dict] = {}
             if shape.return_logprob:
                 if p.is_open:
