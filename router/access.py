@@ -6,9 +6,10 @@ is protected without anyone remembering to protect it.
 
 Keys follow sgl-router (smg's `auth_middleware`, the code sglang-router 0.3.2 is built from): with
 `--api-key`, the generation routes *and* the control routes need `Authorization: Bearer KEY`; health,
-models and server info stay open. pd-router adds `--admin-api-key`: when given, the control routes need
-that key instead (the generation key does not open them), and generation accepts either key. With no key
-at all everything is open, as with mini_lb. Keys are compared in constant time.
+models and server info stay open. `--admin-api-key` follows SGLang 0.5.23's own server (`srt/utils/auth.py`:
+its control endpoints are ADMIN_OPTIONAL, generation NORMAL): when given, the control routes need that key
+and the generation key no longer opens them, while generation still needs exactly `--api-key` (the admin
+key does not open it). With no key at all everything is open, as with mini_lb. Constant-time compares.
 
 Control calls that carry a body must send a JSON object: anything else is 400 before the handler runs
 (the parsed body is kept under `JSON_BODY` so handlers do not parse it twice).
@@ -67,7 +68,7 @@ def required_keys(access: Access, config: RouterConfig) -> tuple[bytes, ...]:
     api = config.api_key.encode() if config.api_key else None
     admin = config.admin_api_key.encode() if config.admin_api_key else None
     if access is Access.GENERATION:
-        return tuple(k for k in (api, admin) if k) if api else ()
+        return (api,) if api else ()
     if access is Access.ADMIN:
         key = admin or api
         return (key,) if key else ()

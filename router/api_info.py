@@ -9,7 +9,7 @@ from typing import Awaitable, Callable, Iterable
 from aiohttp import web
 
 from .errors import ServiceUnavailable, json_response
-from .keys import REGISTRY, UPSTREAM
+from .keys import ADMISSION, REGISTRY, UPSTREAM
 from .registry import Registry, Role, Worker, WorkerState
 from .upstream import Reply, Upstream
 
@@ -42,9 +42,14 @@ async def health(request: web.Request) -> web.Response:
     registry = request.app[REGISTRY]
     pools = {}
     for role in Role:
-        pools[role.value] = {"routable": len(registry.routable(role)), "total": len(registry.workers(role))}
+        members = registry.workers(role)
+        pools[role.value] = {"routable": len(registry.routable(role)), "total": len(members),
+                             "unhealthy": sum(not w.healthy for w in members),
+                             "breaker_open": sum(w.breaker == "open" for w in members)}
     ready = all(p["routable"] > 0 for p in pools.values())
-    body = {"status": "ok" if ready else "unavailable", "pools": pools}
+    admission = request.app[ADMISSION]
+    body = {"status": "ok" if ready else "unavailable", "pools": pools,
+            "admission": {"in_flight": admission.active, "queued": admission.waiting, "held": not admission.is_open}}
     if not ready:
         empty = [name for name, p in pools.items() if p["routable"] == 0]
         body["message"] = f"no routable worker in pool(s): {', '.join(empty)}"

@@ -261,3 +261,17 @@ async def test_no_probing_while_the_fleet_is_held(fake_fleet, make_router):
     assert worker.healthy
     admission.release("weight update")
     await wait_for(lambda: not worker.healthy, message="probing resumed (d answers 503 now)")
+
+
+async def test_router_health_reports_pools_and_admission(fake_fleet, make_router):
+    p, d = await fake_fleet(1, 1)
+    client = await make_router([p], [d], health=FAST_PROBES)
+    body = await (await client.get("/health")).json()
+    assert body["status"] == "ok" and body["pools"]["decode"] == {"routable": 1, "total": 1, "unhealthy": 0,
+                                                                   "breaker_open": 0}
+    assert body["admission"] == {"in_flight": 0, "queued": 0, "held": False}
+    d.behaviour.health_status = 503
+    await wait_for(lambda: not worker_of(client, d).healthy)
+    resp = await client.get("/health")
+    body = await resp.json()
+    assert resp.status == 503 and body["pools"]["decode"]["unhealthy"] == 1 and "decode" in body["message"]
