@@ -20,6 +20,7 @@ from .api_workers import read_json_object
 from .errors import BadRequest, NotFound, ServiceUnavailable, json_response
 from .flows.fleet import INFO_TIMEOUT, fleet_weight_version
 from .flows.weights import DISK, DISTRIBUTED, TENSOR, UPDATE_KINDS, VERSION, WeightFlow
+from .api_conversion import CONVERSIONS
 from .keys import ADMISSION, CONFIG, METRICS, PROXY, REGISTRY, TASKS, UPSTREAM, WEIGHTS
 
 PAUSE_MODES = ("abort", "retract", "in_place")
@@ -271,6 +272,8 @@ async def _weights_ctx(app: web.Application):
     flow = WeightFlow(app[CONFIG], app[REGISTRY], app[UPSTREAM], app[ADMISSION], app[PROXY].live,
                       app[TASKS].spawn)
     app[WEIGHTS] = flow
+    if CONVERSIONS in app:
+        flow.conversions_running = app[CONVERSIONS].running
     if METRICS in app:
         flow.observers.append(_metrics_observer(app[METRICS]))
     flow.start()

@@ -661,3 +661,29 @@ async def test_weight_version_reads_show_the_fleet_and_its_disagreement(sim_rout
     assert info["weight_version"] == "v2" and info["model_path"]
     answers = await asyncio.gather(*(router.generate() for _ in range(6)))
     assert {a.weight_version for a in answers} == {"v2"}
+
+
+async def test_an_update_waits_for_a_running_conversion_and_reaches_the_converted_server(sim_router):
+    """No server switches role under a fleet operation: the update closes admission (no new conversion can
+    start), waits for the one in flight, then updates every server, the converted one included."""
+    router = await sim_router(prefill=2, decode=2, decode_step_s=0.02)
+    long = asyncio.ensure_future(router.generate({**BODY, "sampling_params": {"max_new_tokens": 40}}))
+    await wait_for(lambda: router.decoding() == 1, message="a request is decoding")
+    (busy,) = [w for w in router.registry.workers() if w.role.value == "decode" and w.inflight]
+    convert = asyncio.ensure_future(router.call(f"/admin/workers/{busy.id}/convert",
+                                                {"mode": "drain", "new_role": "prefill"}))
+    await wait_for(lambda: busy.state is WorkerState.DRAINING, message="conversion draining")
+    update = asyncio.ensure_future(router.call("/update_weights_from_disk",
+                                               {"model_path": "sim/m", "weight_version": "v2"}))
+    await wait_for(lambda: router.flow.current is not None
+                   and router.flow.current.current_step == "conversions", message="update waits")
+    assert (await long).outcome == "complete"
+    status, converted = await convert
+    assert status == 200 and converted["new_role"] == "prefill"
+    status, updated = await update
+    assert status == 200, updated
+    assert busy.role.value == "prefill" and busy.state is WorkerState.ACTIVE
+    assert await router.versions() == ["v2"] * 4
+    steps = [s["name"] for s in router.flow.history[-1].to_dict()["steps"]]
+    assert steps.index("hold") < steps.index("conversions") < steps.index("update")
+    await wait_for(lambda: router.inflight() == 0)

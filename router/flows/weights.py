@@ -161,6 +161,9 @@ class WeightFlow:
         self.observers: list[Callable[[Operation], None]] = []  # told of every finished operation (metrics)
         self._wake = asyncio.Event()
         self._reconciler: asyncio.Task | None = None
+        # Role conversions running now (set by the app): an operation waits for them after closing admission
+        # (which keeps new ones from starting), so no server switches role under a fleet-wide operation.
+        self.conversions_running: Callable[[], list] = lambda: []
         registry.subscribe(self._on_registry_event)
 
     # ---- lifecycle ---------------------------------------------------------------------------------
@@ -247,12 +250,28 @@ class WeightFlow:
         step.end("ok", f"admission closed ({reason})")
         started = time.monotonic()
         try:
+            await self._wait_for_conversions(op)
             yield
         finally:
             if not keep:
                 self.admission.release(reason)
             op.hold_s = time.monotonic() - started
             op.held_requests = self.admission.held_total - held_before
+
+    async def _wait_for_conversions(self, op: Operation) -> None:
+        running = self.conversions_running()
+        if not running:
+            return
+        timeout = max(op.started + self.config.weight_update_timeout_secs - time.monotonic(), 0.0)
+        step = op.step("conversions", timeout)
+        names = ", ".join(c.worker_url for c in running)
+        done, pending = await asyncio.wait([asyncio.ensure_future(c.wait()) for c in running], timeout=timeout)
+        for task in pending:
+            task.cancel()
+        if pending:
+            step.end("timeout", f"role conversion of {names} still running")
+            raise Conflict(f"a role conversion is still running ({names}); nothing was changed")
+        step.end("ok", f"waited for the role conversion of {names}")
 
     def _mark_aborted(self, workers: list[Worker], retry: bool) -> int:
         """Before the router aborts these servers: mark their requests so the request path re-sends them
