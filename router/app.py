@@ -22,6 +22,7 @@ from .proxy import Proxy
 from .registry import Registry, Role, WorkerState
 from .requests import GENERATE_ROUTES
 from .upstream import Upstream
+from .upstream_http import UpstreamPool
 
 logger = logging.getLogger(__name__)
 
@@ -107,10 +108,12 @@ async def _session_ctx(app: web.Application):
     session = make_session(config)
     app[SESSION] = session
     app[UPSTREAM] = Upstream(session)
+    legs = UpstreamPool(max_connections=config.max_connections, connect_timeout=config.connect_timeout_secs)
     app[PROXY] = Proxy(
         config=config,
         registry=app[REGISTRY],
         session=session,
+        upstream=legs,
         prefill_policy=make_policy(config.prefill_policy, config.policy_params),
         decode_policy=make_policy(config.decode_policy, config.policy_params),
         admission=app[ADMISSION],
@@ -118,6 +121,7 @@ async def _session_ctx(app: web.Application):
     )
     yield
     await app[TASKS].close()
+    await legs.close()
     await session.close()
 
 

@@ -31,6 +31,7 @@ from .live import RETRY, LiveRequests
 from .logprobs import index_prefill_events, merge_answer, merge_meta
 from .registry import Registry, Role, Worker
 from .requests import RequestShape, assign_rid, inject_bootstrap, prompt_text, shape_of
+from .upstream_http import UpstreamError, UpstreamPool, UpstreamProtocolError, UpstreamResponse, header_lines
 
 logger = logging.getLogger(__name__)
 
@@ -123,11 +124,12 @@ RequestObserver = Callable[[RequestRecord], None]
 
 class Proxy:
     def __init__(self, *, config: RouterConfig, registry: Registry, session: aiohttp.ClientSession,
-                 prefill_policy: Policy, decode_policy: Policy, admission: Admission,
+                 upstream: UpstreamPool, prefill_policy: Policy, decode_policy: Policy, admission: Admission,
                  spawn: Callable[[Awaitable], asyncio.Task]) -> None:
         self.config = config
         self.registry = registry
-        self.session = session
+        self.session = session  # control calls (aborts)
+        self.upstream = upstream  # the legs
         self.policies = {Role.PREFILL: prefill_policy, Role.DECODE: decode_policy}
         self.admission = admission
         self.spawn = spawn  # owned background tasks (aborts, lingering prefill legs)
@@ -151,8 +153,9 @@ class Proxy:
                 raise BadRequest("request body must be a JSON object")
             shape = shape_of(route, body)
             record.stream = shape.stream
-            headers = {h: v for h in FORWARDED_HEADERS if (v := request.headers.get(h)) is not None}
-            record.request_id = headers.get("X-Request-Id", "")
+            forwarded = {h: v for h in FORWARDED_HEADERS if (v := request.headers.get(h)) is not None}
+            record.request_id = forwarded.get("X-Request-Id", "")
+            headers = header_lines(forwarded) if forwarded else b""  # wire bytes, for both legs
             info = RequestInfo(route=route, batch_size=shape.batch_size,
                                text=prompt_text(route, body) if self._needs_text else None)
             deadline = record.started + self._timeout
@@ -334,7 +337,7 @@ class Proxy:
         else:
             exc = task.exception()
         if exc is not None:
-            if not isinstance(exc, (aiohttp.ClientError, asyncio.TimeoutError, OSError, asyncio.CancelledError)):
+            if not isinstance(exc, (UpstreamError, asyncio.TimeoutError, OSError, asyncio.CancelledError)):
                 raise exc
             return LegFailed(worker, 502, b"", "", retryable=True, router_abort=router_abort,
                              reason=f"{role} {worker.url} failed: {type(exc).__name__}: {exc}")
@@ -366,13 +369,16 @@ class Proxy:
         except Exception:
             leg.finish(Outcome.ERROR, fault=False)
 
-    def _post(self, worker: Worker, path: str, attempt: Attempt, headers: dict):
-        return self.session.post(worker.url + path, data=attempt.payload, headers={**JSON_HEADERS, **headers})
+    def _post(self, worker: Worker, path: str, attempt: Attempt, headers: bytes) -> Awaitable[UpstreamResponse]:
+        return self.upstream.post(worker.url, path, attempt.payload, headers)
 
     # ---- non-streaming -----------------------------------------------------------------------------
     async def _unary_leg(self, worker: Worker, path: str, attempt: Attempt, headers) -> tuple[int, bytes, str]:
-        async with self._post(worker, path, attempt, headers) as resp:
+        resp = await self._post(worker, path, attempt, headers)
+        try:
             return resp.status, await resp.read(), resp.content_type
+        finally:
+            resp.close()
 
     async def _unary(self, path, attempt: Attempt, shape: RequestShape, headers, record) -> web.Response:
         p = self._open_leg(attempt.prefill, Role.PREFILL, self._unary_leg(attempt.prefill, path, attempt, headers))
@@ -419,13 +425,16 @@ class Proxy:
     async def _prefill_stream_leg(self, worker: Worker, path: str, attempt: Attempt, headers,
                                   keep_events: bool) -> tuple[int, bytes, str, list]:
         """Read prefill's whole answer (it streams one token); keep its events when logprobs are merged."""
-        async with self._post(worker, path, attempt, headers) as resp:
+        resp = await self._post(worker, path, attempt, headers)
+        try:
             body = await resp.read()
-            events = []
-            if resp.status == 200 and keep_events:
-                splitter = sse.EventSplitter()
-                events = [e for raw in splitter.feed(body + b"\n\n") if (e := sse.parse_event(raw)) is not None]
-            return resp.status, body, resp.content_type, events
+        finally:
+            resp.close()
+        events = []
+        if resp.status == 200 and keep_events:
+            splitter = sse.EventSplitter()
+            events = [e for raw in splitter.feed(body + b"\n\n") if (e := sse.parse_event(raw)) is not None]
+        return resp.status, body, resp.content_type, events
 
     async def _decode_first_event(self, worker: Worker, path: str, attempt: Attempt, headers):
         """Open decode's stream and read up to its first complete event.
@@ -436,12 +445,12 @@ class Proxy:
             if resp.status != 200:
                 return resp.status, await resp.read(), resp.content_type, None
             splitter = sse.EventSplitter()
-            async for chunk in resp.content.iter_any():
+            async for chunk in resp:
                 events = splitter.feed(chunk)
                 if events:
                     opened, resp = resp, None  # ownership passes to the caller
                     return 200, b"", opened.content_type, (opened, events, splitter)
-            raise aiohttp.ClientPayloadError("decode stream ended before its first event")
+            raise UpstreamProtocolError("decode stream ended before its first event")
         finally:
             if resp is not None:
                 resp.close()
@@ -452,7 +461,7 @@ class Proxy:
                            self._prefill_stream_leg(attempt.prefill, path, attempt, headers, shape.return_logprob))
         d = self._open_leg(attempt.decode, Role.DECODE, self._decode_first_event(attempt.decode, path, attempt, headers))
         attempt.legs = [p, d]
-        d_resp: aiohttp.ClientResponse | None = None
+        d_resp: UpstreamResponse | None = None
         try:
             # Phase 1: until decode's first event, any failure is answered (or retried) as plain HTTP.
             while not d.task.done():
@@ -513,7 +522,7 @@ class Proxy:
             p.ensure_closed()
             d.ensure_closed()
 
-    async def _relay(self, response: web.StreamResponse, d_resp: aiohttp.ClientResponse, events: list[bytes],
+    async def _relay(self, response: web.StreamResponse, d_resp: UpstreamResponse, events: list[bytes],
                      splitter: sse.EventSplitter, prefill_first: dict[int, dict], record: RequestRecord,
                      first_at: float) -> bool:
         """Relay decode's stream; True if it ended with [DONE]. Mid-stream failure → error event + [DONE]."""
@@ -545,7 +554,7 @@ class Proxy:
             await write(rewrite(events))
             record.events = len(events)
             if merge:
-                async for chunk in d_resp.content.iter_any():
+                async for chunk in d_resp:
                     new = splitter.feed(chunk)
                     if new:
                         last_at = time.monotonic()
@@ -556,15 +565,13 @@ class Proxy:
                 tail = splitter.rest()
                 if tail:
                     await write(tail)
-                async for chunk in d_resp.content.iter_any():
+                async for chunk in d_resp:
                     last_at = time.monotonic()
                     record.events += chunk.count(b"data:")
                     await write(chunk)
                     tail = (tail + chunk)[-64:]
                 saw_done = saw_done or tail.rstrip(b"\r\n").endswith(sse.DONE.rstrip(b"\n"))
-        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
-            if isinstance(exc, ConnectionResetError):
-                raise
+        except (UpstreamError, asyncio.TimeoutError) as exc:
             record.outcome = "error"
             record.error = f"decode stream failed: {exc}"
             logger.warning("decode %s failed mid-stream: %s", record.decode.url if record.decode else "?", exc)
