@@ -54,6 +54,16 @@ class _Stale(UpstreamError):
     """A reused connection closed before any byte of the answer: the request may be sent again."""
 
 
+def _field(head: bytes, lower: bytes, name: bytes) -> bytes | None:
+    """The value of the header line starting with `name` (b"\\r\\nname:", lower case), stripped."""
+    at = lower.find(name)
+    if at < 0:
+        return None
+    start = at + len(name)
+    end = head.find(b"\r\n", start)
+    return (head[start:end] if end >= 0 else head[start:]).strip()
+
+
 class UpstreamResponse:
     """One exchange: status and headers once the head is in, then the body as it arrives.
 
@@ -62,15 +72,14 @@ class UpstreamResponse:
     was read to its end, so a half-read connection is never reused.
     """
 
-    __slots__ = ("status", "reason", "headers", "content_type", "_conn", "_pool", "_framing", "_remaining",
+    __slots__ = ("status", "content_type", "_head", "_lower", "_conn", "_pool", "_framing", "_remaining",
                  "_chunks", "_buffered", "_done", "_error", "_waiter", "_got_bytes", "_head_in", "_keep_alive",
                  "_slot", "_cbuf", "_cstate", "_clean_end", "_paused", "_reused", "__weakref__")
 
     def __init__(self, conn: "_Connection", pool: "UpstreamPool") -> None:
         self.status = 0
-        self.reason = ""
-        self.headers: dict[bytes, bytes] = {}
         self.content_type = ""
+        self._head = self._lower = b""
         self._conn: _Connection | None = conn
         self._pool = pool
         self._framing = _LENGTH
@@ -253,51 +262,49 @@ class UpstreamResponse:
             self._wake()
 
     def _parse_head(self, head: bytes) -> str | None:
-        """Status, headers and body framing; an error message if the head is not HTTP/1.x."""
-        lines = head.split(b"\r\n")
-        status_line = lines[0]
+        """Status and body framing; an error message if the head is not HTTP/1.x.
+
+        Only the fields the framing needs are looked up (each a `find` in C); `header()` reads others."""
+        eol = head.find(b"\r\n")
+        status_line = head[:eol] if eol >= 0 else head
         if not status_line.startswith(b"HTTP/1.") or len(status_line) < 12 or status_line[8:9] != b" " \
                 or not status_line[9:12].isdigit() or status_line[12:13] not in (b"", b" "):
             return f"malformed status line {status_line[:80]!r}"
         status = int(status_line[9:12])
         if 100 <= status < 200 and status != 101:
             return None  # interim answer: skip it
-        headers = self.headers
-        for line in lines[1:]:
-            name, sep, value = line.partition(b":")
-            if not sep or not name or name[-1:] in (b" ", b"\t"):
-                return f"malformed header line {line[:80]!r}"
-            name = name.lower()
-            value = value.strip()
-            if name in headers and name == b"content-length" and headers[name] != value:
-                return "conflicting Content-Length headers"
-            headers[name] = value
+        lower = head.lower()
+        self._head = head
+        self._lower = lower
         self.status = status
-        self.reason = status_line[13:].decode("latin-1")
         self._head_in = True
-        content_type = headers.get(b"content-type")
+        content_type = _field(head, lower, b"\r\ncontent-type:")
         self.content_type = (content_type.split(b";", 1)[0].strip().lower().decode("latin-1")
                              if content_type else "application/octet-stream")
-        connection = headers.get(b"connection", b"").lower()
+        connection = _field(head, lower, b"\r\nconnection:")
+        connection = connection.lower() if connection else b""
         self._keep_alive = b"close" not in connection and (status_line[7:8] != b"0" or b"keep-alive" in connection)
         if status in (204, 304) or status == 101:
             self._done = True
             self._keep_alive = self._keep_alive and status != 101
             return None
-        te = headers.get(b"transfer-encoding")
+        te = _field(head, lower, b"\r\ntransfer-encoding:")
+        length = _field(head, lower, b"\r\ncontent-length:")
         if te is not None:
             if te.lower().rsplit(b",", 1)[-1].strip() != b"chunked":
                 self._framing = _UNTIL_CLOSE  # RFC 9112 6.3: read until the server closes
                 self._keep_alive = False
                 return None
             self._framing = _CHUNKED
-            if b"content-length" in headers:
+            if length is not None:
                 self._keep_alive = False  # both: chunked wins, and the connection is not reused
             return None
-        length = headers.get(b"content-length")
         if length is not None:
             if not length.isdigit():
                 return f"malformed Content-Length {length[:40]!r}"
+            again = lower.find(b"\r\ncontent-length:", lower.find(b"\r\ncontent-length:") + 1)
+            if again >= 0 and _field(head[again:], lower[again:], b"\r\ncontent-length:") != length:
+                return "conflicting Content-Length headers"
             self._framing = _LENGTH
             self._remaining = int(length)
             if self._remaining == 0:
@@ -306,6 +313,13 @@ class UpstreamResponse:
         self._framing = _UNTIL_CLOSE
         self._keep_alive = False
         return None
+
+    def header(self, name: str) -> str | None:
+        """A response header's value (the first, if repeated), None when absent."""
+        if not self._head_in:
+            return None
+        value = _field(self._head, self._lower, b"\r\n" + name.lower().encode("latin-1") + b":")
+        return None if value is None else value.decode("latin-1")
 
     def _feed_chunked(self, data: bytes) -> None:
         buf = self._cbuf
