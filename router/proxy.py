@@ -297,7 +297,7 @@ class Proxy:
     # ---- legs --------------------------------------------------------------------------------------
     def _open_leg(self, worker: Worker, role: Role, coro) -> "Leg":
         self.registry.acquire(worker)
-        return Leg(self, worker, role, asyncio.ensure_future(coro))
+        return Leg(self, worker, role, asyncio.get_running_loop().create_task(coro))
 
     def _leg_done(self, worker: Worker, role: Role, outcome: Outcome, fault: bool = True) -> None:
         self.registry.release(worker)
@@ -361,7 +361,7 @@ class Proxy:
     async def _finish_later(self, leg: "Leg", attempt: Attempt) -> None:
         """A prefill leg still running after decode answered: keep it counted until it ends."""
         try:
-            await asyncio.wait({leg.task})
+            await _first_done((leg.task,))
             self._conclude(leg, attempt)
         except asyncio.CancelledError:  # router shutting down
             leg.cancel(attempt.rids)
@@ -386,8 +386,7 @@ class Proxy:
         attempt.legs = [p, d]
         try:
             while d.is_open:
-                await asyncio.wait([leg.task for leg in (p, d) if leg.is_open],
-                                   return_when=asyncio.FIRST_COMPLETED)
+                await _first_done([leg.task for leg in (p, d) if leg.is_open])
                 for leg, other in ((p, d), (d, p)):
                     if leg.is_open and leg.task.done():
                         failure = self._conclude(leg, attempt)
@@ -402,7 +401,7 @@ class Proxy:
                                 reason="aborted by the router before the client saw a token")
             if shape.return_logprob:
                 if p.is_open:
-                    await asyncio.wait({p.task})
+                    await _first_done((p.task,))
                     self._conclude(p, attempt)
                 if not p.task.cancelled() and p.task.exception() is None and p.task.result()[0] == 200:
                     answer = orjson.loads(body)
@@ -465,8 +464,7 @@ class Proxy:
         try:
             # Phase 1: until decode's first event, any failure is answered (or retried) as plain HTTP.
             while not d.task.done():
-                await asyncio.wait([leg.task for leg in (p, d) if leg.is_open and not leg.task.done()],
-                                   return_when=asyncio.FIRST_COMPLETED)
+                await _first_done([leg.task for leg in (p, d) if leg.is_open and not leg.task.done()])
                 if p.is_open and p.task.done():
                     failure = self._conclude(p, attempt)
                     if failure is not None:
@@ -490,7 +488,7 @@ class Proxy:
             prefill_first: dict[int, dict] = {}
             if shape.return_logprob:
                 if p.is_open:
-                    await asyncio.wait({p.task})
+                    await _first_done((p.task,))
                     self._conclude(p, attempt)
                 if not p.task.cancelled() and p.task.exception() is None:
                     prefill_first = index_prefill_events(p.task.result()[3])
@@ -589,6 +587,24 @@ class Proxy:
         except (ConnectionResetError, ConnectionError) as exc:
             raise ClientGone(str(exc)) from None
         return True
+
+
+async def _first_done(tasks) -> None:
+    """Wait until one of `tasks` is done; like asyncio.wait(FIRST_COMPLETED), without its per-call sets and
+    checks (twice per request). Never cancels the tasks, never raises their exceptions."""
+    waiter = asyncio.get_running_loop().create_future()
+
+    def wake(_task) -> None:
+        if not waiter.done():
+            waiter.set_result(None)
+
+    for task in tasks:
+        task.add_done_callback(wake)
+    try:
+        await waiter
+    finally:
+        for task in tasks:
+            task.remove_done_callback(wake)
 
 
 def _pair_of(record: RequestRecord) -> dict:
