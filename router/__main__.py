@@ -5,14 +5,16 @@ from __future__ import annotations
 import logging
 import sys
 
-from aiohttp import web
-
+from . import serving
 from .app import create_app
 from .cli import config_from_args
 from .config import ConfigError
 from .logs import setup_logging
 
 logger = logging.getLogger("router")
+# A burst of new clients (a load test's ramp, clients reconnecting after a restart) must not overflow the
+# accept queue: with aiohttp's default of 128, 256 connections at once cost seconds of SYN retries.
+BACKLOG = 2048
 
 
 def _event_loop():
@@ -36,16 +38,8 @@ def main(argv: list[str] | None = None) -> int:
     app = create_app(config)
     logger.info("pd-router on %s:%d: %d prefill, %d decode; policies %s/%s", config.host, config.port,
                 len(config.prefill), len(config.decode), config.prefill_policy, config.decode_policy)
-    web.run_app(
-        app,
-        host=config.host,
-        port=config.port,
-        loop=_event_loop(),
-        handler_cancellation=True,  # a client that disconnects cancels its handler: both legs get aborted
-        access_log=None,
-        print=lambda message: logger.info("%s", message.strip()),
-        shutdown_timeout=10,
-    )
+    serving.run(app, host=config.host, port=config.port, loop=_event_loop(), backlog=BACKLOG, shutdown_timeout=10,
+                announce=lambda message: logger.info("%s", message))
     return 0
 
 

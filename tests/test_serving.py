@@ -1,0 +1,85 @@
+"""router/serving.py: the listening site accepts every waiting connection at once, and serves them."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+
+import pytest
+from aiohttp import web
+
+from router.serving import EagerAcceptSite
+
+from .helpers import wait_for
+
+
+@pytest.fixture
+async def site():
+    app = web.Application()
+
+    async def hello(request: web.Request) -> web.Response:
+        return web.Response(text=f"hello {request.match_info['n']}")
+
+    app.router.add_get("/hello/{n}", hello)
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    await runner.setup()
+    site = EagerAcceptSite(runner, "127.0.0.1", 0, backlog=64)
+    await site.start()
+    yield site
+    await runner.cleanup()
+
+
+async def test_one_readiness_event_accepts_every_waiting_connection(site):
+    loop = asyncio.get_running_loop()
+    listener = site.sockets[0]
+    loop.remove_reader(listener.fileno())  # hold the loop off: connections queue up in the kernel
+    clients = []
+    try:
+        for _ in range(20):
+            client = socket.create_connection(("127.0.0.1", site.port))  # completes from the accept queue
+            clients.append(client)
+        site._accept(listener)  # what one readiness event does
+        assert site.accepted_total == 20
+        loop.add_reader(listener.fileno(), site._accept, listener)
+        readers = []
+        for n, client in enumerate(clients):
+            client.setblocking(False)
+            reader, writer = await asyncio.open_connection(sock=client)
+            writer.write(f"GET /hello/{n} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n".encode())
+            readers.append((reader, writer))
+        for n, (reader, writer) in enumerate(readers):
+            answer = await reader.read()
+            assert answer.startswith(b"HTTP/1.1 200") and answer.endswith(f"hello {n}".encode())
+            writer.close()
+    finally:
+        for client in clients:
+            client.close()
+
+
+async def test_serves_over_the_loop_and_stops_listening(site):
+    reader, writer = await asyncio.open_connection("127.0.0.1", site.port)
+    writer.write(b"GET /hello/x HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+    assert (await reader.read()).endswith(b"hello x")
+    writer.close()
+    port = site.port
+    assert site.name == f"http://127.0.0.1:{port}"
+    await site.stop()
+    assert site.sockets == []
+    with pytest.raises(ConnectionRefusedError):
+        await asyncio.open_connection("127.0.0.1", port)
+
+
+async def test_a_client_gone_before_it_is_served_costs_nothing(site):
+    loop = asyncio.get_running_loop()
+    listener = site.sockets[0]
+    loop.remove_reader(listener.fileno())
+    gone = socket.create_connection(("127.0.0.1", site.port))
+    gone.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")  # RST on close
+    gone.close()
+    site._accept(listener)
+    loop.add_reader(listener.fileno(), site._accept, listener)
+    reader, writer = await asyncio.open_connection("127.0.0.1", site.port)
+    writer.write(b"GET /hello/y HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+    assert (await reader.read()).endswith(b"hello y")
+    writer.close()
+    await wait_for(lambda: site.accepted_total >= 2)
