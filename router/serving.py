@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import gc
 import logging
 import socket
 from typing import Callable
@@ -133,6 +134,10 @@ def run(app: web.Application, *, host: str, port: int, loop: asyncio.AbstractEve
             site = EagerAcceptSite(runner, host, port, backlog=backlog)
             await site.start()
             announce(f"serving on {site.name}")
+            # What exists now lives as long as the process: keep it out of the cyclic collector's full
+            # passes (they took up to 45 ms, a p99 spike, with ~70k start-up objects to scan each time).
+            gc.collect()
+            gc.freeze()
             while True:
                 await asyncio.sleep(3600)
         finally:
