@@ -605,7 +605,11 @@ class UpstreamPool:
         if self._closed:
             raise UpstreamConnectError("client is closed")
         conn = _Connection(self, endpoint)
-        ssl = (self._ssl_context or ssl_module.create_default_context()) if endpoint.ssl else None
+        ssl = None
+        if endpoint.ssl:
+            if self._ssl_context is None:  # made once: loading the CA store costs milliseconds
+                self._ssl_context = ssl_module.create_default_context()
+            ssl = self._ssl_context
         where = f"{endpoint.host}:{endpoint.port}"
         try:
             async with asyncio.timeout(self.connect_timeout):

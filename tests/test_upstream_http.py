@@ -455,6 +455,30 @@ async def test_oversized_body_still_arriving_closes_the_connection(pool):
         await wait_for(lambda: server.ended == 1, message="the connection was closed")
 
 
+async def test_large_bodies_pause_reading_and_arrive_whole(pool):
+    big = bytes(range(256)) * (3 * 4096)  # 3 MiB: beyond the buffered amount at which reading pauses
+    pieces = [big[i:i + 200_000] for i in range(0, len(big), 200_000)]
+    chunked = b"".join(b"%x\r\n%s\r\n" % (len(p), p) for p in pieces) + b"0\r\n\r\n"
+    answers = iter([b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % len(big) + big,
+                    b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n" + chunked])
+
+    async def answer(seen, writer):
+        writer.write(next(answers))
+        return True
+
+    async with ScriptedServer(answer) as server:
+        client = pool()
+        whole = await client.post(server.url, "/generate", b"{}")
+        await wait_for(lambda: whole._paused, message="reading paused while nobody consumed the body")
+        assert await whole.read() == big
+        streamed = await client.post(server.url, "/generate", b"{}")
+        got = bytearray()
+        async for piece in streamed:
+            got += piece
+        assert bytes(got) == big
+        assert client.connects_total == 1 and client.in_use == 0  # both read to their end: one connection
+
+
 def test_header_lines_refuse_injection():
     assert header_lines({"Authorization": "Bearer k"}) == b"Authorization: Bearer k\r\n"
     with pytest.raises(ValueError):
