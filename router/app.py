@@ -112,7 +112,6 @@ async def _session_ctx(app: web.Application):
     app[PROXY] = Proxy(
         config=config,
         registry=app[REGISTRY],
-        session=session,
         upstream=legs,
         prefill_policy=make_policy(config.prefill_policy, config.policy_params),
         decode_policy=make_policy(config.decode_policy, config.policy_params),

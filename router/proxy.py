@@ -16,7 +16,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Awaitable, Callable
 
-import aiohttp
 import orjson
 from aiohttp import web
 
@@ -37,7 +36,6 @@ logger = logging.getLogger(__name__)
 
 # Request headers passed to both legs.
 FORWARDED_HEADERS = ("Authorization", "X-Request-Id")
-JSON_HEADERS = {"Content-Type": "application/json"}
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
 # Before the first byte, a server error on either leg is retried on a fresh pair: in PD most 5xx are tied
 # to the pair (SGLang answers 500 for a KV transfer that failed because the *other* server died), so a new
@@ -46,7 +44,7 @@ RETRYABLE_CLIENT_STATUSES = frozenset({408, 429})
 # SGLang's message for a KV transfer that failed: it implicates the pair, not necessarily this server.
 KV_TRANSFER_FAILURE = b"KVTransferError"
 MAX_ABORT_RETRIES = 16
-ABORT_TIMEOUT = aiohttp.ClientTimeout(total=5)
+ABORT_TIMEOUT_S = 5.0
 
 
 class LegFailed(Exception):
@@ -123,13 +121,12 @@ RequestObserver = Callable[[RequestRecord], None]
 
 
 class Proxy:
-    def __init__(self, *, config: RouterConfig, registry: Registry, session: aiohttp.ClientSession,
-                 upstream: UpstreamPool, prefill_policy: Policy, decode_policy: Policy, admission: Admission,
+    def __init__(self, *, config: RouterConfig, registry: Registry, upstream: UpstreamPool,
+                 prefill_policy: Policy, decode_policy: Policy, admission: Admission,
                  spawn: Callable[[Awaitable], asyncio.Task]) -> None:
         self.config = config
         self.registry = registry
-        self.session = session  # control calls (aborts)
-        self.upstream = upstream  # the legs
+        self.upstream = upstream  # the legs and their aborts
         self.policies = {Role.PREFILL: prefill_policy, Role.DECODE: decode_policy}
         self.admission = admission
         self.spawn = spawn  # owned background tasks (aborts, lingering prefill legs)
@@ -316,13 +313,17 @@ class Proxy:
             self.spawn(self._send_aborts(worker, rids))
 
     async def _send_aborts(self, worker: Worker, rids: list[str]) -> None:
-        url = worker.url + "/abort_request"
+        # Over the legs' pool: a burst of disconnects (a load test stopping, a client timing out many
+        # requests) sends two aborts per request while the router is busiest.
         for rid in rids:
             try:
-                async with self.session.post(url, data=orjson.dumps({"rid": rid}), headers=JSON_HEADERS,
-                                             timeout=ABORT_TIMEOUT) as resp:
-                    await resp.read()
-            except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+                async with asyncio.timeout(ABORT_TIMEOUT_S):
+                    resp = await self.upstream.post(worker.url, "/abort_request", orjson.dumps({"rid": rid}))
+                    try:
+                        await resp.read()
+                    finally:
+                        resp.close()
+            except (UpstreamError, TimeoutError, OSError) as exc:
                 logger.debug("abort of %s on %s failed: %s", rid, worker.url, exc)
 
     def _failure(self, leg: "Leg", attempt: Attempt) -> LegFailed | None:
