@@ -28,6 +28,9 @@ MAX_BODY_SIZE = 1024 * 1024 * 1024  # for whole-body reads: a logprob answer for
 PAUSE_ABOVE = 1024 * 1024  # buffered, unconsumed body bytes at which reading from the socket pauses
 MAX_CHUNK_LINE = 4096
 IDLE_SWEEP_S = 5.0
+# A connection idle this long is not reused: SGLang's uvicorn closes idle connections after 5 s
+# (SGLANG_TIMEOUT_KEEP_ALIVE), and reusing one just as the server closes it is the stale-connection race.
+IDLE_TIMEOUT_S = 4.0
 
 _HEAD_END = b"\r\n\r\n"
 _HEX = re.compile(rb"[0-9A-Fa-f]{1,15}")
@@ -511,7 +514,7 @@ class UpstreamPool:
     """Keep-alive connections to the upstream servers, for the request path's POSTs."""
 
     def __init__(self, *, max_connections: int = 8192, connect_timeout: float | None = 10.0,
-                 idle_timeout: float = 30.0, max_body_size: int = MAX_BODY_SIZE,
+                 idle_timeout: float = IDLE_TIMEOUT_S, max_body_size: int = MAX_BODY_SIZE,
                  ssl_context: ssl_module.SSLContext | None = None) -> None:
         self.loop = asyncio.get_running_loop()
         self.max_connections = max_connections

@@ -222,6 +222,16 @@ async def test_server_closing_an_idle_connection_costs_nothing(pool):
         assert len(server.requests) == 2
 
 
+async def test_connections_idle_past_the_idle_timeout_are_not_reused(pool):
+    async with ScriptedServer(answering(JSON_OK)) as server:
+        client = pool(idle_timeout=0.0)  # every pooled connection is already too old when asked for
+        for _ in range(2):
+            response = await client.post(server.url, "/generate", b"{}")
+            assert await response.read() == b'{"ok": true}'
+        assert client.connects_total == 2
+        await wait_for(lambda: server.ended == 1, message="the expired connection was closed")
+
+
 async def test_stale_reused_connection_is_retried_once_on_a_fresh_one(pool):
     async def answer(seen, writer):
         if seen.connection == 0 and seen.index == 1:
