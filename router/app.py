@@ -107,7 +107,7 @@ async def _session_ctx(app: web.Application):
     config = app[CONFIG]
     session = make_session(config)
     app[SESSION] = session
-    app[UPSTREAM] = Upstream(session)
+    app[UPSTREAM] = Upstream(session, api_key=config.worker_api_key)
     legs = UpstreamPool(max_connections=config.max_connections, connect_timeout=config.connect_timeout_secs)
     app[PROXY] = Proxy(
         config=config,

@@ -79,6 +79,8 @@ def build_parser() -> argparse.ArgumentParser:
     add("--api-key", default=None, help="require 'Authorization: Bearer KEY' (env PD_ROUTER_API_KEY)")
     add("--admin-api-key", default=None,
         help="key for admin/control endpoints only (env PD_ROUTER_ADMIN_API_KEY); defaults to --api-key")
+    add("--worker-api-key", default=None,
+        help="key the workers (SGLang --api-key) require; sent on every call to them (env PD_ROUTER_WORKER_API_KEY)")
     add("--prometheus-port", type=int, default=None, help="also serve /metrics on this port")
     add("--prometheus-host", default=None)
     add("--log-level", default="info", choices=["debug", "info", "warning", "error", "critical"])
@@ -167,6 +169,7 @@ def config_from_args(argv: list[str] | None = None, env: dict | None = None) -> 
 
     api_key = args.api_key or env.get("PD_ROUTER_API_KEY") or None
     admin_key = args.admin_api_key or env.get("PD_ROUTER_ADMIN_API_KEY") or None
+    worker_key = args.worker_api_key or env.get("PD_ROUTER_WORKER_API_KEY") or None
 
     config = RouterConfig(
         prefill=tuple(WorkerSpec(url, port) for url, port in prefills),
@@ -180,6 +183,7 @@ def config_from_args(argv: list[str] | None = None, env: dict | None = None) -> 
         decode_policy=decode_policy,
         api_key=api_key,
         admin_api_key=admin_key,
+        worker_api_key=worker_key,
         max_connections=args.max_connections,
         log_level=args.log_level,
         log_json=args.log_json,

@@ -125,6 +125,9 @@ class RouterConfig:
     decode_policy: str = "random"
     api_key: str | None = None
     admin_api_key: str | None = None
+    # Sent as `Authorization: Bearer KEY` on every call to the workers (SGLang's --api-key), both legs and
+    # the control plane; without it a client's Authorization header is passed through on the legs.
+    worker_api_key: str | None = None
     max_connections: int = 8192
     log_level: str = "info"
     log_json: bool = False  # one JSON object per log line

@@ -127,6 +127,9 @@ class Proxy:
         self.config = config
         self.registry = registry
         self.upstream = upstream  # the legs and their aborts
+        # With a worker key, every call to a worker carries it (the client's own Authorization is for us).
+        self._worker_auth = f"Bearer {config.worker_api_key}" if config.worker_api_key else None
+        self._abort_headers = header_lines({"Authorization": self._worker_auth}) if self._worker_auth else b""
         self.policies = {Role.PREFILL: prefill_policy, Role.DECODE: decode_policy}
         self.admission = admission
         self.spawn = spawn  # owned background tasks (aborts, lingering prefill legs)
@@ -151,6 +154,8 @@ class Proxy:
             shape = shape_of(route, body)
             record.stream = shape.stream
             forwarded = {h: v for h in FORWARDED_HEADERS if (v := request.headers.get(h)) is not None}
+            if self._worker_auth is not None:
+                forwarded["Authorization"] = self._worker_auth
             record.request_id = forwarded.get("X-Request-Id", "")
             headers = header_lines(forwarded) if forwarded else b""  # wire bytes, for both legs
             info = RequestInfo(route=route, batch_size=shape.batch_size,
@@ -318,7 +323,8 @@ class Proxy:
         for rid in rids:
             try:
                 async with asyncio.timeout(ABORT_TIMEOUT_S):
-                    resp = await self.upstream.post(worker.url, "/abort_request", orjson.dumps({"rid": rid}))
+                    resp = await self.upstream.post(worker.url, "/abort_request", orjson.dumps({"rid": rid}),
+                                                    self._abort_headers)
                     try:
                         await resp.read()
                     finally:

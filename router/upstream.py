@@ -67,18 +67,19 @@ class Load:
 
 
 class Upstream:
-    def __init__(self, session: aiohttp.ClientSession, timeout: float = 10.0) -> None:
+    def __init__(self, session: aiohttp.ClientSession, timeout: float = 10.0, api_key: str | None = None) -> None:
         self.session = session
         self.timeout = timeout
+        self._auth = {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
     async def call(self, method: str, url: str, path: str, body: Any = None, *, timeout: float | None = None,
                    headers: dict | None = None) -> Reply:
         kwargs: dict = {"timeout": aiohttp.ClientTimeout(total=timeout or self.timeout)}
         if body is not None:
             kwargs["data"] = orjson.dumps(body)
-            kwargs["headers"] = {**JSON_HEADERS, **(headers or {})}
-        elif headers:
-            kwargs["headers"] = headers
+            kwargs["headers"] = {**JSON_HEADERS, **self._auth, **(headers or {})}
+        elif headers or self._auth:
+            kwargs["headers"] = {**self._auth, **(headers or {})}
         try:
             async with self.session.request(method, url + path, **kwargs) as resp:
                 raw = await resp.read()

@@ -48,6 +48,8 @@ class WorkerConfig:
     sglang_version: str = "0.5.23"
     enable_pd_role_switch: bool = False
     model_path: str = "sim/tiny-llama"
+    # SGLang's --api-key: every route but /health*, /ready*, /metrics* needs `Authorization: Bearer KEY`.
+    api_key: str | None = None
     served_model_name: str | None = None
     context_length: int = 8192
     max_running_requests: int = 2048

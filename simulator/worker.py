@@ -123,7 +123,8 @@ class Worker:
     # ------------------------------------------------------------ app
 
     def _build_app(self) -> web.Application:
-        app = web.Application(client_max_size=64 * 1024 * 1024)
+        middlewares = [_api_key_middleware(self.config.api_key)] if self.config.api_key else []
+        app = web.Application(client_max_size=64 * 1024 * 1024, middlewares=middlewares)
         app[WORKER_KEY] = self
         v = self.config
         r = app.router
@@ -403,3 +404,20 @@ class DisconnectWatch:
             self._handle = None
 
 
+# Open even with --api-key (SGLang 0.5.23, srt/utils/auth.py); /_sim/ is the simulator's own test surface.
+_OPEN_PREFIXES = ("/health", "/ready", "/metrics", "/_sim/")
+
+
+def _api_key_middleware(api_key: str):
+    """SGLang's api-key rule: a bearer token on every route but probes and metrics; 401 otherwise."""
+    import secrets
+
+    @web.middleware
+    async def check(request: web.Request, handler):
+        if request.method != "OPTIONS" and not request.path.startswith(_OPEN_PREFIXES):
+            scheme, _, token = (request.headers.get("Authorization") or "").partition(" ")
+            if scheme.lower() != "bearer" or not secrets.compare_digest(token, api_key):
+                return web.json_response({"error": "Unauthorized"}, status=401)
+        return await handler(request)
+
+    return check
