@@ -64,6 +64,7 @@ routes = {getattr(r, "path", None) for r in http_server.app.router.routes}
 assert "/convert_pd_role" in routes, "convert_pd_role route missing"
 assert conn.MooncakeKVSender.supports_host_tensor_indices is False, "mooncake patch missing"
 assert role_switch.handle_pd_role_switch.__module__.startswith("server_patches"), "prefix-cache patch missing"
+assert conn.MooncakeKVManager.teardown.__module__.startswith("server_patches"), "prefill-endpoint patch missing"
 import sglang, torch
 print(f"sglang {sglang.__version__}, torch {torch.__version__}: patches active")
 """

@@ -98,8 +98,9 @@ def test_shape_checks_name_what_is_missing():
 def test_cpu_patches_only_with_device_cpu():
     gpu = runtime.settings_from_env({})
     cpu = runtime.settings_from_env({"PDR_SERVER_PATCHES_CPU": "1"})
-    assert {p.name for p in runtime.selected(gpu)} == {"convert_pd_role", "prefix_cache_on_role_switch"}
-    assert len(runtime.selected(cpu)) == 6
+    assert {p.name for p in runtime.selected(gpu)} == {"convert_pd_role", "prefix_cache_on_role_switch",
+                                                      "prefill_endpoint_on_role_switch"}
+    assert len(runtime.selected(cpu)) == 7
 
 
 def test_disabling_a_patch_and_refusing_unknown_names():
@@ -112,3 +113,78 @@ def test_disabling_a_patch_and_refusing_unknown_names():
 def test_every_patch_states_its_sglang_versions():
     for patch in runtime.ALL_PATCHES:
         assert patch.sglang_versions == frozenset({"0.5.23"}), patch.name
+
+
+# ---- prefill_endpoint_on_role_switch, on stand-ins for SGLang's KV manager and socket factory --------------
+class _FakeSocket:
+    def __init__(self, taken=()):
+        self.bound: list[str] = []
+        self.taken = set(taken)
+
+    def bind(self, endpoint: str) -> None:
+        if int(endpoint.rsplit(":", 1)[1]) in self.taken:
+            raise OSError("Address already in use")
+        self.bound.append(endpoint)
+
+
+def _fake_kv_stack(taken=()):
+    import itertools
+    import types as types_
+
+    ports = itertools.count(5000)
+    sockets: list[_FakeSocket] = []
+
+    def get_zmq_socket_on_host(context, socket_type, host=None):
+        sockets.append(_FakeSocket(taken))
+        return next(ports), sockets[-1]
+
+    common = types_.SimpleNamespace(get_zmq_socket_on_host=get_zmq_socket_on_host)
+
+    class Manager:
+        def __init__(self, args, disaggregation_mode, server_args=None):
+            self.disaggregation_mode = disaggregation_mode
+            self.rank_port, self.server_socket = common.get_zmq_socket_on_host(None, "PULL", "10.0.0.1")
+            if disaggregation_mode == "prefill":
+                self.decode_kv_args_table = {}
+
+        def _publish_peer_registration(self, mooncake_session_id, decode_kv_args):
+            self.decode_kv_args_table[mooncake_session_id] = decode_kv_args
+
+        def teardown(self):
+            self.torn_down = True
+
+    return common, Manager, sockets
+
+
+def test_a_prefill_back_from_decode_listens_where_it_did_with_its_decode_registrations():
+    from server_patches.runtime.prefill_endpoint import apply
+
+    common, Manager, sockets = _fake_kv_stack()
+    apply(common, Manager, "prefill")
+    first = Manager(None, "prefill")
+    first._publish_peer_registration("decode-a:1", "kv-args-a")
+    first.teardown()
+    assert first.torn_down
+    as_decode = Manager(None, "decode")  # a decode KV manager makes nothing extra
+    as_decode.teardown()
+    second = Manager(None, "prefill")
+    assert second.rank_port != first.rank_port
+    assert second.server_socket.bound == [f"tcp://10.0.0.1:{first.rank_port}"]
+    assert second.decode_kv_args_table == {"decode-a:1": "kv-args-a"}
+    second._publish_peer_registration("decode-b:1", "kv-args-b")
+    second.teardown()
+    third = Manager(None, "prefill")
+    assert third.server_socket.bound == [f"tcp://10.0.0.1:{first.rank_port}", f"tcp://10.0.0.1:{second.rank_port}"]
+    assert third.decode_kv_args_table == {"decode-a:1": "kv-args-a", "decode-b:1": "kv-args-b"}
+    assert [s.bound for s in sockets if s not in (second.server_socket, third.server_socket)] == [[], []]
+
+
+def test_a_former_port_taken_meanwhile_is_skipped():
+    from server_patches.runtime.prefill_endpoint import apply
+
+    common, Manager, _ = _fake_kv_stack(taken={5000})
+    apply(common, Manager, "prefill")
+    first = Manager(None, "prefill")
+    first.teardown()
+    again = Manager(None, "prefill")
+    assert again.rank_port == 5001 and again.server_socket.bound == []

@@ -6,6 +6,7 @@ Patches (names usable in PDR_SERVER_PATCHES_DISABLE):
     cpu_sgl_kernel_stub, cpu_mooncake_host_indices, cpu_preload_rdma_libs, cpu_torchvision_meta  (--device cpu)
     convert_pd_role               POST /convert_pd_role, the seed design's endpoint, over the in-place switch
     prefix_cache_on_role_switch   fix for the prefix-cache leak on a prefill->decode switch
+    prefill_endpoint_on_role_switch  fix for decode servers hanging on a server back in prefill after a switch
 """
 
 from __future__ import annotations
@@ -14,11 +15,12 @@ import os
 from importlib import metadata
 
 from ..stack import ENV_PATCHES_CPU, ENV_PATCHES_DISABLE, ENV_PATCHES_LIBDIRS
-from . import convert_endpoint, cpu, prefix_cache
+from . import convert_endpoint, cpu, prefill_endpoint, prefix_cache
 from .base import Patch, PatchRefused, Settings
 from .hooks import PostImportHooks
 
-ALL_PATCHES: tuple[Patch, ...] = (*cpu.PATCHES, convert_endpoint.PATCH, prefix_cache.PATCH)
+ALL_PATCHES: tuple[Patch, ...] = (*cpu.PATCHES, convert_endpoint.PATCH, prefix_cache.PATCH,
+                                  prefill_endpoint.PATCH)
 PATCH_NAMES = frozenset(p.name for p in ALL_PATCHES)
 
 _active: list[str] | None = None
