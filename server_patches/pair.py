@@ -38,13 +38,19 @@ DEFAULT_START_TIMEOUT_S = 300.0
 STOP_GRACE_S = 30.0
 POLL_S = 0.5
 
-# What the stack needs to run a PD pair on CPU (see ../shared/real-sglang.md); per-server options are added later.
-CPU_PD_ARGS = (
+# What the stack needs to run a server on CPU (see ../shared/real-sglang.md); per-server options are added later.
+CPU_ARGS = (
     "--device", "cpu", "--attention-backend", "torch_native", "--sampling-backend", "pytorch",
     "--host", HOST, "--max-total-tokens", "4096", "--skip-server-warmup", "--disable-cuda-graph",
-    "--grammar-backend", "none", "--dtype", "bfloat16", "--disaggregation-transfer-backend", "mooncake_tcp",
-    "--disable-overlap-schedule", "--sleep-on-idle", launch_server.CONVERT_FLAG,
+    "--grammar-backend", "none", "--dtype", "bfloat16", "--disable-overlap-schedule", "--sleep-on-idle",
 )
+# ... and a PD server on top of them.
+CPU_PD_ARGS = (*CPU_ARGS, "--disaggregation-transfer-backend", "mooncake_tcp", launch_server.CONVERT_FLAG)
+ROLES = ("prefill", "decode", "regular")  # regular: not disaggregated (SGLang's disaggregation mode "null")
+PR_SET_PDEATHSIG = 1
+# When set, every server started appends its process group id to this file, so that CI can kill whatever a
+# killed test run left behind (.ci/real does).
+ENV_PGID_FILE = "PDR_REAL_PGID_FILE"
 
 
 class PairError(RuntimeError):
@@ -98,7 +104,7 @@ class ServerInfo:
     role: str  # launch role
     url: str
     port: int
-    bootstrap_port: int
+    bootstrap_port: Optional[int]  # None for a regular server
     pid: int
     log: str
 
@@ -122,16 +128,24 @@ class RealServer:
     def launch(
         cls, role: str, *, paths: StackPaths, model: Path, log_path: Path, port: Optional[int] = None,
         bootstrap_port: Optional[int] = None, radix_cache: bool = False,
-        disabled_patches: Sequence[str] = (), extra_args: Sequence[str] = (),
+        disabled_patches: Sequence[str] = (), extra_args: Sequence[str] = (), die_with_parent: bool = False,
     ) -> "RealServer":
-        if role not in ("prefill", "decode"):
-            raise ValueError(f"role must be prefill or decode, not {role!r}")
-        if port is None or bootstrap_port is None:
-            picked = free_ports(2)
-            port = port or picked[0]
-            bootstrap_port = bootstrap_port or picked[1]
-        args = [*CPU_PD_ARGS, "--model-path", str(model), "--port", str(port),
-                "--disaggregation-mode", role, "--disaggregation-bootstrap-port", str(bootstrap_port)]
+        """Start the server (not waiting for it). die_with_parent: the kernel kills it (SIGKILL; SGLang's own
+        processes follow their parent) when the calling thread's process ends, even by SIGKILL: for tests.
+        Call it from the main thread then (the signal follows the thread that started the process)."""
+        if role not in ROLES:
+            raise ValueError(f"role must be one of {', '.join(ROLES)}, not {role!r}")
+        if role == "regular":
+            port = port or free_ports(1)[0]
+            bootstrap_port = None
+            args = [*CPU_ARGS, "--model-path", str(model), "--port", str(port)]
+        else:
+            if port is None or bootstrap_port is None:
+                picked = free_ports(2)
+                port = port or picked[0]
+                bootstrap_port = bootstrap_port or picked[1]
+            args = [*CPU_PD_ARGS, "--model-path", str(model), "--port", str(port),
+                    "--disaggregation-mode", role, "--disaggregation-bootstrap-port", str(bootstrap_port)]
         if not radix_cache:
             args.append("--disable-radix-cache")
         if role == "decode":
@@ -151,7 +165,9 @@ class RealServer:
                 [sys.executable, "-c", launcher, *args],
                 cwd=log_path.parent, env=env, stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT,
                 start_new_session=True,  # its own process group: stop() reaches scheduler and detokenizer too
+                preexec_fn=_die_with_parent if die_with_parent else None,
             )
+        record_process_group(process.pid)
         info = ServerInfo(role, f"http://{HOST}:{port}", port, bootstrap_port, process.pid, str(log_path))
         return cls(info, process)
 
@@ -173,6 +189,21 @@ class RealServer:
         _stop_group(self.info.pid, grace_s)
         if self.process is not None:
             self.process.wait(timeout=grace_s)
+
+
+def record_process_group(pgid: int) -> None:
+    """Append pgid to $PDR_REAL_PGID_FILE, if set (one line each)."""
+    path = os.environ.get(ENV_PGID_FILE)
+    if path:
+        with open(path, "a") as f:
+            f.write(f"{pgid}\n")
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: SIGKILL when the parent ends (kept across exec)."""
+    import ctypes
+
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
 def _pid_alive(pid: int) -> bool:
@@ -248,7 +279,7 @@ class RealPair:
         cls, *, paths: Optional[StackPaths] = None, run_dir: Optional[Path] = None, radix_cache: bool = False,
         prefill_port: Optional[int] = None, decode_port: Optional[int] = None,
         prefill_bootstrap_port: Optional[int] = None, decode_bootstrap_port: Optional[int] = None,
-        timeout: float = DEFAULT_START_TIMEOUT_S, disabled_patches: Sequence[str] = (),
+        timeout: float = DEFAULT_START_TIMEOUT_S, disabled_patches: Sequence[str] = (), die_with_parent: bool = False,
     ) -> "RealPair":
         paths = paths or resolve_paths()
         if not is_installed(paths):
@@ -259,7 +290,8 @@ class RealPair:
         wanted = [prefill_port, decode_port, prefill_bootstrap_port, decode_bootstrap_port]
         picked = iter(free_ports(4))
         p_port, d_port, p_boot, d_boot = [w or next(picked) for w in wanted]
-        common = dict(paths=paths, model=model, radix_cache=radix_cache, disabled_patches=disabled_patches)
+        common = dict(paths=paths, model=model, radix_cache=radix_cache, disabled_patches=disabled_patches,
+                      die_with_parent=die_with_parent)
         t0 = time.monotonic()
         prefill = RealServer.launch("prefill", port=p_port, bootstrap_port=p_boot,
                                     log_path=run_dir / "prefill.log", **common)
