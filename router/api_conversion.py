@@ -25,7 +25,7 @@ from aiohttp import web
 from .api_workers import find_worker, read_json_object
 from .config import validate_port, validate_worker_url
 from .errors import BadRequest, NotFound, RouterError, json_response
-from .flows.conversion import SERVER_OPTIONS, Conversion, Conversions, Mode, Plan
+from .flows.conversion import CONVERT_PD_ROLE, SERVER_OPTIONS, Conversion, Conversions, Mode, Plan
 from .keys import ADMISSION, CONFIG, METRICS, REGISTRY, TASKS, UPSTREAM
 from .registry import Role, Worker
 
@@ -124,7 +124,7 @@ def validated(body: dict, schema: dict[str, Check], required: tuple[str, ...] = 
     return fields
 
 
-def make_plan(fields: dict, *, timeout_field: str, switch_field: str) -> Plan:
+def make_plan(fields: dict, *, timeout_field: str, switch_field: str, api: str | None = None) -> Plan:
     return Plan(
         mode=Mode(fields.get("mode", Mode.DRAIN.value)),
         new_role=Role(fields["new_role"]) if "new_role" in fields else None,
@@ -133,6 +133,7 @@ def make_plan(fields: dict, *, timeout_field: str, switch_field: str) -> Plan:
         verify_timeout_s=fields.get("verify_timeout_s"),
         server_options={k: v for k, v in fields.items() if k in SERVER_OPTIONS},
         raw_server_options=dict(fields.get("server_options") or {}),
+        api=api,
     )
 
 
@@ -176,7 +177,7 @@ def unchanged_body(worker: Worker) -> dict:
 
 
 async def _run_compat(request: web.Request, schema: dict[str, Check], url_field: str,
-                      required: tuple[str, ...]) -> web.Response:
+                      required: tuple[str, ...], api: str | None = None) -> web.Response:
     """The mini_lb-style endpoints: errors keep their `success`/`message` shape next to `error`."""
     worker: Worker | None = None
     fields: dict = {}
@@ -184,7 +185,7 @@ async def _run_compat(request: web.Request, schema: dict[str, Check], url_field:
         body = await read_json_object(request)
         fields = validated(body, schema, required)
         worker = worker_by_url(request.app, fields[url_field])
-        plan = make_plan(fields, timeout_field="drain_timeout_secs", switch_field="switch_timeout_secs")
+        plan = make_plan(fields, timeout_field="drain_timeout_secs", switch_field="switch_timeout_secs", api=api)
         conversion = request.app[CONVERSIONS].start(worker, plan)
         if conversion is None:
             return json_response(unchanged_body(worker))
@@ -199,7 +200,9 @@ async def _run_compat(request: web.Request, schema: dict[str, Check], url_field:
 
 # ---- handlers -----------------------------------------------------------------------------------------
 async def convert_pd_role(request: web.Request) -> web.Response:
-    return await _run_compat(request, CONVERT_PD_ROLE_FIELDS, "server_url", ("server_url",))
+    # The seed design's endpoint drives the seed design's server API where the server has it (server_patches
+    # adds it to 0.5.23): its options (bootstrap_port, disable_radix_cache, ...) then reach the server.
+    return await _run_compat(request, CONVERT_PD_ROLE_FIELDS, "server_url", ("server_url",), api=CONVERT_PD_ROLE)
 
 
 async def pd_role_switch(request: web.Request) -> web.Response:

@@ -34,9 +34,11 @@ class FakeWorker:
                  api: str = "0.5.23"):
         self.role = role
         self.launch_role = role  # /server_info's top level keeps the launch role, as 0.5.23 does
-        # Role switching: "0.5.23" serves /pd_role_switch, "convert" the earlier design's /convert_pd_role.
+        # Role switching: "0.5.23" serves /pd_role_switch, "convert" the earlier design's /convert_pd_role,
+        # "patched" both (0.5.23 with server_patches: /convert_pd_role reports the port that never moves).
         self.api = api
         self.switch_calls: list[dict] = []
+        self.switch_paths: list[str] = []
         # "safe" | "unsafe" | "noop" (success without changing role) | "hang" (no answer) | "late" (switches,
         # then never answers)
         self.switch_fault: str | None = None
@@ -74,8 +76,10 @@ class FakeWorker:
         app.router.add_get("/get_model_info", self._model_info)
         app.router.add_get("/v1/models", self._models)
         app.router.add_get("/v1/loads", self._loads)
-        if self.api in ("0.5.23", "convert"):
-            app.router.add_post("/pd_role_switch" if self.api == "0.5.23" else "/convert_pd_role", self._switch)
+        if self.api in ("0.5.23", "patched"):
+            app.router.add_post("/pd_role_switch", self._switch)
+        if self.api in ("convert", "patched"):
+            app.router.add_post("/convert_pd_role", self._switch)
         self._runner = web.AppRunner(app, handler_cancellation=True)
         await self._runner.setup()
         site = web.TCPSite(self._runner, "127.0.0.1", 0)
@@ -190,11 +194,13 @@ class FakeWorker:
         """0.5.23's /pd_role_switch (or /convert_pd_role: the opposite role, a new bootstrap port)."""
         body = orjson.loads(await request.read() or b"{}")
         self.switch_calls.append(body)
+        self.switch_paths.append(request.path)
+        api = "convert" if request.path == "/convert_pd_role" else "0.5.23"
         old = self.role
-        new = body.get("new_role") if self.api == "0.5.23" else ("prefill" if old == "decode" else "decode")
+        new = body.get("new_role") if api == "0.5.23" else ("prefill" if old == "decode" else "decode")
 
         def answer(status: int, success: bool, message: str, safe: bool = False) -> web.Response:
-            if self.api == "convert":  # the earlier design says nothing about safety
+            if api == "convert":  # the earlier design says nothing about safety
                 return web.json_response({"success": success, "message": message, "bootstrap_port": None},
                                          status=status)
             return web.json_response({"success": success, "message": message, "old_role": old, "new_role": new,
@@ -203,7 +209,7 @@ class FakeWorker:
         if self.in_handler or self.not_idle_refusals:
             self.not_idle_refusals = max(self.not_idle_refusals - 1, 0)
             return answer(400, False, "instance is not idle; drain all requests before switching", True)
-        if self.api == "0.5.23" and new == "decode" and body.get("decode_cuda_graph_memory_gb") is None:
+        if api == "0.5.23" and new == "decode" and body.get("decode_cuda_graph_memory_gb") is None:
             return answer(400, False, "decode_cuda_graph_memory_gb is required before capturing decode graphs",
                           True)
         if self.switch_fault in ("hang", "late"):
@@ -217,15 +223,16 @@ class FakeWorker:
             return answer(400, False, "role switch failed; instance unhealthy, restart required", False)
         if self.switch_fault != "noop":
             self.role = new
-        if self.api == "convert":
-            port = self.convert_bootstrap_port if new == "prefill" else None
+        if api == "convert":
+            moved = self.convert_bootstrap_port if self.api == "convert" else self.bootstrap_port
+            port = moved if new == "prefill" else None
             return web.json_response({"success": True, "message": "ok", "bootstrap_port": port})
         return answer(200, True, "ok")
 
     async def _server_info(self, request: web.Request) -> web.Response:
         return web.json_response({
             "disaggregation_mode": self.launch_role,
-            "enable_pd_role_switch": self.api == "0.5.23",
+            "enable_pd_role_switch": self.api in ("0.5.23", "patched"),
             "enable_pd_convert": self.api == "convert",
             "disaggregation_bootstrap_port": self.bootstrap_port,
             "internal_states": [{"weight_version": self.weight_version, "disaggregation_mode": self.role,

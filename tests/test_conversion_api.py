@@ -69,6 +69,32 @@ async def test_decode_to_prefill_with_convert_api_routes_with_the_new_bootstrap_
     await wait_for(lambda: inflight(client) == [0, 0])
 
 
+async def test_convert_pd_role_uses_the_servers_own_convert_api_where_it_has_one(fake_fleet, make_router):
+    """A 0.5.23 server with server_patches serves both APIs and /server_info names only /pd_role_switch: the
+    router's /convert_pd_role must still reach the server's /convert_pd_role (the design's options go with
+    it); the router's /pd_role_switch keeps the learnt API; a plain 0.5.23 server falls back after a 404."""
+    p1, p2, d1 = await fake_fleet(2, 1, api="patched")
+    (plain,) = await fake_fleet(0, 1)
+    client = await make_router([p1, p2], [d1, plain])
+    await wait_for(lambda: worker_of(client, p2).switch_api == worker_of(client, plain).switch_api == "pd_role_switch")
+    resp = await client.post("/convert_pd_role", json={"server_url": p2.url, "disable_cuda_graph": True})
+    body = await resp.json()
+    assert resp.status == 200 and body["new_role"] == "decode", body
+    assert p2.switch_paths == ["/convert_pd_role"]
+    assert p2.switch_calls == [{"server_url": p2.url, "disable_cuda_graph": True,
+                                "decode_cuda_graph_memory_gb": 0.0}]
+    assert worker_of(client, p2).switch_api == "pd_role_switch"  # what the server said it has stays learnt
+    resp = await client.post("/pd_role_switch", json={"worker_url": p2.url, "new_role": "prefill"})
+    body = await resp.json()
+    assert resp.status == 200 and body["bootstrap_port"] == p2.bootstrap_port, body
+    assert p2.switch_paths == ["/convert_pd_role", "/pd_role_switch"]
+    resp = await client.post("/convert_pd_role", json={"server_url": plain.url})
+    body = await resp.json()
+    assert resp.status == 200 and body["new_role"] == "prefill", body
+    assert plain.switch_paths == ["/pd_role_switch"]  # after a 404 on /convert_pd_role
+    assert worker_of(client, plain).switch_api == "pd_role_switch"
+
+
 async def test_same_role_is_a_no_op(fake_fleet, make_router):
     p1, p2, d1 = await fake_fleet(2, 1)
     client = await make_router([p1, p2], [d1])

@@ -94,6 +94,9 @@ class Plan:
     verify_timeout_s: float | None = None
     server_options: dict = field(default_factory=dict)  # known options (SERVER_OPTIONS), routed by API
     raw_server_options: dict = field(default_factory=dict)  # sent verbatim to whichever API the server has
+    # The server API to try first: the router's /convert_pd_role asks for the server's own /convert_pd_role
+    # (which takes the design's options) where it exists; None: the API learnt from the server.
+    api: str | None = None
 
 
 @dataclass(eq=False, slots=True)
@@ -451,15 +454,17 @@ class Conversions:
 
     # ---- the switch --------------------------------------------------------------------------------
     async def _switch(self, conversion: Conversion, worker: Worker, plan: Plan, step: Step) -> dict:
-        # The API learnt from /server_info first; a 404 there still tries the other one.
-        apis = tuple(sorted(SWITCH_APIS, key=lambda api: api != worker.switch_api))
+        # The plan's API, then the one learnt from /server_info; a 404 there still tries the other one.
+        apis = tuple(dict.fromkeys([a for a in (plan.api, worker.switch_api) if a] + list(SWITCH_APIS)))
+        unsupported: list[str] = []
         for api in apis:
             try:
                 answer = await self._switch_with(api, conversion, worker, plan, step)
             except _Unsupported:
+                unsupported.append(api)
                 continue
             conversion.api = api
-            if worker.switch_api != api:
+            if worker.switch_api is None or worker.switch_api in unsupported:  # learnt by probing
                 self.registry.update_info(worker, switch_api=api)
             return answer
         raise StepFailed(f"the server has no role-switch API (neither {' nor '.join('/' + a for a in apis)} "
@@ -475,8 +480,8 @@ class Conversions:
         if api == PD_ROLE_SWITCH:
             body = {"new_role": conversion.new_role.value, **options, **plan.raw_server_options}
         else:
-            # `check_idle` is never sent: the router has emptied the server already (and in the simulator's
-            # reading of the design, `check_idle: true` only asks whether the server is idle).
+            # `check_idle` is left to its default (true: refuse when busy): the router has emptied the server
+            # already, and retries a "not idle" refusal until the step's deadline.
             body = {"server_url": worker.url, **options, **plan.raw_server_options}
         if conversion.new_role is Role.DECODE:
             body.setdefault("decode_cuda_graph_memory_gb", DEFAULT_DECODE_CUDA_GRAPH_MEMORY_GB)
