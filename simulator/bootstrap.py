@@ -56,9 +56,10 @@ class Room:
             self.failure_reason = reason
             self.notify()
 
-    def publish(self, *, first_token: int, weight_version: str) -> None:
+    def publish(self, *, first_token: int, weight_version: str, cached_tokens: int = 0) -> None:
+        # cached_tokens: the decode server reports the prefill's prefix-cache hit as its own (0.5.23)
         self.kv = {"first_token": first_token, "prompt_tokens": self.prompt_tokens,
-                   "prompt_hash": self.prompt_hash, "weight_version": weight_version}
+                   "prompt_hash": self.prompt_hash, "weight_version": weight_version, "cached_tokens": cached_tokens}
         self.notify()
 
 
@@ -272,6 +273,7 @@ class FetchResult:
     prompt_tokens: int | None = None
     prompt_hash: int | None = None
     weight_version: str | None = None
+    cached_tokens: int = 0
 
 
 class KvClient:
@@ -340,7 +342,7 @@ class KvClient:
         status = outcome.get("status")
         if status == "ok":
             return FetchResult("ok", None, outcome.get("prompt_tokens"), outcome.get("prompt_hash"),
-                               outcome.get("weight_version"))
+                               outcome.get("weight_version"), int(outcome.get("cached_tokens") or 0))
         if status == "timeout":
             return FetchResult(TRANSFER, "timeout")
         return FetchResult(TRANSFER, outcome.get("reason"))

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 ROLES = ("prefill", "decode", "null")
-APIS = ("0.5.23", "convert")
+APIS = ("0.5.23", "convert", "patched")  # patched: 0.5.23 with server_patches (both APIs)
 VERSIONS = ("0.4.9", "0.5.6", "0.5.23")
 
 

@@ -114,10 +114,14 @@ class Control:
     def _idle_for_flush(self) -> bool:
         return self.engine.is_fully_idle(ignore_waiting=self.engine.pause_mode is not None)
 
+    def _flushed(self) -> web.Response:
+        self.engine.flush_prefix_cache()
+        return text_response(FLUSH_OK)
+
     async def flush_cache(self, request: web.Request) -> web.Response:
         cfg = self.worker.config
         if not cfg.at_least("0.5.23"):
-            return text_response(FLUSH_OK, 200 if self._idle_for_flush() else 400)
+            return self._flushed() if self._idle_for_flush() else text_response(FLUSH_OK, 400)
         try:
             timeout = float(request.query.get("timeout", "0") or 0)
         except ValueError:
@@ -126,7 +130,7 @@ class Control:
         if self.engine.flush_pending:
             return text_response("Another flush_cache is already in progress.", 400)
         if self._idle_for_flush():
-            return text_response(FLUSH_OK)
+            return self._flushed()
         if timeout <= 0:
             return text_response(FLUSH_FAILED, 400)
         self.engine.flush_pending = True
@@ -135,7 +139,7 @@ class Control:
             while time.monotonic() < deadline:
                 await asyncio.sleep(min(0.02, max(0.0, deadline - time.monotonic())))
                 if self._idle_for_flush():
-                    return text_response(FLUSH_OK)
+                    return self._flushed()
             return text_response("Timed out waiting for idle state.", 400)
         finally:
             self.engine.flush_pending = False
@@ -161,9 +165,11 @@ class Control:
         if success:
             engine.set_weight_version(body.get("weight_version"))
             engine.counters.weight_updates += 1
-            if body.get("flush_cache", True) and not self.engine.is_fully_idle(
-                    ignore_waiting=engine.pause_mode is not None):
-                success, message = False, CACHE_NOT_FLUSHED
+            if body.get("flush_cache", True):
+                if not self.engine.is_fully_idle(ignore_waiting=engine.pause_mode is not None):
+                    success, message = False, CACHE_NOT_FLUSHED
+                else:
+                    engine.flush_prefix_cache()
         if success and body.get("weight_version") is not None:
             engine.model_version = body["weight_version"]
             message += f" Weight version updated to {body['weight_version']}."

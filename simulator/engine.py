@@ -326,7 +326,8 @@ class Engine:
             req.phase = TRANSFER
             if self.config.timing.kv_transfer_s:
                 await self._sleep(req, self.config.timing.kv_transfer_s)
-            room.publish(first_token=req.gen.output_ids[0], weight_version=self.weight_version)
+            room.publish(first_token=req.gen.output_ids[0], weight_version=self.weight_version,
+                         cached_tokens=req.cached_tokens)
             deadline = time.monotonic() + self.config.kv_wait_timeout_s
             await self._wait_until(req, lambda: room.taken or room.failed, deadline)
             if not room.taken:
@@ -380,6 +381,7 @@ class Engine:
         result = await self.kv_client.fetch(self, req)
         if result.stage == "ok":
             self.counters.kv_pulls_made += 1
+            req.cached_tokens = result.cached_tokens
             if result.prompt_tokens != len(req.input_ids) or result.prompt_hash != self.rooms.prompt_hash(
                     req.input_ids):
                 self.counters.kv_mismatches += 1
@@ -469,7 +471,16 @@ class Engine:
 
     def _match_prefix(self, req: Req) -> None:
         if self.prefix_cache is not None:
-            req.cached_tokens = self.prefix_cache.match(req.input_ids)
+            matched = self.prefix_cache.match(req.input_ids)
+            if req.return_logprob and req.logprob_start_len >= 0:
+                # input logprobs from that position on need their tokens computed (Req._compute_max_prefix_len)
+                matched = min(matched, req.logprob_start_len)
+            req.cached_tokens = matched
+
+    def flush_prefix_cache(self) -> None:
+        """What a successful /flush_cache (also the one after a weight update) does to the radix cache."""
+        if self.prefix_cache is not None:
+            self.prefix_cache.clear()
 
     def _record_prefill(self, req: Req) -> None:
         self.counters.prefill_tokens += len(req.input_ids)

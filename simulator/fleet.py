@@ -95,7 +95,7 @@ class Fleet:
             overrides = dict(self.prefill_overrides if role == "prefill" else self.decode_overrides)
             port = self.base_port + i if self.base_port else 0
             boot = self.base_port + n + i if self.base_port else 0
-            decode_listens = self.config.enable_pd_role_switch and self.config.api == "0.5.23"
+            decode_listens = self.config.enable_pd_role_switch and self.config.api in ("0.5.23", "patched")
             if role == "decode" and not decode_listens and "bootstrap_port" not in overrides:
                 boot = None
             overrides.setdefault("bootstrap_port", boot)

@@ -9,6 +9,8 @@ Errors carry SGLang's messages; ``BodyError`` is a pydantic-style 400, ``ValueEr
 
 from __future__ import annotations
 
+import math
+
 import random
 from dataclasses import dataclass
 from typing import Any
@@ -80,6 +82,56 @@ def _per_item(value: Any, num: int, batch_size: int, n: int, default: Any) -> li
     return [value] * num
 
 
+def _context_problem(input_tokens: int, max_new_tokens: Any, context_length: int) -> str | None:
+    """TokenizerManager._validate_one_request: the input alone, then input + max_new_tokens when it was given."""
+    if input_tokens >= context_length:
+        return f"The input ({input_tokens} tokens) is longer than the model's context length ({context_length} tokens)."
+    if max_new_tokens is not None and max_new_tokens + input_tokens > context_length:
+        return (f"Requested token count exceeds the model's maximum context length of {context_length} tokens. "
+                f"You requested a total of {max_new_tokens + input_tokens} tokens: {input_tokens} tokens from the "
+                f"input messages and {max_new_tokens} tokens for the completion. Please reduce the number of tokens "
+                "in the input messages or the completion to fit within the limit.")
+    return None
+
+
+def _number(params: dict, key: str, default: float) -> Any:
+    value = params.get(key)
+    return default if value is None else value
+
+
+def _sampling_problem(params: dict, max_new_tokens: int) -> str | None:
+    """SamplingParams.verify's checks (0.5.23), in its order, with its messages; non-numbers are not judged."""
+    def num(value: Any) -> bool:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+    temperature = _number(params, "temperature", 1.0)
+    top_p, min_p = _number(params, "top_p", 1.0), _number(params, "min_p", 0.0)
+    top_k = _number(params, "top_k", -1)
+    frequency, presence = _number(params, "frequency_penalty", 0.0), _number(params, "presence_penalty", 0.0)
+    repetition, min_new = _number(params, "repetition_penalty", 1.0), _number(params, "min_new_tokens", 0)
+    if num(temperature) and (not math.isfinite(temperature) or temperature < 0):
+        return f"temperature must be a non-negative finite number, got {temperature}."
+    if num(top_p) and not 0.0 < top_p <= 1.0:
+        return f"top_p must be in (0, 1], got {top_p}."
+    if num(min_p) and not 0.0 <= min_p <= 1.0:
+        return f"min_p must be in [0, 1], got {min_p}."
+    if num(top_k) and top_k != -1 and top_k < 1:  # -1 (all) is replaced before the check
+        return f"top_k must be -1 (disable) or at least 1, got {top_k}."
+    if num(frequency) and not -2.0 <= frequency <= 2.0:
+        return f"frequency_penalty must be in [-2, 2], got {frequency}."
+    if num(presence) and not -2.0 <= presence <= 2.0:
+        return f"presence_penalty must be in [-2, 2], got {presence}."
+    if num(repetition) and not 0.0 < repetition <= 2.0:
+        return f"repetition_penalty must be in (0, 2] (1.0 = no penalty), got {repetition}."
+    if num(min_new) and not 0 <= min_new:
+        return f"min_new_tokens must be in [0, max_new_tokens], got {min_new}."
+    if max_new_tokens < 0:
+        return f"max_new_tokens must be at least 0, got {max_new_tokens}."
+    if num(min_new) and not min_new <= max_new_tokens:
+        return f"min_new_tokens must be in [0, max_new_tokens({max_new_tokens})], got {min_new}."
+    return None
+
+
 def _single(body: dict, default_max_new_tokens: int, context_length: int,
             default_bootstrap_port: int | None) -> GenerateCall | None:
     """The common case (one prompt, n = 1, scalar fields) without the batch machinery; None otherwise."""
@@ -107,7 +159,7 @@ def _single(body: dict, default_max_new_tokens: int, context_length: int,
         max_new = default_max_new_tokens
     if not isinstance(max_new, int) or isinstance(max_new, bool) or max_new < 0:
         return None  # the general path has the messages
-    if len(ids) + max_new > context_length:
+    if _context_problem(len(ids), sp.get("max_new_tokens"), context_length) or _sampling_problem(sp, max_new):
         return None
     stop = sp.get("stop") or []
     port = body.get("bootstrap_port")
@@ -207,20 +259,18 @@ def parse_generate(body: Any, *, default_max_new_tokens: int, context_length: in
     items: list[ItemSpec] = []
     for i in range(num):
         p = params[i] if i < len(params) else {}
-        max_new = p.get("max_new_tokens", default_max_new_tokens)
-        if max_new is None:
-            max_new = default_max_new_tokens
+        asked = p.get("max_new_tokens")
+        max_new = default_max_new_tokens if asked is None else asked
         if not isinstance(max_new, int) or isinstance(max_new, bool):
             raise ValueError(f"max_new_tokens must be an integer, got {max_new!r}.")
-        if max_new < 0:
-            raise ValueError(f"max_new_tokens must be at least 0, got {max_new}.")
         ids = list(prompts[i]) if tokenized is not None else encode(prompts[i])
-        if len(ids) + max_new > context_length:
-            raise ValueError(
-                f"Requested token count exceeds the model's maximum context length of {context_length} tokens. "
-                f"You requested a total of {len(ids) + max_new} tokens: {len(ids)} tokens from the input messages "
-                f"and {max_new} tokens for the completion. Please reduce the number of tokens in the input "
-                "messages or the completion to fit within the limit.")
+        # TokenizerManager._validate_one_request first, then SamplingParams.verify, as on 0.5.23
+        context_problem = _context_problem(len(ids), asked, context_length)
+        if context_problem:
+            raise ValueError(context_problem)
+        sampling_problem = _sampling_problem(p, max_new)
+        if sampling_problem:
+            raise ValueError(sampling_problem)
         stop = p.get("stop") or []
         if isinstance(stop, str):
             stop = [stop]

@@ -65,7 +65,8 @@ def meta_info(engine: "Engine", req: "Req", *, finished: bool, first: bool) -> d
         meta["weight_versions"] = spans
         if spans:
             meta["weight_version"] = spans[-1]["version"]
-    meta["cached_tokens_details"] = None
+    # OutputStreamer.get_cached_tokens_details without host/storage tiers: only device hits, or null
+    meta["cached_tokens_details"] = {"device": req.cached_tokens, "host": 0} if req.cached_tokens > 0 else None
     meta["dp_rank"] = None
     if finished:
         meta["e2e_latency"] = time.perf_counter() - req.created

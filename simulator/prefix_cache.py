@@ -35,6 +35,9 @@ class PrefixCache:
             matched += 1
         return matched
 
+    def clear(self) -> None:
+        self._entries.clear()
+
     def insert(self, ids: list[int]) -> None:
         entries = self._entries
         for h in reversed(self._hashes(ids)):

@@ -45,6 +45,7 @@ class SimApi:
             "api": worker.config.api,
             "sglang_version": worker.config.sglang_version,
             "faults": worker.faults.faults.as_dict(),
+            "convert_waiting_for_idle": bool(worker.role_switcher and worker.role_switcher.waiting_for_idle),
         })
         return json_response(snap)
 

@@ -51,6 +51,7 @@ class Worker:
         self.stopping = False
         self._runner: web.AppRunner | None = None
         self._started = 0.0
+        self.role_switcher: roles.RoleSwitcher | None = None  # set by roles.add_routes
         self.app = self._build_app()
 
     # ------------------------------------------------------------ lifecycle
@@ -84,7 +85,7 @@ class Worker:
         # 0.5.23 with role switching: every server runs a bootstrap listener; the convert API opens one
         # only when a decode becomes a prefill
         runs_listener = cfg.role == "prefill" or (
-            cfg.role == "decode" and cfg.enable_pd_role_switch and cfg.api == "0.5.23")
+            cfg.role == "decode" and cfg.enable_pd_role_switch and cfg.api in ("0.5.23", "patched"))
         if runs_listener and cfg.bootstrap_port is not None:
             await self.open_listener(cfg.bootstrap_port, registered=cfg.role == "prefill")
             self.launch_bootstrap_port = self.listener.port  # type: ignore[union-attr]

@@ -122,9 +122,7 @@ async def test_convert_api_opens_and_closes_bootstrap_listeners(session):
     async with Fleet(1, 1, api="convert", convert_bootstrap_base=base, **FAST) as f:
         p, d = f.prefill[0], f.decode[0]
         assert (await post(session, p.url + "/pd_role_switch", TO_DECODE))[0] == 404
-        assert await post(session, d.url + "/convert_pd_role", {"check_idle": True}) == (
-            200, {"success": True, "message": "The server is idle.", "bootstrap_port": None})
-        status, out = await post(session, d.url + "/convert_pd_role", {"server_url": d.url})
+        status, out = await post(session, d.url + "/convert_pd_role", {"server_url": d.url, "check_idle": True})
         assert (status, out) == (200, {"success": True, "message": "The role of this server is now PREFILL.",
                                        "bootstrap_port": base})
         server = (await get(session, d.url + "/server_info"))[1]
@@ -149,8 +147,62 @@ async def test_convert_refuses_when_busy(session):
         task = asyncio.ensure_future(post(session, p.url + "/generate", pd_body({"text": PROMPT, "rid": "x"}, p)))
         await f.wait_for(p, lambda s: s["rids_by_phase"].get("bootstrap") == ["x"])
         status, out = await post(session, p.url + "/convert_pd_role", {"check_idle": True})
+        assert status == 400 and out["success"] is False and "not idle" in out["message"]
+        status, out = await post(session, p.url + "/convert_pd_role", {})  # check_idle is true by default
         assert status == 400 and out["success"] is False
-        status, out = await post(session, p.url + "/convert_pd_role", {})
-        assert status == 400 and out["success"] is False
+        status, out = await post(session, p.url + "/convert_pd_role", {"check_idle": False, "idle_timeout_s": 0.05})
+        assert (status, out["message"]) == (400, "The server is not idle after waiting 0.05 s, please drain it "
+                                                 "before converting.")
+        assert (await get(session, p.url + "/model_info"))[1]["disaggregation_mode"] == "prefill"
         await post(session, p.url + "/abort_request", {"rid": "x"})
         await task
+
+
+async def test_convert_check_idle_false_waits_until_idle_then_converts(session):
+    """server_patches' meaning of check_idle (the seed design's: check the server is idle before converting):
+    false waits for the drain instead of refusing."""
+    async with Fleet(1, 1, api="convert", **FAST) as f:
+        p = f.prefill[0]
+        task = asyncio.ensure_future(post(session, p.url + "/generate", pd_body({"text": PROMPT, "rid": "x"}, p)))
+        await f.wait_for(p, lambda s: s["rids_by_phase"].get("bootstrap") == ["x"])
+        convert = asyncio.ensure_future(post(session, p.url + "/convert_pd_role",
+                                             {"check_idle": False, "idle_timeout_s": 30}))
+        await f.wait_for(p, lambda s: s["convert_waiting_for_idle"])
+        assert not convert.done()
+        await post(session, p.url + "/abort_request", {"rid": "x"})
+        await task
+        status, out = await convert
+        assert (status, out["success"], out["message"]) == (200, True, "The role of this server is now DECODE.")
+        assert (await get(session, p.url + "/model_info"))[1]["disaggregation_mode"] == "decode"
+        for bad in ({"check_idle": "yes"}, {"idle_timeout_s": 0}, {"idle_timeout_s": True}):
+            status, out = await post(session, p.url + "/convert_pd_role", bad)
+            assert status == 400 and out["success"] is False, (bad, out)
+
+
+async def test_patched_api_serves_server_patches_convert_over_the_in_place_switch(session):
+    """--api patched: a 0.5.23 server with server_patches (both APIs; /convert_pd_role by its contract)."""
+    async with Fleet(1, 1, api="patched", **FAST) as f:
+        p, d = f.prefill[0], f.decode[0]
+        status, out = await post(session, p.url + "/convert_pd_role", {"new_role": "decode"})
+        assert status == 400 and out["error"]["message"] == "unknown field 'new_role'" and out["success"] is False
+        status, out = await post(session, p.url + "/convert_pd_role", {"bootstrap_port": p.bootstrap_port + 1})
+        assert status == 400 and "cannot move it" in out["message"]
+        task = asyncio.ensure_future(post(session, p.url + "/generate", pd_body({"text": PROMPT, "rid": "x"}, p)))
+        await f.wait_for(p, lambda s: s["rids_by_phase"].get("bootstrap") == ["x"])
+        status, out = await post(session, p.url + "/convert_pd_role", {})
+        assert (status, out["message"], out["safe_to_restore"]) == (
+            400, "instance is not idle; drain all requests before switching", True)
+        await post(session, p.url + "/abort_request", {"rid": "x"})
+        await task
+        status, out = await post(session, p.url + "/convert_pd_role", {"server_url": p.url, "check_idle": True})
+        assert (status, out) == (200, {"success": True, "message": "converted prefill -> decode",
+                                       "bootstrap_port": p.bootstrap_port, "old_role": "prefill",
+                                       "new_role": "decode", "safe_to_restore": False})
+        assert (await get(session, p.url + "/model_info"))[1]["disaggregation_mode"] == "decode"
+        state = (await get(session, p.url + "/convert_pd_role"))[1]
+        assert (state["in_progress"], state["role"]) == (False, "decode")
+        # the upstream switch is there too, and the server keeps its bootstrap port as prefill again
+        status, out = await post(session, d.url + "/pd_role_switch", {"new_role": "prefill"})
+        assert status == 200 and out["message"] == "ok"
+        status, out = await post(session, d.url + "/convert_pd_role", {})
+        assert (status, out["new_role"], out["bootstrap_port"]) == (200, "decode", d.bootstrap_port)
