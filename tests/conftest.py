@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from router.app import create_app
@@ -7,6 +9,29 @@ from router.config import DISCOVER, RouterConfig, WorkerSpec
 from router.keys import REGISTRY
 
 from .fakes import FakeWorker
+
+REAL_TIER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "real")
+
+
+# The real-server tier's switch lives here, not in tests/real/conftest.py: pytest reads options only from the
+# conftest files it loads first, and `pytest --real` from the checkout root would not load that one in time.
+def pytest_addoption(parser):
+    parser.addoption("--real", action="store_true", default=False,
+                     help="run the real-SGLang-server tier (tests/real; also env PDR_REAL=1)")
+
+
+def real_tier_enabled(config) -> bool:
+    return bool(config.getoption("--real", default=False)) or os.environ.get("PDR_REAL") == "1"
+
+
+def pytest_collection_modifyitems(config, items):
+    skip = pytest.mark.skip(reason="real-server tier: pass --real or set PDR_REAL=1")
+    enabled = real_tier_enabled(config)
+    for item in items:
+        if str(item.fspath).startswith(REAL_TIER + os.sep):
+            item.add_marker(pytest.mark.real)
+            if not enabled:
+                item.add_marker(skip)
 
 
 @pytest.fixture

@@ -1,39 +1,54 @@
-"""The real-server tier: real SGLang servers (CPU) started through server_patches. Skipped unless `--real`
-(or env PDR_REAL=1). Needs the stack: `python -m server_patches.install` (`.ci/real` does both).
+"""The real-server tier: real SGLang servers (CPU) started through server_patches, and pd-router in front of
+them. Skipped unless `--real` (or env PDR_REAL=1; the switch is in tests/conftest.py). Needs the stack:
+`python -m server_patches.install` (`.ci/real` does both).
 
-One prefill+decode pair per session, with the prefix cache on (the leak fix is exercised on it); tests that
-change roles put them back before they return. While developing, PDR_REAL_PAIR=RUN_DIR reuses a pair started
-with `python -m server_patches.pair start --radix-cache --run-dir RUN_DIR` instead of launching one.
+One fleet per session (tests/real/fleet.py): a prefill+decode pair with the prefix cache on (the leak fix is
+exercised on it), a spare decode server, and a regular server the reference answers come from, all started
+at once. Tests that change roles put them back before they return; the fixtures below repair what a failed
+test left. PDR_REAL_FLEET=RUN_DIR attaches to a fleet started with `python -m tests.real.fleet start`.
+
+Every process started here is in its own process group, killed in teardown, and dies with pytest even if
+pytest is killed (PR_SET_PDEATHSIG); a SIGTERM (CI's timeout) runs the teardown first.
 """
 
 from __future__ import annotations
 
 import os
+import signal
 
 import pytest
 
-from server_patches.pair import RealPair
 from server_patches.stack import is_installed, resolve_paths
 
-from .real_client import convert, live_role
+from .fleet import RealFleet
+from .real_client import convert, get_json, is_idle, live_role, post_json, wait_until
+from .router_process import RouterProcess
+
+# The router's flags in this tier: defaults, except a quieter health check (each 0.5.23 /health probe runs a
+# one-token generation on every server) and no rebalancer (it would convert servers on its own).
+ROUTER_ARGS = ("--health-check-interval-secs", "10", "--rebalance", "off")
 
 
-def pytest_addoption(parser):
-    parser.addoption("--real", action="store_true", default=False, help="run the real-SGLang-server tier")
-
-
-def _real_enabled(config) -> bool:
-    return bool(config.getoption("--real", default=False)) or os.environ.get("PDR_REAL") == "1"
+# Run order: the server-level tests, then the router's, cheapest and least disturbing first. Conversions come
+# before aborts: after an aborted PD request a 0.5.23 decode server refuses to switch role for ~30 s.
+MODULE_ORDER = ("test_pair", "test_convert_pd_role", "test_prefix_cache_leak", "test_router_generation",
+                "test_router_conversion", "test_router_control", "test_bench_serving", "test_simulator_vs_real")
 
 
 def pytest_collection_modifyitems(config, items):
-    real_dir = os.path.dirname(__file__)
-    skip = pytest.mark.skip(reason="real-server tier: pass --real or set PDR_REAL=1")
-    for item in items:
-        if str(item.fspath).startswith(real_dir):
-            item.add_marker(pytest.mark.real)
-            if not _real_enabled(config):
-                item.add_marker(skip)
+    def rank(item):
+        name = item.module.__name__.rsplit(".", 1)[-1] if item.module else ""
+        return MODULE_ORDER.index(name) if name in MODULE_ORDER else len(MODULE_ORDER)
+
+    items.sort(key=rank)  # stable: the order within a module is kept
+
+
+def pytest_configure(config):
+    # A SIGTERM (e.g. `timeout` in .ci/real) must tear the fixtures down, i.e. stop the servers, like Ctrl-C.
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    signal.signal(signal.SIGTERM, interrupt)
 
 
 @pytest.fixture(scope="session")
@@ -45,21 +60,91 @@ def stack_paths():
 
 
 @pytest.fixture(scope="session")
-def pair(stack_paths, tmp_path_factory):
-    attach_to = os.environ.get("PDR_REAL_PAIR")  # a run dir of `pair start --radix-cache`: reuse, don't launch
+def fleet(stack_paths, tmp_path_factory):
+    attach_to = os.environ.get("PDR_REAL_FLEET")
     if attach_to:
-        yield RealPair.attach(attach_to)
+        yield RealFleet.attach(attach_to)
         return
-    with RealPair.launch(paths=stack_paths, run_dir=tmp_path_factory.mktemp("pair"), radix_cache=True) as p:
-        yield p
+    started = RealFleet.launch(paths=stack_paths, run_dir=tmp_path_factory.mktemp("fleet"))
+    try:
+        yield started
+    finally:
+        started.stop()
+
+
+@pytest.fixture(scope="session")
+def pair(fleet):
+    return fleet.pair()
+
+
+def restore_launch_roles(servers_and_roles) -> None:
+    for server, role in servers_and_roles:
+        assert server.alive(), f"{role} server {server.url} died; log tail:\n{server.log_tail()}"
+        if live_role(server.url) != role:
+            status, answer = convert(server.url, {"check_idle": False, "idle_timeout_s": 120})
+            assert status == 200 and live_role(server.url) == role, answer
 
 
 @pytest.fixture
 def pd_pair(pair):
     """The session pair as launched (prefill, decode): a role a failed test left converted is converted back."""
-    for server, role in ((pair.prefill, "prefill"), (pair.decode, "decode")):
-        assert server.alive(), f"{role} server died; log tail:\n{server.log_tail()}"
-        if live_role(server.url) != role:
-            status, answer = convert(server.url, {"check_idle": False, "idle_timeout_s": 120})
-            assert status == 200 and live_role(server.url) == role, answer
+    restore_launch_roles(((pair.prefill, "prefill"), (pair.decode, "decode")))
     return pair
+
+
+class RouterHolder:
+    """The session's router process, restarted when a test left it out of line with the servers."""
+
+    def __init__(self, fleet: RealFleet, log_dir) -> None:
+        self.fleet = fleet
+        self.log_dir = log_dir
+        self.current: RouterProcess | None = None
+        self.starts = 0
+
+    def start(self) -> RouterProcess:
+        self.stop()
+        self.starts += 1
+        f = self.fleet
+        self.current = RouterProcess.start(
+            prefill=[(f.prefill.url, f.prefill.bootstrap_port)], decode=[f.decode.url, f.spare.url],
+            log_path=self.log_dir / f"router-{self.starts}.log", extra_args=ROUTER_ARGS)
+        return self.current
+
+    def in_line(self) -> bool:
+        """Alive, every worker active, healthy and in its launch pool, and no fleet operation in force."""
+        router = self.current
+        if router is None or not router.alive():
+            return False
+        expected = {self.fleet.prefill.url: "prefill", self.fleet.decode.url: "decode",
+                    self.fleet.spare.url: "decode"}
+        workers = router.workers()
+        ok = {w["url"]: w["role"] for w in workers if w["state"] == "active" and w["is_healthy"]} == expected
+        state = get_json(f"{router.url}/weight_updates")
+        return ok and not state["paused"] and not state["current"] and not state["left_out"]
+
+    def stop(self) -> None:
+        if self.current is not None:
+            self.current.stop()
+            self.current = None
+
+
+@pytest.fixture(scope="session")
+def router_holder(fleet, tmp_path_factory):
+    holder = RouterHolder(fleet, tmp_path_factory.mktemp("router"))
+    try:
+        yield holder
+    finally:
+        holder.stop()
+
+
+@pytest.fixture
+def router(fleet, router_holder) -> RouterProcess:
+    """pd-router in front of prefill, decode and spare (1P+2D), every server in its launch role and idle."""
+    restore_launch_roles(((fleet.prefill, "prefill"), (fleet.decode, "decode"), (fleet.spare, "decode")))
+    for server in fleet.pd_servers:
+        wait_until(lambda: is_idle(server.url), timeout=60, what=f"{server.url} is idle")
+    if not router_holder.in_line():
+        for server in fleet.pd_servers:  # a failed pause test may have left servers paused
+            assert post_json(server.url + "/continue_generation", {})[0] == 200
+        router_holder.start()
+    return router_holder.current

@@ -95,3 +95,93 @@ def output_ids(result: dict) -> list[int]:
     assert result["prefill_status"] == 200, result
     assert result["decode_status"] == 200, result
     return result["decode"]["output_ids"]
+
+
+# ---- through a router, and answers compared with the reference server -------------------------------------
+def post_json(url: str, body: Any, timeout: float = REQUEST_TIMEOUT_S) -> tuple[int, Any]:
+    return request_json("POST", url, body, timeout=timeout)
+
+
+def stream_events(url: str, body: dict, *, timeout: float = REQUEST_TIMEOUT_S,
+                  on_event: Callable[[Any], None] | None = None) -> tuple[int, list]:
+    """POST a streaming request; (status, the SSE data payloads decoded, "[DONE]" kept as the string)."""
+    data = json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, method="POST", headers={"Content-Type": "application/json"})
+    events: list = []
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            status = resp.status
+            for raw in resp:
+                line = raw.decode().rstrip("\r\n")
+                if not line.startswith("data:"):
+                    continue
+                payload = line[5:].strip()
+                event = payload if payload == "[DONE]" else json.loads(payload)
+                events.append(event)
+                if on_event is not None:
+                    on_event(event)
+    except urllib.error.HTTPError as e:
+        status, raw_body = e.code, e.read()
+        e.close()
+        return status, [json.loads(raw_body) if raw_body else None]
+    return status, events
+
+
+def fully_idle(url: str) -> bool:
+    """Nothing running or waiting, and nothing in the PD queues (bootstrap, in flight, prealloc, transfer)."""
+    for load in get_json(f"{url}/v1/loads")["loads"]:
+        queues = load.get("disaggregation") or {}
+        if load["num_running_reqs"] or load["num_waiting_reqs"]:
+            return False
+        if any(v for k, v in queues.items() if k.endswith("_queue_reqs")):
+            return False
+    return True
+
+
+# meta_info fields that legitimately differ between two servers answering the same request (ids, timing, the
+# state of the prefix cache), and fields that only exist on one side of a PD pair.
+VOLATILE_META = frozenset({"id", "e2e_latency", "response_sent_to_client_ts", "cached_tokens",
+                           "cached_tokens_details", "dp_rank"})
+
+
+def generation_view(answer: dict) -> dict:
+    """What must be identical between the router's answer and the reference server's: the tokens, text,
+    finish reason, counts, logprobs, weight version."""
+    meta = {k: v for k, v in answer["meta_info"].items() if k not in VOLATILE_META}
+    return {"text": answer["text"], "output_ids": answer.get("output_ids"), "meta_info": meta}
+
+
+def stream_view(events: list) -> dict:
+    """A /generate stream reduced to what must match: its final event (how the tokens were cut into events
+    depends on timing). Checks on the way that it ends with [DONE], each event's output_ids extend the last
+    one's (0.5.23 streams them cumulatively) and only the last event has a finish reason."""
+    assert events and events[-1] == "[DONE]", events[-3:]
+    chunks = events[:-1]
+    seen: list = []
+    for i, chunk in enumerate(chunks):
+        ids = chunk.get("output_ids") or []
+        assert ids[: len(seen)] == seen and len(ids) >= len(seen), (seen, ids)
+        seen = ids
+        assert (chunk["meta_info"]["finish_reason"] is None) == (i < len(chunks) - 1), chunk["meta_info"]
+    return generation_view(chunks[-1])
+
+
+def openai_stream_view(events: list) -> dict:
+    """An OpenAI stream reduced to what must match whatever the chunking: per choice the concatenated text
+    (completions) or content (chat), the token logprobs in order, and the finish reason."""
+    assert events and events[-1] == "[DONE]", events[-3:]
+    view: dict = {}
+    for event in events[:-1]:
+        for choice in event["choices"]:
+            out = view.setdefault(choice["index"], {"text": "", "logprobs": [], "finish_reason": None})
+            delta = choice.get("delta")
+            out["text"] += (delta.get("content") or "") if delta is not None else choice.get("text", "")
+            logprobs = choice.get("logprobs") or {}
+            if "token_logprobs" in logprobs:
+                out["logprobs"] += list(zip(logprobs["tokens"], logprobs["token_logprobs"]))
+            for item in logprobs.get("content") or []:
+                out["logprobs"].append((item["token"], item["logprob"]))
+            if choice.get("finish_reason") is not None:
+                assert out["finish_reason"] is None, "two finish reasons for one choice"
+                out["finish_reason"] = choice["finish_reason"]
+    return view

@@ -95,3 +95,15 @@ def test_busy_server_refused_or_waited_for_and_one_conversion_at_a_time(pd_pair)
     assert live_role(d.url) == "prefill" and is_idle(d.url)
     assert get_json(f"{d.url}/convert_pd_role")["in_progress"] is False
     _convert_ok(d, "decode")
+
+
+def test_decode_reaches_a_server_back_in_prefill_after_a_round_trip(pd_pair):
+    """The decode server keeps serving the same prefill server through prefill -> decode -> prefill (it stays a
+    decode itself). Upstream it would wait on the prefill's former KV endpoint until a deadline; with the
+    prefill_endpoint_on_role_switch patch the former endpoint and the decode's registration carry over."""
+    p, d = pd_pair.prefill, pd_pair.decode
+    before = output_ids(pd_generate(p.url, d.url, p.bootstrap_port, PROMPTS[0]))  # the decode caches p's endpoint
+    _convert_ok(p, "decode")
+    _convert_ok(p, "prefill")
+    after = pd_generate(p.url, d.url, p.bootstrap_port, PROMPTS[0], timeout=30)
+    assert output_ids(after) == before

@@ -61,7 +61,7 @@ def test_without_the_patch_the_switched_server_dies_at_the_idle_check(pd_pair, s
     assert is_complete(str(stack_paths.tiny_model))
     unpatched = RealServer.launch(
         "prefill", paths=stack_paths, model=stack_paths.tiny_model, log_path=tmp_path / "unpatched.log",
-        radix_cache=True, disabled_patches=("prefix_cache_on_role_switch",),
+        radix_cache=True, disabled_patches=("prefix_cache_on_role_switch",), die_with_parent=True,
     )
     try:
         wait_healthy([unpatched], timeout=300)
