@@ -17,6 +17,7 @@ Stdlib only.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import os
 import signal
@@ -48,6 +49,10 @@ CPU_ARGS = (
 CPU_PD_ARGS = (*CPU_ARGS, "--disaggregation-transfer-backend", "mooncake_tcp", launch_server.CONVERT_FLAG)
 ROLES = ("prefill", "decode", "regular")  # regular: not disaggregated (SGLang's disaggregation mode "null")
 PR_SET_PDEATHSIG = 1
+try:
+    _PRCTL = ctypes.CDLL(None, use_errno=True).prctl  # Linux; elsewhere children simply do not get the signal
+except (OSError, AttributeError):
+    _PRCTL = None
 # When set, every server started appends its process group id to this file, so that CI can kill whatever a
 # killed test run left behind (.ci/real does).
 ENV_PGID_FILE = "PDR_REAL_PGID_FILE"
@@ -165,7 +170,7 @@ class RealServer:
                 [sys.executable, "-c", launcher, *args],
                 cwd=log_path.parent, env=env, stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT,
                 start_new_session=True,  # its own process group: stop() reaches scheduler and detokenizer too
-                preexec_fn=_die_with_parent if die_with_parent else None,
+                preexec_fn=kill_when_parent_dies if die_with_parent else None,
             )
         record_process_group(process.pid)
         info = ServerInfo(role, f"http://{HOST}:{port}", port, bootstrap_port, process.pid, str(log_path))
@@ -186,7 +191,7 @@ class RealServer:
         return http_status(f"{self.url}/health") == 200
 
     def stop(self, grace_s: float = STOP_GRACE_S) -> None:
-        _stop_group(self.info.pid, grace_s)
+        stop_group(self.info.pid, grace_s)
         if self.process is not None:
             self.process.wait(timeout=grace_s)
 
@@ -199,11 +204,11 @@ def record_process_group(pgid: int) -> None:
             f.write(f"{pgid}\n")
 
 
-def _die_with_parent() -> None:
-    """In the child before exec: SIGKILL when the parent ends (kept across exec)."""
-    import ctypes
-
-    ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+def kill_when_parent_dies() -> None:
+    """preexec_fn: SIGKILL this child when its parent ends (kept across exec). Nothing is loaded after the fork
+    (libc's prctl was looked up at import): a forked child of a threaded parent must not take locks."""
+    if _PRCTL is not None:
+        _PRCTL(PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
 def _pid_alive(pid: int) -> bool:
@@ -228,7 +233,7 @@ def _group_alive(pgid: int) -> bool:
         return False
 
 
-def _stop_group(pgid: int, grace_s: float) -> None:
+def stop_group(pgid: int, grace_s: float) -> None:
     """SIGTERM the server's process group; SIGKILL whatever is left after grace_s."""
     try:
         os.killpg(pgid, signal.SIGTERM)
@@ -384,7 +389,7 @@ def stop_recorded(run_dir: Path) -> dict:
             continue
         pid = int(pid_file.read_text())
         if _pid_alive(pid):
-            _stop_group(pid, STOP_GRACE_S)
+            stop_group(pid, STOP_GRACE_S)
             stopped[role] = "stopped" if not _pid_alive(pid) else "still running"
         else:
             stopped[role] = "was not running"

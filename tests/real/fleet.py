@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Optional
 
 from server_patches.pair import (
-    DEFAULT_START_TIMEOUT_S, PairError, RealPair, RealServer, ServerInfo, _stop_group, ensure_tiny_model,
+    DEFAULT_START_TIMEOUT_S, PairError, RealPair, RealServer, ServerInfo, stop_group, ensure_tiny_model,
     wait_healthy,
 )
 from server_patches.stack import StackPaths, is_installed, resolve_paths
@@ -134,7 +134,7 @@ def main(argv=None) -> int:
         return 0
     recorded = json.loads((run_dir / FLEET_FILE).read_text())
     for name in NAMES:
-        _stop_group(recorded[name]["pid"], 30.0)
+        stop_group(recorded[name]["pid"], 30.0)
     print(f"stopped the fleet of {run_dir}")
     return 0
 

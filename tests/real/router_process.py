@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional, Sequence
 
-from server_patches.pair import _die_with_parent, free_ports, http_status, record_process_group
+from server_patches.pair import kill_when_parent_dies, free_ports, http_status, record_process_group
 
 from .real_client import get_json
 
@@ -42,7 +42,7 @@ class RouterProcess:
         with open(log_path, "ab") as log_file:
             process = subprocess.Popen(
                 [python, "-m", "router", *args], cwd=CHECKOUT_ROOT, stdin=subprocess.DEVNULL, stdout=log_file,
-                stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=_die_with_parent,
+                stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=kill_when_parent_dies,
             )
         record_process_group(process.pid)
         router = cls(f"http://127.0.0.1:{port}", process, log_path, args)

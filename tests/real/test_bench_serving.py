@@ -7,7 +7,7 @@ import signal
 import subprocess
 
 from server_patches import launch_server
-from server_patches.pair import _die_with_parent, record_process_group
+from server_patches.pair import kill_when_parent_dies, record_process_group
 
 NUM_PROMPTS = 20
 BENCH_TIMEOUT_S = 300
@@ -24,7 +24,7 @@ def test_bench_serving_through_the_router_completes_every_request(router, fleet,
     env["PDR_SERVER_PATCHES_VERBOSE"] = "0"
     process = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                stderr=subprocess.STDOUT, text=True, start_new_session=True,
-                               preexec_fn=_die_with_parent)
+                               preexec_fn=kill_when_parent_dies)
     record_process_group(process.pid)
     try:
         output, _ = process.communicate(timeout=BENCH_TIMEOUT_S)

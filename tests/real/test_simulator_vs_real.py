@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from server_patches.pair import _die_with_parent, record_process_group
+from server_patches.pair import kill_when_parent_dies, record_process_group
 from simulator.conformance import normalize_message, shape_diff
 
 from .conftest import ROUTER_ARGS
@@ -174,7 +174,7 @@ def simulated(stack_paths, tmp_path_factory):
             [sys.executable, "-m", "simulator.fleet", "--prefill", "1", "--decode", "2",
              "--model-path", str(stack_paths.tiny_model), *SIM_ARGS],
             cwd=CHECKOUT_ROOT, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=log, text=True,
-            start_new_session=True, preexec_fn=_die_with_parent)
+            start_new_session=True, preexec_fn=kill_when_parent_dies)
     record_process_group(fleet.pid)
     router = None
     try:
