@@ -75,8 +75,8 @@ def stop(child: Child, grace: float = 10.0) -> None:
         child.popen.wait(timeout=grace)
 
 
-def http_status(url: str, timeout: float = 1.0) -> int | None:
-    """Status of a GET, or None if nothing answered."""
+def http_status(url: str, timeout: float = 5.0) -> int | None:
+    """Status of a GET, or None if nothing answered (SGLang 0.5.23's /health itself takes ~1 s)."""
     try:
         with urllib.request.urlopen(url, timeout=timeout) as resp:
             return resp.status
