@@ -11,7 +11,7 @@ from aiohttp import web
 from .errors import ServiceUnavailable, json_response
 from .keys import ADMISSION, REGISTRY, UPSTREAM
 from .registry import Registry, Role, Worker, WorkerState
-from .upstream import Reply, Upstream
+from .upstream import Reply
 
 ADMIN_TIMEOUT = 30.0
 

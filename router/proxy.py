@@ -25,7 +25,7 @@ from . import sse
 from .aborts import abort_response
 from .admission import Admission
 from .config import RouterConfig
-from .errors import BadGateway, BadRequest, GatewayTimeout, RouterError, ServiceUnavailable
+from .errors import BadRequest, GatewayTimeout, RouterError, ServiceUnavailable
 from .live import RETRY, LiveRequests
 from .logprobs import index_prefill_events, merge_answer, merge_meta
 from .registry import Registry, Role, Worker

@@ -555,17 +555,24 @@ class WeightFlow:
     async def resume(self, body: dict) -> tuple[int, dict]:
         return await self.run("continue_generation", {}, lambda op: self._resume(op, body))
 
-    async def _resume(self, op: Operation, body: dict) -> tuple[int, dict]:
-        workers = self.targets()
-        step = op.step("continue", self.config.abort_timeout_secs)
-        outcomes = await fan_out(workers, lambda w: self._call(w, "/continue_generation", body,
-                                                               self.config.abort_timeout_secs))
-        step.end("ok" if all(o.success for o in outcomes) else "failed", summary(outcomes, "continue_generation"))
+    async def _restore(self, op: Operation, step_name: str, call: str, body: dict, timeout: float,
+                       kind: str) -> list:
+        """Fan out a call that gives a server back its ability to serve (continue, memory resume): those
+        that took it rejoin routing (at the fleet's weight version), the others are left out as `kind`."""
+        step = op.step(step_name, timeout)
+        outcomes = await fan_out(self.targets(), lambda w: self._call(w, "/" + call, body, timeout))
+        step.end("ok" if all(o.success for o in outcomes) else "failed", summary(outcomes, call))
         for outcome in outcomes:
             if outcome.success:
-                await self._rejoin_if_current(outcome.worker, "continue_generation succeeded", "paused")
-            else:  # still paused (or unreachable): new requests would wait there forever
-                self._leave_out(outcome.worker, "paused", f"continue_generation failed: {outcome.message}")
+                await self._rejoin_if_current(outcome.worker, f"{call} succeeded", kind)
+            else:  # it cannot serve (still paused, memory not back, or unreachable)
+                self._leave_out(outcome.worker, kind, f"{call} failed: {outcome.message}")
+        return outcomes
+
+    async def _resume(self, op: Operation, body: dict) -> tuple[int, dict]:
+        outcomes = await self._restore(op, "continue", "continue_generation", body, self.config.abort_timeout_secs,
+                                       "paused")
+        for outcome in outcomes:
             outcome.extra["routable"] = outcome.worker.routable
         self.paused = None
         self.admission.release(PAUSE_HOLD)
@@ -606,16 +613,8 @@ class WeightFlow:
                               lambda op: self._resume_memory(op, body))
 
     async def _resume_memory(self, op: Operation, body: dict) -> tuple[int, dict]:
-        workers = self.targets()
-        step = op.step("resume", self.config.weight_update_timeout_secs)
-        outcomes = await fan_out(workers, lambda w: self._call(w, "/resume_memory_occupation", body,
-                                                               self.config.weight_update_timeout_secs))
-        step.end("ok" if all(o.success for o in outcomes) else "failed", summary(outcomes, "resume_memory_occupation"))
-        for outcome in outcomes:
-            if outcome.success:
-                await self._rejoin_if_current(outcome.worker, "resume_memory_occupation succeeded", "memory")
-            else:  # its memory is not back: it cannot serve
-                self._leave_out(outcome.worker, "memory", f"resume_memory_occupation failed: {outcome.message}")
+        outcomes = await self._restore(op, "resume", "resume_memory_occupation", body,
+                                       self.config.weight_update_timeout_secs, "memory")
         tags = body.get("tags")
         self.released_tags -= set(tags) if tags else set(self.released_tags)
         if not self.released_tags:
