@@ -7,8 +7,9 @@ from .real_client import (
 )
 
 PROMPTS = ("Hello world, this is", "The quick brown fox", "Numbers 0 1 2 3 and")
-# Long enough to still be decoding while the conversions below are tried (~20 ms a token here), no longer.
-LONG_TOKENS = 250
+# Long enough to still be decoding while the conversions below are tried, on a fast machine too (~3 ms a token
+# seen in CI; ~20 ms here, so ~20 s).
+LONG_TOKENS = 1000
 
 
 def _generate_all(prefill, decode):

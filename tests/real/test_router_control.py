@@ -20,16 +20,26 @@ class Background:
     def __init__(self, url: str, body: dict, stream: bool = True) -> None:
         self.tokens = 0
         self.result: tuple | None = None
+        # Set by the client thread itself the moment 3 tokens arrived (or the request ended): a poll could miss a
+        # short decode entirely on a fast machine.
+        self.decoding_or_done = threading.Event()
         self._thread = threading.Thread(target=self._run, args=(url, body, stream), daemon=True)
         self._thread.start()
 
+    def _on_event(self, event) -> None:
+        if isinstance(event, dict):
+            self.tokens = len(event.get("output_ids") or [])
+            if self.tokens >= 3:
+                self.decoding_or_done.set()
+
     def _run(self, url, body, stream):
-        if stream:
-            self.result = stream_events(url, dict(body, stream=True), timeout=180,
-                                        on_event=lambda e: setattr(self, "tokens", len(e.get("output_ids") or [])
-                                                                   if isinstance(e, dict) else self.tokens))
-        else:
-            self.result = post_json(url, body, timeout=180)
+        try:
+            if stream:
+                self.result = stream_events(url, dict(body, stream=True), timeout=180, on_event=self._on_event)
+            else:
+                self.result = post_json(url, body, timeout=180)
+        finally:
+            self.decoding_or_done.set()
 
     def join(self, timeout: float = STEP_TIMEOUT_S):
         self._thread.join(timeout)
@@ -63,7 +73,7 @@ def assert_fleet_quiet(router, fleet) -> None:
 def decoding(router, body=None) -> Background:
     """A long streaming request through the router, once it is decoding (tokens arrive)."""
     request = Background(router.url + "/generate", body or {"text": PROMPT, "sampling_params": LONG})
-    wait_until(lambda: request.tokens >= 3 or request.done, timeout=STEP_TIMEOUT_S, what="tokens stream")
+    assert request.decoding_or_done.wait(STEP_TIMEOUT_S), "no tokens streamed"
     assert not request.done, request.result
     return request
 
@@ -115,8 +125,9 @@ def test_pause_and_continue(router, fleet, mode):
     its cache meanwhile) and finishes after continue, retracted once. in_place: it stays in the batch (the flush
     is refused as busy) and finishes after continue, never retracted. A request sent while paused waits in
     the router and is answered after continue."""
-    sampling = dict(LONG, max_new_tokens=100)
-    expected_long = reference(fleet, sampling)
+    # Long enough that the pause lands mid-decode on a fast machine (~3 ms/token seen in CI), short enough to
+    # finish after continue in ~20 s on a slow one.
+    sampling = dict(LONG, max_new_tokens=1000)
     running = decoding(router, {"text": PROMPT, "sampling_params": sampling})
     status, answer = post_json(router.url + "/pause_generation", {"mode": mode}, timeout=STEP_TIMEOUT_S)
     assert status == 200 and answer["success"] is True, answer
@@ -144,8 +155,9 @@ def test_pause_and_continue(router, fleet, mode):
         # the reference's. Beyond that, exact identity of a long output is not asserted: on this tiny random
         # model (nearly flat logits, bf16 on CPU) a retracted request's recomputation, and the server state it
         # leaves, may turn a later argmax (seen at tokens 100 and 194 of 200, also on the next request).
-        assert len(last["output_ids"]) == len(expected_long)
-        assert last["output_ids"][:streamed_before_continue] == expected_long[:streamed_before_continue]
+        assert len(last["output_ids"]) == sampling["max_new_tokens"]
+        expected_prefix = reference(fleet, dict(sampling, max_new_tokens=streamed_before_continue))
+        assert last["output_ids"][:streamed_before_continue] == expected_prefix
     assert_fleet_quiet(router, fleet)
 
 
