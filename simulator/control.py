@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import os
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 from aiohttp import web
 
@@ -175,82 +175,66 @@ class Control:
             message += f" Weight version updated to {body['weight_version']}."
         return success, message
 
-    async def update_weights_from_disk(self, request: web.Request) -> web.Response:
-        body = await read_json(request, handler="update_weights_from_disk")
-        if is_response(body):
-            return body
-        bad = require_fields(request, body, "update_weights_from_disk", "UpdateWeightFromDiskReqInput", "model_path")
-        if bad is not None:
-            return bad
-        if body.get("abort_all_requests"):
-            self.engine.abort(abort_all=True)
-
-        async def update() -> tuple[bool, str]:
-            await self._delay()
-            if self.worker.faults.faults.update_failure:
-                return False, "Failed to get weights iterator: simulated update failure."
-            if not self._model_path_ok(body["model_path"]):
-                return False, "Failed to get weights iterator: [Errno -2] Name or service not known."
-            self.engine.model_path = body["model_path"]
-            return self._after_update(body, True, "Succeeded to update model weights.")
-
-        success, message = await self._locked(update)
-        return json_response({"success": success, "message": message, "num_paused_requests": 0},
-                             200 if success else 400)
-
     def _session_check(self, what: str) -> str | None:
         if self.worker.config.at_least("0.5.23") and not self.engine.weight_session_open:
             return f"{what} must run between begin_weight_update() and end_weight_update()"
         return None
 
-    async def update_weights_from_distributed(self, request: web.Request) -> web.Response:
-        body = await read_json(request, handler="update_weights_from_distributed")
+    async def _update_weights(self, request: web.Request, handler: str, input_type: str, fields: tuple[str, ...],
+                              *, session: bool, failure: str, apply: Callable[[dict], tuple[bool, str]],
+                              extra: dict | None = None) -> web.Response:
+        """The three update routes alike: validate, abort first if asked, then under the write lock (the weight
+        session checked where the version needs it): delay, injected failure, the route's own step."""
+        body = await read_json(request, handler=handler)
         if is_response(body):
             return body
-        bad = require_fields(request, body, "update_weights_from_distributed",
-                             "UpdateWeightsFromDistributedReqInput", "names", "dtypes", "shapes")
+        bad = require_fields(request, body, handler, input_type, *fields)
         if bad is not None:
             return bad
         if body.get("abort_all_requests"):
             self.engine.abort(abort_all=True)
 
         async def update() -> tuple[bool, str]:
-            problem = self._session_check("update_weights_from_distributed")
+            problem = self._session_check(handler) if session else None
             if problem:
                 return False, problem
             await self._delay()
             if self.worker.faults.faults.update_failure:
-                return False, "Failed to receive weights: simulated update failure"
-            group = body.get("group_name", "weight_update_group")
-            if group not in self.groups:
-                return False, f"Failed to receive weights: group {group!r} is not initialized"
-            return self._after_update(body, True, "Succeeded to update parameter online.")
+                return False, failure
+            return apply(body)
 
         success, message = await self._locked(update)
-        return json_response({"success": success, "message": message}, 200 if success else 400)
+        return json_response({"success": success, "message": message, **(extra or {})}, 200 if success else 400)
+
+    def _load_from_disk(self, body: dict) -> tuple[bool, str]:
+        if not self._model_path_ok(body["model_path"]):
+            return False, "Failed to get weights iterator: [Errno -2] Name or service not known."
+        self.engine.model_path = body["model_path"]
+        return self._after_update(body, True, "Succeeded to update model weights.")
+
+    def _receive_from_group(self, body: dict) -> tuple[bool, str]:
+        group = body.get("group_name", "weight_update_group")
+        if group not in self.groups:
+            return False, f"Failed to receive weights: group {group!r} is not initialized"
+        return self._after_update(body, True, "Succeeded to update parameter online.")
+
+    async def update_weights_from_disk(self, request: web.Request) -> web.Response:
+        return await self._update_weights(
+            request, "update_weights_from_disk", "UpdateWeightFromDiskReqInput", ("model_path",), session=False,
+            failure="Failed to get weights iterator: simulated update failure.", apply=self._load_from_disk,
+            extra={"num_paused_requests": 0})
+
+    async def update_weights_from_distributed(self, request: web.Request) -> web.Response:
+        return await self._update_weights(
+            request, "update_weights_from_distributed", "UpdateWeightsFromDistributedReqInput",
+            ("names", "dtypes", "shapes"), session=True,
+            failure="Failed to receive weights: simulated update failure", apply=self._receive_from_group)
 
     async def update_weights_from_tensor(self, request: web.Request) -> web.Response:
-        body = await read_json(request, handler="update_weights_from_tensor")
-        if is_response(body):
-            return body
-        bad = require_fields(request, body, "update_weights_from_tensor", "UpdateWeightsFromTensorReqInput",
-                             "serialized_named_tensors")
-        if bad is not None:
-            return bad
-        if body.get("abort_all_requests"):
-            self.engine.abort(abort_all=True)
-
-        async def update() -> tuple[bool, str]:
-            problem = self._session_check("update_weights_from_tensor")
-            if problem:
-                return False, problem
-            await self._delay()
-            if self.worker.faults.faults.update_failure:
-                return False, "Failed to update weights: simulated update failure"
-            return self._after_update(body, True, "Success")
-
-        success, message = await self._locked(update)
-        return json_response({"success": success, "message": message}, 200 if success else 400)
+        return await self._update_weights(
+            request, "update_weights_from_tensor", "UpdateWeightsFromTensorReqInput", ("serialized_named_tensors",),
+            session=True, failure="Failed to update weights: simulated update failure",
+            apply=lambda body: self._after_update(body, True, "Success"))
 
     async def init_weights_update_group(self, request: web.Request) -> web.Response:
         body = await read_json(request, handler="init_weights_update_group")
