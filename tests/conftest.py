@@ -2,13 +2,17 @@ from __future__ import annotations
 
 import os
 
+import aiohttp
 import pytest
 
 from router.app import create_app
 from router.config import DISCOVER, RouterConfig, WorkerSpec
 from router.keys import REGISTRY
 
+from simulator.fleet import Fleet
+
 from .fakes import FakeWorker
+from .sim_support import FAST
 
 REAL_TIER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "real")
 
@@ -68,3 +72,17 @@ async def make_router(aiohttp_client):
         return client
 
     return build
+
+
+@pytest.fixture
+async def session():
+    """A client session for talking to servers directly (simulated workers, routers)."""
+    async with aiohttp.ClientSession() as s:
+        yield s
+
+
+@pytest.fixture
+async def fleet():
+    """A simulated 1P+1D fleet with fast timings; a test module that needs another fleet defines its own."""
+    async with Fleet(1, 1, **FAST) as f:
+        yield f

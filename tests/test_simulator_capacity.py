@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 
-import aiohttp
 import pytest
 
 from simulator.config import WorkerConfig
@@ -15,12 +14,6 @@ from simulator.tokens import encode
 from tests.sim_support import FAST, get, pd_generate, wait_until
 
 LONG = " ".join(f"word{i}" for i in range(200))  # ~200 tokens
-
-
-@pytest.fixture
-async def session():
-    async with aiohttp.ClientSession() as s:
-        yield s
 
 
 async def load_of(session, handle) -> dict:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 
-import aiohttp
 import pytest
 
 from simulator.fleet import Fleet
@@ -13,12 +12,6 @@ from tests.sim_support import FAST, get, pd_body, post
 
 PROMPT = "Hello world, this is"
 ABORTED = {"type": "abort", "message": "Aborted", "status_code": None, "err_type": None}
-
-
-@pytest.fixture
-async def session():
-    async with aiohttp.ClientSession() as s:
-        yield s
 
 
 @pytest.fixture

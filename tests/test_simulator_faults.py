@@ -14,18 +14,6 @@ from tests.sim_support import FAST, get, pd_body, pd_generate, post
 PROMPT = "Hello world, this is"
 
 
-@pytest.fixture
-async def session():
-    async with aiohttp.ClientSession() as s:
-        yield s
-
-
-@pytest.fixture
-async def fleet():
-    async with Fleet(1, 1, **FAST) as f:
-        yield f
-
-
 async def test_error_rate_and_fail_next(fleet, session):
     d = fleet.decode[0]
     await fleet.set_faults(d, fail_next=2, error_status=503)

@@ -19,12 +19,6 @@ from tests.sim_support import FAST, get, pd_generate
 PROMPT = "Hello world, this is"
 
 
-@pytest.fixture
-async def session():
-    async with aiohttp.ClientSession() as s:
-        yield s
-
-
 async def test_in_process_fleet_2p2d(session):
     async with Fleet(2, 2, **FAST) as f:
         assert len(f.prefill_urls) == 2 and len(f.decode_urls) == 2

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 
-import aiohttp
 import pytest
 
 from simulator.fleet import Fleet
@@ -12,18 +11,6 @@ from simulator.tokens import encode, expected_generation
 from tests.sim_support import FAST, get, pd_body, pd_generate, post
 
 PROMPT = "Hello world, this is"
-
-
-@pytest.fixture
-async def fleet():
-    async with Fleet(1, 1, **FAST) as f:
-        yield f
-
-
-@pytest.fixture
-async def session():
-    async with aiohttp.ClientSession() as s:
-        yield s
 
 
 async def test_pd_answer_is_the_expected_generation(fleet, session):

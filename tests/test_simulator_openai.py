@@ -2,26 +2,11 @@
 
 from __future__ import annotations
 
-import aiohttp
-import pytest
 
-from simulator.fleet import Fleet
 from simulator.tokens import apply_chat_template, encode, expected_generation
-from tests.sim_support import FAST, get, pd_generate, post
+from tests.sim_support import get, pd_generate, post
 
 PROMPT = "Hello world, this is"
-
-
-@pytest.fixture
-async def fleet():
-    async with Fleet(1, 1, **FAST) as f:
-        yield f
-
-
-@pytest.fixture
-async def session():
-    async with aiohttp.ClientSession() as s:
-        yield s
 
 
 async def test_completion(fleet, session):

@@ -6,7 +6,6 @@ import asyncio
 import re
 import socket
 
-import aiohttp
 import pytest
 
 from simulator.fleet import Fleet
@@ -29,12 +28,6 @@ def closed_port() -> int:
 async def fleet():
     async with Fleet(1, 1, kv_wait_timeout_s=0.5, bootstrap_timeout_s=0.5, **FAST) as f:
         yield f
-
-
-@pytest.fixture
-async def session():
-    async with aiohttp.ClientSession() as s:
-        yield s
 
 
 async def _decode_only(session, fleet, *, port, rid="d1", room=77):
@@ -62,9 +55,8 @@ async def test_port_of_a_decode_listener_fails_like_a_stale_one(fleet, session):
 async def test_null_bootstrap_port_uses_the_decode_workers_own_port(fleet, session):
     status, out = await _decode_only(session, fleet, port=None)
     assert status == 500 and HANDSHAKE.fullmatch(out["message"])
-    # and with only one prefill whose port equals decode's own default it would work: check the fallback
+    # the port a null bootstrap_port falls back to is the decode worker's own launch bootstrap port
     async with Fleet(1, 1, base_port=0, **FAST) as f2:
-        p = f2.prefill[0]
         cfg_port = f2.decode[0].worker.launch_bootstrap_port
         assert cfg_port == f2.decode[0].bootstrap_port
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import socket
 
-import aiohttp
 import pytest
 
 from simulator.fleet import Fleet
@@ -14,12 +13,6 @@ from tests.sim_support import FAST, get, pd_body, post
 
 PROMPT = "Hello world, this is"
 TO_DECODE = {"new_role": "decode", "decode_cuda_graph_memory_gb": 0}
-
-
-@pytest.fixture
-async def session():
-    async with aiohttp.ClientSession() as s:
-        yield s
 
 
 @pytest.fixture

@@ -2,17 +2,9 @@
 
 from __future__ import annotations
 
-import aiohttp
-import pytest
 
 from simulator.fleet import Fleet
 from tests.sim_support import FAST, get, post
-
-
-@pytest.fixture
-async def session():
-    async with aiohttp.ClientSession() as s:
-        yield s
 
 
 async def test_0_5_23_info_endpoints(session):
