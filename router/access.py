@@ -21,11 +21,10 @@ import enum
 import hmac
 from typing import Iterable
 
-import orjson
 from aiohttp import web
 
 from .config import RouterConfig
-from .errors import BadRequest, Unauthorized
+from .errors import Unauthorized, parse_json_object
 from .requests import GENERATE_ROUTES
 
 
@@ -97,15 +96,7 @@ async def checked_json_body(request: web.Request) -> dict | None:
     if not request.body_exists:
         return None
     raw = await request.read()
-    if not raw.strip():
-        return None
-    try:
-        body = orjson.loads(raw)
-    except orjson.JSONDecodeError as exc:
-        raise BadRequest(f"request body is not valid JSON: {exc}") from None
-    if not isinstance(body, dict):
-        raise BadRequest(f"request body must be a JSON object, got {type(body).__name__}")
-    return body
+    return parse_json_object(raw) if raw.strip() else None
 
 
 def make_access_middleware(config: RouterConfig):

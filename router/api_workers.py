@@ -7,12 +7,11 @@ from __future__ import annotations
 import asyncio
 from urllib.parse import unquote
 
-import orjson
 from aiohttp import web
 
 from .access import JSON_BODY
 from .config import DISCOVER, validate_port, validate_worker_url
-from .errors import BadRequest, Conflict, NotFound, json_response
+from .errors import BadRequest, Conflict, NotFound, json_response, parse_json_object
 from .keys import DISCOVERY, REGISTRY, UPSTREAM
 from .registry import DuplicateWorker, Role, Worker, WorkerState
 from .upstream import live_role_of
@@ -26,15 +25,7 @@ async def read_json_object(request: web.Request) -> dict:
     if (parsed := request.get(JSON_BODY)) is not None:  # already checked by the access middleware
         return parsed
     raw = await request.read()
-    if not raw.strip():
-        return {}
-    try:
-        body = orjson.loads(raw)
-    except orjson.JSONDecodeError as exc:
-        raise BadRequest(f"request body is not valid JSON: {exc}") from None
-    if not isinstance(body, dict):
-        raise BadRequest("request body must be a JSON object")
-    return body
+    return parse_json_object(raw) if raw.strip() else {}
 
 
 def parse_role(value: object, field: str = "worker_type") -> Role | None:

@@ -33,6 +33,17 @@ class BadRequest(RouterError):
     type = "invalid_request_error"
 
 
+def parse_json_object(raw: bytes) -> dict:
+    """A request body that must be a JSON object; anything else is a 400 that says why."""
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise BadRequest(f"request body is not valid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise BadRequest(f"request body must be a JSON object, got {type(body).__name__}")
+    return body
+
+
 class Unauthorized(RouterError):
     status = 401
     type = "authentication_error"

@@ -25,7 +25,7 @@ from . import sse
 from .aborts import abort_response
 from .admission import Admission
 from .config import RouterConfig
-from .errors import BadRequest, GatewayTimeout, RouterError, ServiceUnavailable
+from .errors import GatewayTimeout, RouterError, ServiceUnavailable, parse_json_object
 from .live import RETRY, LiveRequests
 from .logprobs import index_prefill_events, merge_answer, merge_meta
 from .registry import Registry, Role, Worker
@@ -144,13 +144,7 @@ class Proxy:
     async def handle(self, request: web.Request, route: str, upstream_path: str) -> web.StreamResponse:
         record = RequestRecord(route=route, stream=False, started=time.monotonic())
         try:
-            raw = await request.read()
-            try:
-                body = orjson.loads(raw)
-            except orjson.JSONDecodeError as exc:
-                raise BadRequest(f"request body is not valid JSON: {exc}") from None
-            if not isinstance(body, dict):
-                raise BadRequest("request body must be a JSON object")
+            body = parse_json_object(await request.read())
             shape = shape_of(route, body)
             record.stream = shape.stream
             forwarded = {h: v for h in FORWARDED_HEADERS if (v := request.headers.get(h)) is not None}
