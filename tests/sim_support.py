@@ -1,11 +1,10 @@
-"""Helpers for the simulator tests: a PD client that does what a router does, and waiting on state."""
+"""Helpers for the simulator tests: a PD client that does what a router does (waiting: tests.helpers.wait_for)."""
 
 from __future__ import annotations
 
 import asyncio
 import random
-import time
-from typing import Any, Callable
+from typing import Any
 
 import aiohttp
 import orjson
@@ -64,20 +63,6 @@ async def pd_generate(session: aiohttp.ClientSession, fleet: Fleet, body: dict, 
     full = pd_body(body, fleet.prefill[p], room=room)
     return await asyncio.gather(post(session, fleet.prefill[p].url + path, full),
                                 post(session, fleet.decode[d].url + path, full))
-
-
-async def wait_until(predicate: Callable[[], Any], timeout: float = 5.0, interval: float = 0.005) -> Any:
-    """Await until ``predicate()`` (sync or async) is truthy; returns its value or raises TimeoutError."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if asyncio.iscoroutine(value):
-            value = await value
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise TimeoutError("condition not met")
-        await asyncio.sleep(interval)
 
 
 def rids_in(state: dict, *phases: str) -> list[str]:

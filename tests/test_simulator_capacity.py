@@ -11,7 +11,8 @@ from simulator.config import WorkerConfig
 from simulator.fleet import Fleet
 from simulator.prefix_cache import PrefixCache
 from simulator.tokens import encode
-from tests.sim_support import FAST, get, pd_generate, wait_until
+from tests.helpers import wait_for
+from tests.sim_support import FAST, get, pd_generate
 
 LONG = " ".join(f"word{i}" for i in range(200))  # ~200 tokens
 
@@ -31,7 +32,7 @@ async def test_prefill_concurrency_queues_forwards_in_the_waiting_queue(session)
         async def one_running_one_waiting():
             load = await load_of(session, fleet.prefill[0])
             return load["num_running_reqs"] == 1 and load["num_waiting_reqs"] == 1
-        await wait_until(one_running_one_waiting, timeout=10)
+        await wait_for(one_running_one_waiting, timeout=10)
         results = await both
         assert [status for pair in results for status, _ in pair] == [200] * 4
         load = await load_of(session, fleet.prefill[0])
@@ -45,7 +46,7 @@ async def test_without_a_limit_forwards_overlap(session):
 
         async def two_running():
             return (await load_of(session, fleet.prefill[0]))["num_running_reqs"] == 2
-        await wait_until(two_running, timeout=10)
+        await wait_for(two_running, timeout=10)
         await both
 
 
@@ -59,7 +60,7 @@ async def test_an_abort_frees_a_request_waiting_for_a_prefill_slot(session):
         async def second_waiting():
             state = await fleet.state(fleet.prefill[0])
             return "second" in state["rids_by_phase"].get("waiting", [])
-        await wait_until(second_waiting, timeout=10)
+        await wait_for(second_waiting, timeout=10)
         for handle in (fleet.prefill[0], fleet.decode[1]):
             async with session.post(handle.url + "/abort_request", json={"rid": "second"}) as resp:
                 assert resp.status == 200
@@ -121,10 +122,10 @@ async def test_decode_batch_counts_requests_decoding_not_those_waiting_for_kv(se
         engine = fleet.decode[0].worker.engine
         decoding = asyncio.ensure_future(pd_generate(session, fleet, {"text": "short",
                                                                       "sampling_params": {"max_new_tokens": 40}}))
-        await wait_until(lambda: engine.decoding == 1, timeout=10)
+        await wait_for(lambda: engine.decoding == 1, timeout=10)
         waiting = asyncio.ensure_future(pd_generate(session, fleet, {"text": LONG,  # ~1 s of prefill
                                                                      "sampling_params": {"max_new_tokens": 2}}))
-        await wait_until(lambda: engine.running == 2, timeout=10)
+        await wait_for(lambda: engine.running == 2, timeout=10)
         assert engine.decoding == 1
         for (p, _), (d, _) in await asyncio.gather(decoding, waiting):
             assert (p, d) == (200, 200)
@@ -138,7 +139,7 @@ async def test_a_released_hang_lets_the_generation_finish(session):
         engine = fleet.decode[0].worker.engine
         pending = asyncio.ensure_future(pd_generate(session, fleet, {"text": "stall me",
                                                                      "sampling_params": {"max_new_tokens": 6}}))
-        await wait_until(lambda: any(len(r.output_ids) == 2 for r in engine.requests.values()), timeout=10)
+        await wait_for(lambda: any(len(r.output_ids) == 2 for r in engine.requests.values()), timeout=10)
         await fleet.set_faults(fleet.decode[0], hang_after_tokens=None)
         (p, _), (d, out) = await asyncio.wait_for(pending, 10)
         assert (p, d) == (200, 200) and len(out["output_ids"]) == 6
