@@ -90,14 +90,8 @@ class Control:
             return body
         mode = body.get("mode", "abort") if isinstance(body, dict) else None
         if mode not in PAUSE_MODES:
-            return json_response(outputs.validation_error(request.path, "pause_generation", [
-                {"type": "is_instance_of", "loc": ("body", "is-instance[PauseGenerationReqInput]"),
-                 "msg": "Input should be an instance of PauseGenerationReqInput", "input": body,
-                 "ctx": {"class": "PauseGenerationReqInput"}},
-                {"type": "literal_error", "loc": ("body", "function-after[build_struct(), PauseGenerationReqInput]",
-                                                  "mode"),
-                 "msg": "Input should be 'abort', 'retract' or 'in_place'", "input": mode,
-                 "ctx": {"expected": "'abort', 'retract' or 'in_place'"}}]), 400)
+            return json_response(outputs.not_a_choice(request.path, "pause_generation", "PauseGenerationReqInput",
+                                                      "mode", mode, body, PAUSE_MODES), 400)
         await self.engine.pause(mode)
         return json_response({"message": "Generation paused successfully.", "status": "ok"})
 

@@ -65,9 +65,8 @@ def method_not_allowed() -> web.Response:
 def require_fields(request: web.Request, body: Any, handler: str, struct: str, *names: str) -> web.Response | None:
     """A 400 like pydantic's when ``body`` is not an object or lacks one of ``names``."""
     if not isinstance(body, dict):
-        return json_response(outputs.validation_error(request.path, handler, [
-            {"type": "is_instance_of", "loc": ("body", f"is-instance[{struct}]"),
-             "msg": f"Input should be an instance of {struct}", "input": body, "ctx": {"class": struct}}]), 400)
+        return json_response(outputs.validation_error(request.path, handler, [outputs.not_an_instance(struct, body)]),
+                             400)
     for name in names:
         if name not in body:
             return json_response(outputs.missing_field(request.path, handler, name, body, struct), 400)

@@ -138,12 +138,28 @@ def validation_error(path: str, handler: str, errors: list[dict]) -> dict[str, A
     return {"object": "error", "message": message, "type": "Bad Request", "param": None, "code": 400}
 
 
+def not_an_instance(struct: str, body: Any) -> dict[str, Any]:
+    """Pydantic's first error for a body that is not the request struct (it always leads the list)."""
+    return {"type": "is_instance_of", "loc": ("body", f"is-instance[{struct}]"),
+            "msg": f"Input should be an instance of {struct}", "input": body, "ctx": {"class": struct}}
+
+
 def missing_field(path: str, handler: str, field_name: str, body: Any, struct: str) -> dict[str, Any]:
     return validation_error(path, handler, [
-        {"type": "is_instance_of", "loc": ("body", f"is-instance[{struct}]"),
-         "msg": f"Input should be an instance of {struct}", "input": body, "ctx": {"class": struct}},
+        not_an_instance(struct, body),
         {"type": "missing", "loc": ("body", f"function-after[build_struct(), {struct}]", field_name),
          "msg": "Field required", "input": body},
+    ])
+
+
+def not_a_choice(path: str, handler: str, struct: str, field_name: str, value: Any, body: Any,
+                 choices: tuple[str, ...]) -> dict[str, Any]:
+    """A Literal field given a value outside its choices."""
+    expected = ", ".join(map(repr, choices[:-1])) + " or " + repr(choices[-1])  # pydantic's wording
+    return validation_error(path, handler, [
+        not_an_instance(struct, body),
+        {"type": "literal_error", "loc": ("body", f"function-after[build_struct(), {struct}]", field_name),
+         "msg": f"Input should be {expected}", "input": value, "ctx": {"expected": expected}},
     ])
 
 

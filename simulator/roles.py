@@ -74,14 +74,8 @@ class RoleSwitcher:
             body = {}
         new = body.get("new_role", "")
         if new not in ("prefill", "decode", ""):
-            return json_response(outputs.validation_error(request.path, "pd_role_switch", [
-                {"type": "is_instance_of", "loc": ("body", "is-instance[PdRoleSwitchReqInput]"),
-                 "msg": "Input should be an instance of PdRoleSwitchReqInput", "input": body,
-                 "ctx": {"class": "PdRoleSwitchReqInput"}},
-                {"type": "literal_error", "loc": ("body", "function-after[build_struct(), PdRoleSwitchReqInput]",
-                                                  "new_role"),
-                 "msg": "Input should be 'prefill', 'decode' or ''", "input": new,
-                 "ctx": {"expected": "'prefill', 'decode' or ''"}}]), 400)
+            return json_response(outputs.not_a_choice(request.path, "pd_role_switch", "PdRoleSwitchReqInput",
+                                                      "new_role", new, body, ("prefill", "decode", "")), 400)
         engine = self.engine
         old = engine.role
         if not self.worker.config.enable_pd_role_switch:
