@@ -117,15 +117,20 @@ async def test_last_routable_worker_of_its_pool_is_refused(fake_fleet, make_rout
     assert [c["outcome"] for c in history["conversions"]] == ["refused"]
 
 
+async def hold_a_request_on(client, hung, *, other) -> list:
+    """Send requests until one hangs on `hung` (the others go to `other`); the caller releases it."""
+    hung.behaviour.hang = True
+    requests = []
+    while not hung.in_handler:
+        requests.append(asyncio.ensure_future(client.post("/generate", json={"text": "x"})))
+        await wait_for(lambda: other.in_handler + hung.in_handler + len(other.requests) >= len(requests))
+    return requests
+
+
 async def test_drain_waits_for_in_flight_requests_and_shows_its_state(fake_fleet, make_router):
     p1, p2, d1 = await fake_fleet(2, 1)
     client = await make_router([p1, p2], [d1])
-    p2.behaviour.hang = True
-    # Keep requests going until one holds p2.
-    requests = []
-    while not p2.in_handler:
-        requests.append(asyncio.ensure_future(client.post("/generate", json={"text": "x"})))
-        await wait_for(lambda: p1.in_handler + p2.in_handler + len(p1.requests) >= len(requests))
+    requests = await hold_a_request_on(client, p2, other=p1)
     resp = await client.post(f"/admin/workers/{worker_of(client, p2).id}/convert", json={"wait": False})
     record = await resp.json()
     assert resp.status == 202 and record["state"] == "drain"
@@ -150,11 +155,7 @@ async def test_drain_waits_for_in_flight_requests_and_shows_its_state(fake_fleet
 async def test_drain_deadline_exceeded_puts_the_worker_back(fake_fleet, make_router):
     p1, p2, d1 = await fake_fleet(2, 1)
     client = await make_router([p1, p2], [d1])
-    p2.behaviour.hang = True
-    requests = []
-    while not p2.in_handler:
-        requests.append(asyncio.ensure_future(client.post("/generate", json={"text": "x"})))
-        await wait_for(lambda: p1.in_handler + p2.in_handler + len(p1.requests) >= len(requests))
+    requests = await hold_a_request_on(client, p2, other=p1)
     resp = await client.post(f"/admin/workers/{worker_of(client, p2).id}/convert", json={"timeout_s": 0.2})
     record = await resp.json()
     assert resp.status == 504, record
