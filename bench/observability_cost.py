@@ -18,13 +18,15 @@ import time
 from aiohttp import web
 from aiohttp.test_utils import make_mocked_request
 
-from router import logs, metrics
-from router.access import make_access_middleware
-from router.admission import Admission
-from router.config import AdmissionConfig, BreakerConfig, HealthConfig, RouterConfig
-from router.health import HealthMonitor
-from router.proxy import RequestRecord
-from router.registry import Registry, Role
+from router.obs import logs
+
+from router.obs import metrics
+from router.api.access import make_access_middleware
+from router.dataplane.admission import Admission
+from router.core.config import AdmissionConfig, BreakerConfig, HealthConfig, RouterConfig
+from router.control.health import HealthMonitor
+from router.dataplane.proxy import RequestRecord
+from router.core.registry import Registry, Role
 
 
 def per_call_us(fn, iterations: int) -> float:

@@ -5,11 +5,11 @@ from __future__ import annotations
 import logging
 import sys
 
-from . import serving
-from .app import create_app
-from .cli import config_from_args
-from .config import ConfigError
-from .logs import setup_logging
+from router.core.config import ConfigError
+from router.obs.logs import setup_logging
+from router.server import serving
+from router.server.app import create_app
+from router.server.cli import config_from_args
 
 logger = logging.getLogger("router")
 # A burst of new clients (a load test's ramp, clients reconnecting after a restart) must not overflow the

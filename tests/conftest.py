@@ -5,9 +5,9 @@ import os
 import aiohttp
 import pytest
 
-from router.app import create_app
-from router.config import DISCOVER, RouterConfig, WorkerSpec
-from router.keys import REGISTRY
+from router.server.app import create_app
+from router.core.config import DISCOVER, RouterConfig, WorkerSpec
+from router.core.keys import REGISTRY
 
 from simulator.fleet import Fleet
 

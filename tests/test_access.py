@@ -12,8 +12,8 @@ import re
 import aiohttp
 import pytest
 
-from router.access import PUBLIC_ROUTES, Access, bearer_token, classify, key_matches, routes_by_access
-from router.keys import ADMISSION
+from router.api.access import PUBLIC_ROUTES, Access, bearer_token, classify, key_matches, routes_by_access
+from router.core.keys import ADMISSION
 
 from .helpers import wait_for
 

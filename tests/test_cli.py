@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from router.cli import config_from_args
-from router.config import DISCOVER, ConfigError
+from router.server.cli import config_from_args
+from router.core.config import DISCOVER, ConfigError
 
 
 def ports(config):

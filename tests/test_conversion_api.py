@@ -9,8 +9,8 @@ import asyncio
 
 import pytest
 
-from router.keys import ADMISSION
-from router.registry import Role, WorkerState
+from router.core.keys import ADMISSION
+from router.core.registry import Role, WorkerState
 
 from .helpers import wait_for
 

@@ -13,11 +13,11 @@ from dataclasses import dataclass, field
 import orjson
 import pytest
 
-from router.api_conversion import CONVERSIONS
-from router.app import create_app
-from router.config import RetryConfig, RouterConfig, WorkerSpec
-from router.keys import PROXY, REGISTRY
-from router.registry import Role, WorkerState
+from router.api.conversion import CONVERSIONS
+from router.server.app import create_app
+from router.core.config import RetryConfig, RouterConfig, WorkerSpec
+from router.core.keys import PROXY, REGISTRY
+from router.core.registry import Role, WorkerState
 from simulator.fleet import Fleet
 
 from .helpers import wait_for

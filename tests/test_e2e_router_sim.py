@@ -6,9 +6,9 @@ import openai
 import orjson
 import pytest
 
-from router.app import create_app
-from router.config import DISCOVER, RetryConfig, RouterConfig, WorkerSpec
-from router.keys import REGISTRY
+from router.server.app import create_app
+from router.core.config import DISCOVER, RetryConfig, RouterConfig, WorkerSpec
+from router.core.keys import REGISTRY
 from simulator.fleet import Fleet
 from simulator.tokens import encode, expected_generation
 

@@ -10,9 +10,9 @@ import aiohttp
 import orjson
 import pytest
 
-from router.config import AdmissionConfig, BreakerConfig, HealthConfig, RetryConfig
-from router.keys import ADMISSION, HEALTH
-from router.registry import Role
+from router.core.config import AdmissionConfig, BreakerConfig, HealthConfig, RetryConfig
+from router.core.keys import ADMISSION, HEALTH
+from router.core.registry import Role
 from simulator.config import Timing
 from simulator.fleet import Fleet
 from tests.sim_support import FAST

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from router.config import BreakerConfig, HealthConfig
-from router.health import (
+from router.core.config import BreakerConfig, HealthConfig
+from router.control.health import (
     CLOSED,
     BreakerState,
     Phase,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from router.registry import Role, WorkerState
+from router.core.registry import Role, WorkerState
 
 
 async def test_health_reports_pools_and_503_when_one_is_empty(fake_fleet, make_router):

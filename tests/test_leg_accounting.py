@@ -8,7 +8,7 @@ import asyncio
 import pytest
 from aiohttp import web
 
-from router.registry import Role
+from router.core.registry import Role
 
 from .helpers import wait_for
 

@@ -8,10 +8,10 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from router.config import LoadMonitorConfig
-from router.load_monitor import LoadMonitor
-from router.registry import Registry, Role, WorkerState
-from router.upstream import Upstream
+from router.core.config import LoadMonitorConfig
+from router.control.load_monitor import LoadMonitor
+from router.core.registry import Registry, Role, WorkerState
+from router.control.upstream import Upstream
 
 from .helpers import free_port, wait_for
 

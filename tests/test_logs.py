@@ -8,9 +8,9 @@ import logging
 import orjson
 import pytest
 
-from router.cli import config_from_args
-from router.config import HealthConfig, RetryConfig
-from router.logs import REQUEST_ID, make_handler
+from router.server.cli import config_from_args
+from router.core.config import HealthConfig, RetryConfig
+from router.obs.logs import REQUEST_ID, make_handler
 
 NO_PROBES = HealthConfig(enabled=False)
 

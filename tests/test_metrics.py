@@ -7,8 +7,8 @@ import asyncio
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
-from router.config import BreakerConfig, HealthConfig, RetryConfig
-from router.keys import METRICS
+from router.core.config import BreakerConfig, HealthConfig, RetryConfig
+from router.core.keys import METRICS
 
 from .helpers import free_port, wait_for
 
@@ -137,7 +137,7 @@ async def test_metrics_on_the_prometheus_port_and_public_under_api_key(fake_flee
 
 
 def test_hot_histogram_buckets_are_cumulative_and_inclusive():
-    from router.metrics import HotHistogram
+    from router.obs.metrics import HotHistogram
 
     hist = HotHistogram("h", "help", ("route",), (0.1, 1.0))
     for v in (0.05, 0.1, 0.5, 1.0, 7.0):

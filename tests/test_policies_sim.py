@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from router.config import LoadMonitorConfig
-from router.keys import LOAD_MONITOR
+from router.core.config import LoadMonitorConfig
+from router.core.keys import LOAD_MONITOR
 from simulator import expected_generation
 from simulator.fleet import Fleet
 from tests.sim_support import FAST

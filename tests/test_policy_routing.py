@@ -7,10 +7,10 @@ import pytest
 
 from policies import ServerLoad
 from policies.rebalance import Mode, RebalanceConfig
-from router.cli import config_from_args
-from router.config import ConfigError, LoadMonitorConfig
-from router.keys import LOAD_MONITOR, PROXY, REBALANCER
-from router.registry import Role
+from router.server.cli import config_from_args
+from router.core.config import ConfigError, LoadMonitorConfig
+from router.core.keys import LOAD_MONITOR, PROXY, REBALANCER
+from router.core.registry import Role
 
 from .helpers import wait_for
 

@@ -8,7 +8,7 @@ import aiohttp
 import orjson
 import pytest
 
-from router.registry import Role
+from router.core.registry import Role
 
 from .helpers import wait_for
 
@@ -180,7 +180,7 @@ async def test_client_disconnect_aborts_both_legs(fake_fleet, make_router, strea
 
 async def test_unreachable_prefill_is_retried_on_another_pair(fake_fleet, make_router):
     p_dead, p_ok, d = await fake_fleet(2, 1)
-    client = await make_router([p_dead, p_ok], [d], retry=__import__("router.config").config.RetryConfig(
+    client = await make_router([p_dead, p_ok], [d], retry=__import__("router.core.config").core.config.RetryConfig(
         initial_backoff_ms=1))
     await p_dead.stop()
     statuses = []

@@ -10,9 +10,9 @@ import pytest
 
 from policies import ServerLoad
 from policies.rebalance import BUSY, COOLDOWN, FAILURE_COOLDOWN, Mode, RebalanceConfig
-from router.proxy import RequestRecord
-from router.rebalancer import ConversionResult, LatencyWindow, Rebalancer
-from router.registry import Registry, Role, WorkerState
+from router.dataplane.proxy import RequestRecord
+from router.flows.rebalancer import ConversionResult, LatencyWindow, Rebalancer
+from router.core.registry import Registry, Role, WorkerState
 
 from .helpers import wait_for
 

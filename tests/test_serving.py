@@ -8,7 +8,7 @@ import socket
 import pytest
 from aiohttp import web
 
-from router.serving import EagerAcceptSite
+from router.server.serving import EagerAcceptSite
 
 from .helpers import wait_for
 

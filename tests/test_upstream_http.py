@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from router.upstream_http import (UpstreamConnectError, UpstreamError, UpstreamPool, UpstreamProtocolError,
+from router.dataplane.upstream_http import (UpstreamConnectError, UpstreamError, UpstreamPool, UpstreamProtocolError,
                                   header_lines)
 
 from .helpers import free_port, wait_for

@@ -14,10 +14,10 @@ import aiohttp
 import orjson
 import pytest
 
-from router.app import create_app
-from router.config import AdmissionConfig, HealthConfig, RouterConfig, WorkerSpec
-from router.keys import ADMISSION, PROXY, REGISTRY, WEIGHTS
-from router.registry import WorkerState
+from router.server.app import create_app
+from router.core.config import AdmissionConfig, HealthConfig, RouterConfig, WorkerSpec
+from router.core.keys import ADMISSION, PROXY, REGISTRY, WEIGHTS
+from router.core.registry import WorkerState
 from simulator.fleet import Fleet
 
 from .helpers import wait_for

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from router.app import create_app
-from router.cli import config_from_args
-from router.config import HealthConfig, RouterConfig, WorkerSpec
-from router.keys import REGISTRY
+from router.server.app import create_app
+from router.server.cli import config_from_args
+from router.core.config import HealthConfig, RouterConfig, WorkerSpec
+from router.core.keys import REGISTRY
 from simulator.fleet import Fleet
 
 from .helpers import wait_for

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from router.registry import Role, WorkerState
+from router.core.registry import Role, WorkerState
 
 from .helpers import wait_for
 
@@ -32,7 +32,7 @@ async def test_prefill_without_reported_port_falls_back_to_null(fake_fleet, make
 async def test_unreachable_prefill_stays_pending_until_it_answers(fake_fleet, make_router):
     p, d = await fake_fleet(1, 1)
     await p.stop()
-    from router.config import HealthConfig
+    from router.core.config import HealthConfig
     client = await make_router([p], [d], discover=True, worker_startup_timeout_secs=0.2,
                                health=HealthConfig(interval_secs=0.05))
     (worker,) = client.registry.workers(Role.PREFILL)

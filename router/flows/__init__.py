@@ -1,1 +1,1 @@
-"""Multi-step operations on workers (role conversion, weight updates): named steps with deadlines."""
+"""Multi-step fleet operations: role conversion, weight updates, fan-out, the rebalancer loop."""

@@ -30,10 +30,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable
 
-from ..errors import BadGateway, Conflict
-from ..health import fleet_weight_version, rejoin_refusal
-from ..registry import Registry, Role, Worker, WorkerState
-from ..upstream import Reply, Upstream, bootstrap_port_of, live_role_of, weight_version_of
+from router.control.health import fleet_weight_version, rejoin_refusal
+from router.control.upstream import Reply, Upstream, bootstrap_port_of, live_role_of, weight_version_of
+from router.core.errors import BadGateway, Conflict
+from router.core.registry import Registry, Role, Worker, WorkerState
 
 logger = logging.getLogger(__name__)
 

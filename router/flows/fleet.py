@@ -10,8 +10,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Awaitable, Callable, Iterable
 
-from ..registry import Registry, Worker
-from ..upstream import Reply, Upstream
+from router.control.upstream import Reply, Upstream
+from router.core.registry import Registry, Worker
 
 logger = logging.getLogger(__name__)
 

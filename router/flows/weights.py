@@ -31,14 +31,25 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Awaitable, Callable
 
-from ..admission import Admission
-from ..config import RouterConfig
-from ..errors import Conflict, RouterError, ServiceUnavailable
-from ..live import ANSWER, RETRY, LiveRequests
-from ..registry import Registry, Worker, WorkerState
-from ..upstream import Upstream
-from .fleet import (INFO_TIMEOUT, ABORT_REPEAT_SECS, FleetVersion, Outcome, fan_out, fleet_weight_version,
-                    http_status, live_weight_version, most_common, summary, wait_quiet)
+from router.control.upstream import Upstream
+from router.core.config import RouterConfig
+from router.core.errors import Conflict, RouterError, ServiceUnavailable
+from router.core.registry import Registry, Worker, WorkerState
+from router.dataplane.admission import Admission
+from router.dataplane.live import ANSWER, RETRY, LiveRequests
+from router.flows.fleet import (
+    ABORT_REPEAT_SECS,
+    INFO_TIMEOUT,
+    FleetVersion,
+    Outcome,
+    fan_out,
+    fleet_weight_version,
+    http_status,
+    live_weight_version,
+    most_common,
+    summary,
+    wait_quiet,
+)
 
 logger = logging.getLogger(__name__)
 

@@ -10,19 +10,24 @@ import aiohttp
 from aiohttp import web
 
 from policies import make_policy
-
-from . import api_control, api_conversion, api_info, api_workers, health, logs, metrics, policy_runtime
-from .access import make_access_middleware
-from .admission import Admission
-from .config import DISCOVER, RouterConfig
-from .discovery import Discovery
-from .errors import error_middleware
-from .keys import ADMISSION, CONFIG, DISCOVERY, PROXY, REGISTRY, SESSION, TASKS, UPSTREAM
-from .proxy import Proxy
-from .registry import Registry, Role, WorkerState
-from .requests import GENERATE_ROUTES
-from .upstream import Upstream
-from .upstream_http import UpstreamPool
+from router.api import control as api_control
+from router.api import conversion as api_conversion
+from router.api import info as api_info
+from router.api import workers as api_workers
+from router.api.access import make_access_middleware
+from router.control import health
+from router.control.discovery import Discovery
+from router.control.upstream import Upstream
+from router.core.config import DISCOVER, RouterConfig
+from router.core.errors import error_middleware
+from router.core.keys import ADMISSION, CONFIG, DISCOVERY, PROXY, REGISTRY, SESSION, TASKS, UPSTREAM
+from router.core.registry import Registry, Role, WorkerState
+from router.core.request_shape import GENERATE_ROUTES
+from router.dataplane.admission import Admission
+from router.dataplane.proxy import Proxy
+from router.dataplane.upstream_http import UpstreamPool
+from router.obs import logs, metrics
+from router.server import policy_runtime
 
 logger = logging.getLogger(__name__)
 

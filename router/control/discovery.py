@@ -12,8 +12,8 @@ import asyncio
 import logging
 from typing import Awaitable, Callable
 
-from .registry import Registry, Role, Worker, WorkerState
-from .upstream import Upstream, bootstrap_port_of, switch_api_of, weight_version_of
+from router.control.upstream import Upstream, bootstrap_port_of, switch_api_of, weight_version_of
+from router.core.registry import Registry, Role, Worker, WorkerState
 
 logger = logging.getLogger(__name__)
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-from .errors import BadRequest
-from .registry import Worker
+from router.core.errors import BadRequest
+from router.core.registry import Worker
 
 MAX_ROOM = 2**63 - 1
 _getrandbits = random.getrandbits

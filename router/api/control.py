@@ -15,13 +15,13 @@ from typing import Any, Callable
 
 from aiohttp import web
 
-from .api_info import any_prefill_first
-from .api_workers import read_json_object
-from .errors import BadRequest, NotFound, ServiceUnavailable, json_response
-from .flows.fleet import INFO_TIMEOUT, fleet_weight_version
-from .flows.weights import DISK, DISTRIBUTED, TENSOR, UPDATE_KINDS, VERSION, WeightFlow
-from .api_conversion import CONVERSIONS
-from .keys import ADMISSION, CONFIG, METRICS, PROXY, REGISTRY, TASKS, UPSTREAM, WEIGHTS
+from router.api.conversion import CONVERSIONS
+from router.api.info import any_prefill_first
+from router.api.workers import read_json_object
+from router.core.errors import BadRequest, NotFound, ServiceUnavailable, json_response
+from router.core.keys import ADMISSION, CONFIG, METRICS, PROXY, REGISTRY, TASKS, UPSTREAM, WEIGHTS
+from router.flows.fleet import INFO_TIMEOUT, fleet_weight_version
+from router.flows.weights import DISK, DISTRIBUTED, TENSOR, UPDATE_KINDS, VERSION, WeightFlow
 
 PAUSE_MODES = ("abort", "retract", "in_place")
 SELECTORS = ("target", "draft", "all")

@@ -11,9 +11,7 @@ import argparse
 import os
 
 from policies import available_policies
-
-from . import cli_policies
-from .config import (
+from router.core.config import (
     DISCOVER,
     AdmissionConfig,
     BreakerConfig,
@@ -23,6 +21,7 @@ from .config import (
     RouterConfig,
     WorkerSpec,
 )
+from router.server import cli_policies
 
 # launch_lb's short names.
 POLICY_ALIASES = {"po2": "power_of_two", "rr": "round_robin"}

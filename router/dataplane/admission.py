@@ -11,8 +11,9 @@ from __future__ import annotations
 import asyncio
 import collections
 import time
-from .config import AdmissionConfig
-from .errors import ServiceUnavailable, TooManyRequests
+
+from router.core.config import AdmissionConfig
+from router.core.errors import ServiceUnavailable, TooManyRequests
 
 
 class Admission:

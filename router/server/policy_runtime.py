@@ -10,14 +10,13 @@ import logging
 from aiohttp import web
 
 from policies import Policy
-
-from . import api_policies
-from .api_conversion import CONVERSIONS
-from .keys import CONFIG, LOAD_MONITOR, METRICS, PROXY, REBALANCER, REGISTRY, TASKS, UPSTREAM
-from .load_monitor import LoadMonitor
-from .policy_metrics import PolicyCollector
-from .rebalancer import FlowConverter, Rebalancer
-from .registry import Role, Worker
+from router.api import policy_admin as api_policies
+from router.api.conversion import CONVERSIONS
+from router.control.load_monitor import LoadMonitor
+from router.core.keys import CONFIG, LOAD_MONITOR, METRICS, PROXY, REBALANCER, REGISTRY, TASKS, UPSTREAM
+from router.core.registry import Role, Worker
+from router.flows.rebalancer import FlowConverter, Rebalancer
+from router.obs.policy_metrics import PolicyCollector
 
 logger = logging.getLogger(__name__)
 

@@ -9,12 +9,12 @@ from urllib.parse import unquote
 
 from aiohttp import web
 
-from .access import JSON_BODY
-from .config import DISCOVER, validate_port, validate_worker_url
-from .errors import BadRequest, Conflict, NotFound, json_response, parse_json_object
-from .keys import DISCOVERY, REGISTRY, UPSTREAM
-from .registry import DuplicateWorker, Role, Worker, WorkerState
-from .upstream import live_role_of
+from router.api.access import JSON_BODY
+from router.control.upstream import live_role_of
+from router.core.config import DISCOVER, validate_port, validate_worker_url
+from router.core.errors import BadRequest, Conflict, NotFound, json_response, parse_json_object
+from router.core.keys import DISCOVERY, REGISTRY, UPSTREAM
+from router.core.registry import DuplicateWorker, Role, Worker, WorkerState
 
 # How long an API registration waits to learn a prefill's bootstrap port before answering.
 REGISTER_SETTLE_SECS = 5.0

@@ -8,10 +8,10 @@ from typing import Awaitable, Callable, Iterable
 
 from aiohttp import web
 
-from .errors import ServiceUnavailable, json_response
-from .keys import ADMISSION, REGISTRY, UPSTREAM
-from .registry import Registry, Role, Worker, WorkerState
-from .upstream import Reply
+from router.control.upstream import Reply
+from router.core.errors import ServiceUnavailable, json_response
+from router.core.keys import ADMISSION, REGISTRY, UPSTREAM
+from router.core.registry import Registry, Role, Worker, WorkerState
 
 ADMIN_TIMEOUT = 30.0
 

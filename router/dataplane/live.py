@@ -11,8 +11,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Iterable, Iterator
 
 if TYPE_CHECKING:
-    from .proxy import Attempt
-    from .registry import Worker
+    from router.core.registry import Worker
+    from router.dataplane.proxy import Attempt
 
 # What the request path does with an attempt that an operator (or a flow) aborted.
 RETRY = "retry"  # aborted before its first token: re-send once the fleet is open again

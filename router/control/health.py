@@ -26,11 +26,11 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Callable
 
-from .config import BreakerConfig, HealthConfig
-from .errors import json_response
-from .keys import ADMISSION, CONFIG, HEALTH, PROXY, REGISTRY, UPSTREAM
-from .registry import Registry, Worker, WorkerState
-from .upstream import Upstream, weight_version_of
+from router.control.upstream import Upstream, weight_version_of
+from router.core.config import BreakerConfig, HealthConfig
+from router.core.errors import json_response
+from router.core.keys import ADMISSION, CONFIG, HEALTH, PROXY, REGISTRY, UPSTREAM
+from router.core.registry import Registry, Worker, WorkerState
 
 logger = logging.getLogger(__name__)
 

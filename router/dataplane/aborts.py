@@ -15,7 +15,7 @@ import time
 import orjson
 from aiohttp import web
 
-from .requests import RequestShape
+from router.core.request_shape import RequestShape
 
 ABORT_MESSAGE = "Aborted by the router"
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}

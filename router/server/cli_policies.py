@@ -7,8 +7,7 @@ from dataclasses import fields
 
 from policies.params import PolicyParams
 from policies.rebalance import Mode, RebalanceConfig
-
-from .config import LoadMonitorConfig
+from router.core.config import LoadMonitorConfig
 
 _POLICY_HELP = {
     "cache_threshold": "cache_aware: minimum share of the prompt its cached prefix must cover (0..1)",

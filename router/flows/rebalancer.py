@@ -21,13 +21,20 @@ from dataclasses import dataclass
 from typing import Awaitable, Callable, Protocol
 
 from policies.rebalance import (
-    Decision, Mode, Observation, RebalanceConfig, WorkerView, conversion_ended, decide, initial_state,
+    Decision,
+    Mode,
+    Observation,
+    RebalanceConfig,
+    WorkerView,
+    conversion_ended,
+    decide,
+    initial_state,
 )
-
-from .errors import Conflict
-from .flows.conversion import Conversions, Mode as ConversionMode, Plan
-from .proxy import RequestRecord
-from .registry import Registry, Role, Worker, WorkerState
+from router.core.errors import Conflict
+from router.core.registry import Registry, Role, Worker, WorkerState
+from router.dataplane.proxy import RequestRecord
+from router.flows.conversion import Conversions, Plan
+from router.flows.conversion import Mode as ConversionMode
 
 logger = logging.getLogger(__name__)
 

@@ -23,9 +23,9 @@ from typing import Iterable
 
 from aiohttp import web
 
-from .config import RouterConfig
-from .errors import Unauthorized, parse_json_object
-from .requests import GENERATE_ROUTES
+from router.core.config import RouterConfig
+from router.core.errors import Unauthorized, parse_json_object
+from router.core.request_shape import GENERATE_ROUTES
 
 
 class Access(str, enum.Enum):

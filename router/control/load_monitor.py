@@ -14,10 +14,9 @@ import time
 from typing import Callable
 
 from policies import ServerLoad
-
-from .config import LoadMonitorConfig
-from .registry import Registry, Worker, WorkerState
-from .upstream import Upstream
+from router.control.upstream import Upstream
+from router.core.config import LoadMonitorConfig
+from router.core.registry import Registry, Worker, WorkerState
 
 logger = logging.getLogger(__name__)
 

@@ -20,17 +20,22 @@ import orjson
 from aiohttp import web
 
 from policies import Outcome, Policy, RequestInfo
-
-from . import sse
-from .aborts import abort_response
-from .admission import Admission
-from .config import RouterConfig
-from .errors import GatewayTimeout, RouterError, ServiceUnavailable, parse_json_object
-from .live import RETRY, LiveRequests
-from .logprobs import index_prefill_events, merge_answer, merge_meta
-from .registry import Registry, Role, Worker
-from .requests import RequestShape, assign_rid, inject_bootstrap, prompt_text, shape_of
-from .upstream_http import UpstreamError, UpstreamPool, UpstreamProtocolError, UpstreamResponse, header_lines
+from router.core.config import RouterConfig
+from router.core.errors import GatewayTimeout, RouterError, ServiceUnavailable, parse_json_object
+from router.core.registry import Registry, Role, Worker
+from router.core.request_shape import RequestShape, assign_rid, inject_bootstrap, prompt_text, shape_of
+from router.dataplane import sse
+from router.dataplane.aborts import abort_response
+from router.dataplane.admission import Admission
+from router.dataplane.live import RETRY, LiveRequests
+from router.dataplane.logprobs import index_prefill_events, merge_answer, merge_meta
+from router.dataplane.upstream_http import (
+    UpstreamError,
+    UpstreamPool,
+    UpstreamProtocolError,
+    UpstreamResponse,
+    header_lines,
+)
 
 logger = logging.getLogger(__name__)
 

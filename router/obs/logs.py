@@ -124,7 +124,7 @@ def log_request(record) -> None:
 
 def setup(app: web.Application) -> None:
     """Access lines from the proxy's request observer (added once the proxy exists)."""
-    from .keys import PROXY
+    from router.core.keys import PROXY
 
     async def observe(app: web.Application):
         app[PROXY].request_observers.append(log_request)

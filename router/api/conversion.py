@@ -22,12 +22,12 @@ from typing import Any, Callable
 
 from aiohttp import web
 
-from .api_workers import find_worker, read_json_object
-from .config import validate_port, validate_worker_url
-from .errors import BadRequest, NotFound, RouterError, json_response
-from .flows.conversion import CONVERT_PD_ROLE, SERVER_OPTIONS, Conversion, Conversions, Mode, Plan
-from .keys import ADMISSION, CONFIG, METRICS, REGISTRY, TASKS, UPSTREAM
-from .registry import Role, Worker
+from router.api.workers import find_worker, read_json_object
+from router.core.config import validate_port, validate_worker_url
+from router.core.errors import BadRequest, NotFound, RouterError, json_response
+from router.core.keys import ADMISSION, CONFIG, METRICS, REGISTRY, TASKS, UPSTREAM
+from router.core.registry import Role, Worker
+from router.flows.conversion import CONVERT_PD_ROLE, SERVER_OPTIONS, Conversion, Conversions, Mode, Plan
 
 CONVERSIONS = web.AppKey("conversions", Conversions)
 

@@ -24,9 +24,9 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, H
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.utils import floatToGoString
 
-from .admission import Admission
-from .keys import ADMISSION, CONFIG, METRICS, PROXY, REGISTRY
-from .registry import Registry, Role, Worker, WorkerState
+from router.core.keys import ADMISSION, CONFIG, METRICS, PROXY, REGISTRY
+from router.core.registry import Registry, Role, Worker, WorkerState
+from router.dataplane.admission import Admission
 
 logger = logging.getLogger(__name__)
 

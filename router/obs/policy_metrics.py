@@ -7,10 +7,9 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from policies import Policy, effective_load
 from policies.rebalance import GUARDS, Mode
-
-from .load_monitor import LoadMonitor
-from .rebalancer import Rebalancer
-from .registry import Registry, Role
+from router.control.load_monitor import LoadMonitor
+from router.core.registry import Registry, Role
+from router.flows.rebalancer import Rebalancer
 
 PREFIX = "pd_router"
 

@@ -12,11 +12,10 @@ from aiohttp import web
 
 from policies import effective_load
 from policies.rebalance import UnknownFields
-
-from .api_workers import read_json_object
-from .errors import BadRequest, RouterError, json_response
-from .keys import CONFIG, LOAD_MONITOR, PROXY, REBALANCER, REGISTRY
-from .registry import Role, Worker
+from router.api.workers import read_json_object
+from router.core.errors import BadRequest, RouterError, json_response
+from router.core.keys import CONFIG, LOAD_MONITOR, PROXY, REBALANCER, REGISTRY
+from router.core.registry import Role, Worker
 
 
 class Unprocessable(RouterError):

@@ -1,0 +1,1 @@
+"""HTTP endpoints other than generation, and access control."""

@@ -1,0 +1,1 @@
+"""Shared foundations: config, errors, app keys, the worker registry, request shape."""

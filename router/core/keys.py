@@ -1,0 +1,34 @@
+"""Typed keys of the objects the application owns (one module, so handlers need not import app).
+
+The types are named for type checkers only: core must not import the layers above it at run time.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import aiohttp
+from aiohttp import web
+
+from router.core.config import RouterConfig
+from router.core.registry import Registry
+
+if TYPE_CHECKING:
+    from router.control.health import HealthMonitor
+    from router.control.upstream import Upstream
+    from router.dataplane.admission import Admission
+    from router.obs.metrics import RouterMetrics
+
+CONFIG = web.AppKey("config", RouterConfig)
+REGISTRY = web.AppKey("registry", Registry)
+SESSION = web.AppKey("session", aiohttp.ClientSession)
+UPSTREAM: web.AppKey[Upstream] = web.AppKey("upstream")
+ADMISSION: web.AppKey[Admission] = web.AppKey("admission")
+PROXY = web.AppKey("proxy", object)
+TASKS = web.AppKey("tasks", object)
+DISCOVERY = web.AppKey("discovery", object)
+HEALTH: web.AppKey[HealthMonitor] = web.AppKey("health")
+LOAD_MONITOR = web.AppKey("load_monitor", object)
+REBALANCER = web.AppKey("rebalancer", object)
+METRICS: web.AppKey[RouterMetrics] = web.AppKey("metrics")
+WEIGHTS = web.AppKey("weights", object)  # flows.weights.WeightFlow

@@ -1,0 +1,1 @@
+"""The request path: proxy, legs' HTTP client, relay helpers, live attempts, admission."""

@@ -1,0 +1,1 @@
+"""Process assembly: command line, app construction, serving."""
