@@ -13,6 +13,8 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 PEERS_VENV = REPO_ROOT / ".bench-venv"
 
 ROUTER_NAMES = ("pd-router", "mini_lb", "sgl-router")
+# pd-router from another checkout (`--baseline-checkout`): a change's before and after, measured in one run.
+PD_ROUTER_BASE = "pd-router-base"
 
 
 @dataclass(frozen=True)
@@ -36,10 +38,13 @@ def peers_python() -> str:
     return str(PEERS_VENV / "bin" / "python")
 
 
-def contender(name: str, *, pd_router_checkout: Path = REPO_ROOT, pd_router_python: str | None = None) -> Contender:
+def contender(name: str, *, pd_router_checkout: Path = REPO_ROOT, pd_router_python: str | None = None,
+              baseline_checkout: Path | None = None) -> Contender:
     if name == "pd-router":
         # A checkout's own code, run by the interpreter running the bench (the dev venv).
         return Contender(name, pd_router_python or sys.executable, ("-m", "router"), pd_router_checkout)
+    if name == PD_ROUTER_BASE and baseline_checkout is not None:
+        return Contender(name, pd_router_python or sys.executable, ("-m", "router"), baseline_checkout)
     if name == "mini_lb":
         return Contender(name, peers_python(),
                          ("-m", "sglang_router.launch_router", "--pd-disaggregation", "--mini-lb"))

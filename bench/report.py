@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-BASELINES = ("mini_lb", "sgl-router")
+BASELINES = ("mini_lb", "sgl-router", "pd-router-base")  # the last only with --baseline-checkout
 DIRECT = "direct"
 REQUIRED_RPS_VS_MINI_LB = 3.0  # issue 3: at least 3x mini_lb's requests/s, with a lower p99
 
@@ -143,11 +143,13 @@ def markdown(result: dict) -> str:
     head = "| " + result["setup"] + " | " + " | ".join(f"{m} c={c}" for m, c in points) + " |"
     lines = [head, "|" + "---|" * (len(points) + 1)]
     for baseline in BASELINES:
+        if not any(vs == baseline for vs, _, _ in ratios):
+            continue
         for field, label in (("rps", "req/s"), ("p99", "p99")):
             cells = [_fmt((ratios.get((baseline, m, c)) or {}).get(field), ".2f") for m, c in points]
             lines.append(f"| pd-router / {baseline} {label} | " + " | ".join(f"{x}x" if x != "-" else x
                                                                               for x in cells) + " |")
-    for router in ("pd-router", "mini_lb", "sgl-router", DIRECT):
+    for router in ("pd-router", "pd-router-base", "mini_lb", "sgl-router", DIRECT):
         if not any(router == r for r, _, _ in best):
             continue
         cells = []

@@ -30,7 +30,7 @@ import orjson
 
 from bench import procs, profile, report, wrk
 from bench.ceiling import CeilingFleet
-from bench.contenders import PEERS_VENV, REPO_ROOT, ROUTER_NAMES, contender, peers_python
+from bench.contenders import PD_ROUTER_BASE, PEERS_VENV, REPO_ROOT, ROUTER_NAMES, contender, peers_python
 from bench.fleet import Fleet
 from bench.simfleet import DEFAULT_TIMING_ARGS, SimFleet
 from bench.workload import generate_request
@@ -161,8 +161,8 @@ class RunningRouter:
     """A router process on a free port, serving /generate once entered; stopped on exit."""
 
     def __init__(self, name: str, fleet: Fleet, workdir: Path, *, policy: str | None, start_timeout: float,
-                 pd_router_checkout: Path, tag: str = ""):
-        spec = contender(name, pd_router_checkout=pd_router_checkout)
+                 pd_router_checkout: Path, baseline_checkout: Path | None = None, tag: str = ""):
+        spec = contender(name, pd_router_checkout=pd_router_checkout, baseline_checkout=baseline_checkout)
         self.name, self.spec, self.workdir, self.start_timeout, self.tag = name, spec, workdir, start_timeout, tag
         self.port = procs.free_port()
         self.argv = spec.argv(fleet, self.port, policy)
@@ -207,7 +207,8 @@ def run_sequential(args, setup: str, fleet: Fleet, driver: LoadDriver, routers: 
         for name in (routers if round_no % 2 else list(reversed(routers))):
             _wait_for_quiet(args, name)
             with RunningRouter(name, fleet, workdir, policy=args.policy, start_timeout=args.start_timeout,
-                               pd_router_checkout=args.pd_router_checkout, tag=f"-r{round_no}") as router:
+                               pd_router_checkout=args.pd_router_checkout, baseline_checkout=args.baseline_checkout,
+                               tag=f"-r{round_no}") as router:
                 rows += [measure_point(name, driver, fleet, stream, c, round_no, router.base_url, [router.pid])
                          for stream, c in points]
                 if round_no == 1 and name in args.profile:
@@ -225,7 +226,8 @@ def run_interleaved(args, setup: str, fleet: Fleet, driver: LoadDriver, routers:
     with contextlib.ExitStack() as stack:
         running = {name: stack.enter_context(
             RunningRouter(name, fleet, workdir, policy=args.policy, start_timeout=args.start_timeout,
-                          pd_router_checkout=args.pd_router_checkout)) for name in routers}
+                          pd_router_checkout=args.pd_router_checkout, baseline_checkout=args.baseline_checkout))
+            for name in routers}
         targets = [DIRECT, *routers]
         turn = 0
         for round_no in range(1, args.rounds + 1):
@@ -335,6 +337,9 @@ def main(argv: list[str] | None = None) -> int:
                         "point at the highest concurrency, e.g. 'pd-router' (the sampling slows them)")
     parser.add_argument("--pd-router-checkout", type=Path, default=REPO_ROOT,
                         help="run pd-router from this checkout (default: this one), e.g. /work/main")
+    parser.add_argument("--baseline-checkout", type=Path,
+                        help=f"also run pd-router from this checkout as {PD_ROUTER_BASE!r} (before/after a change, "
+                             "in one run; ratios of pd-router against it are reported)")
     parser.add_argument("--sim-checkout", type=Path, default=REPO_ROOT,
                         help="run the simulated fleet from this checkout (default: this one)")
     parser.add_argument("--out", type=Path, help="JSON result file (default out/bench/routers-SETUP-TIME.json)")
@@ -352,6 +357,11 @@ def main(argv: list[str] | None = None) -> int:
     args.pd_router_checkout = args.pd_router_checkout.resolve()
     args.sim_checkout = args.sim_checkout.resolve()
     routers, missing = available_routers(requested, args.pd_router_checkout)
+    if args.baseline_checkout is not None:
+        args.baseline_checkout = args.baseline_checkout.resolve()
+        if not (args.baseline_checkout / "router" / "__main__.py").exists():
+            parser.error(f"--baseline-checkout: no router/__main__.py in {args.baseline_checkout}")
+        routers.append(PD_ROUTER_BASE)
     for reason in missing:
         print(f"# skipped {reason}", flush=True)
     setups = [s for s in args.setup.split(",") if s]

@@ -56,3 +56,13 @@ def test_markdown_table_has_ratios_and_figures_per_point():
     assert "| pd-router / mini_lb req/s | 3.00x |" in lines
     assert "| pd-router / sgl-router p99 | 2.00x |" in lines
     assert "| mini_lb | 400 req/s, p99 200 ms, 2.00 cpu-ms/req |" in lines
+
+
+def test_baseline_checkout_is_a_ratio_baseline_and_a_markdown_row():
+    best = report.best_rows([row("pd-router", 1000, 10, 40, cpu=0.30), row("pd-router-base", 1250, 9, 32, cpu=0.25)])
+    got = {(r["router"], r["vs"]): r for r in report.ratios(best)}
+    assert got[("pd-router", "pd-router-base")]["rps"] == 0.8
+    assert got[("pd-router", "pd-router-base")]["cpu_per_req"] == 1.2
+    table = report.markdown({"setup": "ceiling", "best": best, "ratios": report.ratios(best)})
+    assert "| pd-router / pd-router-base req/s | 0.80x |" in table
+    assert "pd-router / mini_lb" not in table  # baselines absent from the run get no empty rows
