@@ -25,7 +25,7 @@ from router.api.access import make_access_middleware
 from router.dataplane.admission import Admission
 from router.core.config import AdmissionConfig, BreakerConfig, HealthConfig, RouterConfig
 from router.control.health import HealthMonitor
-from router.dataplane.proxy import RequestRecord
+from router.core.records import RequestRecord
 from router.core.registry import Registry, Role
 
 

@@ -10,7 +10,7 @@ import pytest
 
 from policies import ServerLoad
 from policies.rebalance import BUSY, COOLDOWN, FAILURE_COOLDOWN, Mode, RebalanceConfig
-from router.dataplane.proxy import RequestRecord
+from router.core.records import RequestRecord
 from router.flows.rebalancer import ConversionResult, LatencyWindow, Rebalancer
 from router.core.registry import Registry, Role, WorkerState
 

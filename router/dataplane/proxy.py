@@ -22,6 +22,7 @@ from aiohttp import web
 from policies import Outcome, Policy, RequestInfo
 from router.core.config import RouterConfig
 from router.core.errors import GatewayTimeout, RouterError, ServiceUnavailable, parse_json_object
+from router.core.records import RequestObserver, RequestRecord
 from router.core.registry import Registry, Role, Worker
 from router.core.request_shape import RequestShape, assign_rid, inject_bootstrap, prompt_text, shape_of
 from router.dataplane import sse
@@ -80,28 +81,6 @@ class LegFailed(Exception):
                                  dumps=lambda o: orjson.dumps(o).decode())
 
 
-@dataclass(slots=True)
-class RequestRecord:
-    """One client request's outcome, handed to every observer once, at the end."""
-
-    route: str
-    stream: bool
-    status: int = 0
-    started: float = 0.0
-    e2e_s: float = 0.0
-    ttft_s: float | None = None
-    itl_s: float | None = None  # mean gap between decode events after the first
-    events: int = 0
-    attempts: int = 0
-    retries_aborted: int = 0
-    prefill: Worker | None = None
-    decode: Worker | None = None
-    outcome: str = "success"  # success | error | client_disconnect | aborted
-    request_id: str = ""
-    error: str = ""
-    response: web.StreamResponse | None = None  # set once a stream has started
-
-
 @dataclass(slots=True, eq=False)
 class Attempt:
     prefill: Worker
@@ -122,7 +101,6 @@ class Attempt:
 # (worker, verdict) for passive health: True served, False failed by the worker's fault (unreachable, 5xx,
 # stream cut), None no verdict (cancelled, client error, router abort).
 LegObserver = Callable[[Worker, "bool | None"], None]
-RequestObserver = Callable[[RequestRecord], None]
 
 
 class Proxy:

@@ -32,7 +32,7 @@ from policies.rebalance import (
 )
 from router.core.errors import Conflict
 from router.core.registry import Registry, Role, Worker, WorkerState
-from router.dataplane.proxy import RequestRecord
+from router.core.records import RequestRecord
 from router.flows.conversion import Conversions, Plan
 from router.flows.conversion import Mode as ConversionMode
 
