@@ -2,12 +2,9 @@
 
 from __future__ import annotations
 
-import argparse
-from dataclasses import fields
-
 from policies.params import PolicyParams
 from policies.rebalance import Mode, RebalanceConfig
-from router.core.config import LoadMonitorConfig
+from router.server.cli_flags import Flag, field_flags, flag
 
 _POLICY_HELP = {
     "cache_threshold": "cache_aware: minimum share of the prompt its cached prefix must cover (0..1)",
@@ -38,42 +35,15 @@ _REBALANCE_HELP = {
     "conversion_mode": "how a conversion empties the server: drain (requests finish) or abort (re-sent elsewhere)",
 }
 
-
-def _flag(name: str, prefix: str = "") -> str:
-    return "--" + prefix + name.replace("_", "-")
-
-
-def add_flags(parser: argparse.ArgumentParser) -> None:
-    add = parser.add_argument
-    for f in fields(PolicyParams):
-        default = getattr(PolicyParams(), f.name)
-        add(_flag(f.name), type=type(default), default=default, help=_POLICY_HELP.get(f.name))
-    monitor = LoadMonitorConfig()
-    add("--load-poll-interval-secs", type=float, default=monitor.interval_secs,
-        help="how often each server's /v1/loads is read (power_of_two, cache_aware, the rebalancer)")
-    add("--load-poll-timeout-secs", type=float, default=monitor.timeout_secs)
-    add("--disable-load-poll", action="store_true", help="policies use the router's own counts only")
-    rebalance = RebalanceConfig()
-    add("--rebalance", choices=[m.value for m in Mode], default=rebalance.mode.value,
-        help="automatic P/D conversion: off, advisory (record what it would do; the default) or enabled")
-    for f in fields(RebalanceConfig):
-        if f.name in ("mode", "history"):
-            continue
-        default = getattr(rebalance, f.name)
-        add(_flag(f.name, "rebalance-"), type=type(default), default=default, dest=f"rebalance_{f.name}",
-            help=_REBALANCE_HELP.get(f.name))
-
-
-def policy_params_from_args(args: argparse.Namespace) -> PolicyParams:
-    return PolicyParams(**{f.name: getattr(args, f.name) for f in fields(PolicyParams)})
-
-
-def load_monitor_from_args(args: argparse.Namespace) -> LoadMonitorConfig:
-    return LoadMonitorConfig(enabled=not args.disable_load_poll, interval_secs=args.load_poll_interval_secs,
-                             timeout_secs=args.load_poll_timeout_secs)
-
-
-def rebalance_from_args(args: argparse.Namespace) -> RebalanceConfig:
-    values = {f.name: getattr(args, f"rebalance_{f.name}") for f in fields(RebalanceConfig)
-              if f.name not in ("mode", "history")}
-    return RebalanceConfig(mode=args.rebalance, **values)
+POLICY_FLAGS: list[Flag] = [
+    *field_flags("policy_params", PolicyParams, helps=_POLICY_HELP),
+    flag("--load-poll-interval-secs", path="load_monitor.interval_secs",
+         help="how often each server's /v1/loads is read (power_of_two, cache_aware, the rebalancer)"),
+    flag("--load-poll-timeout-secs", path="load_monitor.timeout_secs"),
+    flag("--disable-load-poll", path="load_monitor.enabled", help="policies use the router's own counts only"),
+    flag("--rebalance", path="rebalance.mode", choices=tuple(m.value for m in Mode),
+         help="automatic P/D conversion: off, advisory (record what it would do) or enabled"),
+    # `history` is the admin API's memory, not a knob of the command line.
+    *field_flags("rebalance", RebalanceConfig, prefix="rebalance-", helps=_REBALANCE_HELP,
+                 skip=("mode", "history")),
+]

@@ -1,0 +1,103 @@
+"""Flags declared once as rows that name a `RouterConfig` field: the parser and the config are built from them.
+
+A row holds what the command line adds (flag names, help, env var, choices); the default and the type come
+from the config dataclasses, so a default is written in exactly one place. A boolean field becomes a switch
+that moves it away from its default (`--disable-health-check` for `enabled=True`, `--log-json` for False).
+"""
+
+from __future__ import annotations
+
+import argparse
+import types
+import typing
+from collections import defaultdict
+from dataclasses import dataclass, fields, replace
+from typing import Any
+
+from router.core.config import RouterConfig
+
+DEFAULTS = RouterConfig()
+
+
+@dataclass(frozen=True, slots=True)
+class Flag:
+    names: tuple[str, ...]  # e.g. ("--timeout", "--request-timeout-secs"); the last one names the metavar
+    path: str  # the config field: "port", or "<group>.<field>" such as "health.interval_secs" (one level)
+    help: str | None = None
+    env: str | None = None  # read when the flag is not given (secrets stay out of `ps`)
+    choices: tuple[str, ...] | None = None
+
+    @property
+    def dest(self) -> str:
+        return self.path.replace(".", "__")
+
+    @property
+    def default(self) -> Any:
+        value = DEFAULTS
+        for name in self.path.split("."):
+            value = getattr(value, name)
+        return value
+
+    @property
+    def value_type(self) -> type:
+        """The field's annotated type, with `| None` taken off."""
+        owner: Any = DEFAULTS
+        *groups, leaf = self.path.split(".")
+        for name in groups:
+            owner = getattr(owner, name)
+        hint = typing.get_type_hints(type(owner))[leaf]
+        if isinstance(hint, types.UnionType):
+            (hint,) = [arg for arg in hint.__args__ if arg is not type(None)]
+        return hint
+
+
+def flag(*names: str, path: str | None = None, **options: Any) -> Flag:
+    """A row; the path defaults to the first flag's name (`--max-connections` -> `max_connections`)."""
+    return Flag(names, path or names[0].removeprefix("--").replace("-", "_"), **options)
+
+
+def field_flags(group: str, cls: type, prefix: str = "", helps: dict[str, str] | None = None,
+                skip: tuple[str, ...] = ()) -> list[Flag]:
+    """One row per field of a group, named `--<prefix><field-name>` (the policies' and rebalancer's knobs)."""
+    helps = helps or {}
+    return [Flag(("--" + prefix + f.name.replace("_", "-"),), f"{group}.{f.name}", helps.get(f.name))
+            for f in fields(cls) if f.name not in skip]
+
+
+def add_flags(parser: argparse.ArgumentParser, rows: list[Flag]) -> None:
+    for row in rows:
+        default = row.default
+        help_text = row.help
+        if row.env:
+            help_text = f"{help_text} (env {row.env})"
+        if isinstance(default, bool):
+            # A switch; the value it sets is the opposite of the default.
+            parser.add_argument(*row.names, dest=row.dest, action="store_false" if default else "store_true",
+                                default=default, help=help_text)
+            continue
+        if default is not None:
+            shown = f"(default: {default})"
+            help_text = f"{help_text} {shown}" if help_text else shown
+        kind = str if row.choices else row.value_type
+        metavar = None if row.choices else row.names[-1].removeprefix("--").replace("-", "_").upper()
+        parser.add_argument(*row.names, dest=row.dest, type=kind, default=default, choices=row.choices,
+                            metavar=metavar, help=help_text)
+
+
+def config_with_flags(config: RouterConfig, rows: list[Flag], args: argparse.Namespace,
+                      env: typing.Mapping[str, str]) -> RouterConfig:
+    """`config` with every row's field set from the parsed flags (or the row's env var)."""
+    top: dict[str, Any] = {}
+    groups: dict[str, dict[str, Any]] = defaultdict(dict)
+    for row in rows:
+        value = getattr(args, row.dest)
+        if row.env:
+            value = value or env.get(row.env) or None
+        group, _, leaf = row.path.rpartition(".")
+        if group:
+            groups[group][leaf] = value
+        else:
+            top[leaf] = value
+    for group, values in groups.items():
+        top[group] = replace(getattr(config, group), **values)
+    return replace(config, **top)
