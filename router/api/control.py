@@ -19,7 +19,7 @@ from router.api.conversion import CONVERSIONS
 from router.api.info import any_prefill_first
 from router.api.workers import read_json_object
 from router.core.errors import BadRequest, NotFound, ServiceUnavailable, json_response
-from router.core.keys import ADMISSION, CONFIG, METRICS, PROXY, REGISTRY, TASKS, UPSTREAM, WEIGHTS
+from router.core.keys import CONFIG, METRICS, REGISTRY, TASKS, TRAFFIC, UPSTREAM, WEIGHTS
 from router.flows.fleet import INFO_TIMEOUT, fleet_weight_version
 from router.flows.weights import DISK, DISTRIBUTED, TENSOR, UPDATE_KINDS, VERSION, WeightFlow
 
@@ -269,8 +269,7 @@ async def rejoin(request: web.Request) -> web.Response:
 
 # ---- wiring --------------------------------------------------------------------------------------------
 async def _weights_ctx(app: web.Application):
-    flow = WeightFlow(app[CONFIG], app[REGISTRY], app[UPSTREAM], app[ADMISSION], app[PROXY].live,
-                      app[TASKS].spawn)
+    flow = WeightFlow(app[CONFIG], app[REGISTRY], app[UPSTREAM], app[TRAFFIC], app[TASKS].spawn)
     app[WEIGHTS] = flow
     if CONVERSIONS in app:
         flow.conversions_running = app[CONVERSIONS].running

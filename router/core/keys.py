@@ -12,6 +12,7 @@ from aiohttp import web
 
 from router.core.config import RouterConfig
 from router.core.registry import Registry
+from router.core.traffic import RequestPathControl
 
 if TYPE_CHECKING:
     from router.control.health import HealthMonitor
@@ -25,6 +26,7 @@ SESSION = web.AppKey("session", aiohttp.ClientSession)
 UPSTREAM: web.AppKey[Upstream] = web.AppKey("upstream")
 ADMISSION: web.AppKey[Admission] = web.AppKey("admission")
 PROXY = web.AppKey("proxy", object)
+TRAFFIC = web.AppKey("traffic", RequestPathControl)  # the request path as the flows see it
 TASKS = web.AppKey("tasks", object)
 DISCOVERY = web.AppKey("discovery", object)
 HEALTH: web.AppKey[HealthMonitor] = web.AppKey("health")

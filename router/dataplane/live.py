@@ -10,13 +10,14 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Iterable, Iterator
 
+from router.core.traffic import AbortAction
+
 if TYPE_CHECKING:
     from router.core.registry import Worker
     from router.dataplane.proxy import Attempt
 
-# What the request path does with an attempt that an operator (or a flow) aborted.
-RETRY = "retry"  # aborted before its first token: re-send once the fleet is open again
-ANSWER = "answer"  # give the client SGLang's abort answer (with the partial output, if any)
+# The request path's short names for AbortAction's members (what to do with an attempt the router aborted).
+RETRY, ANSWER = AbortAction.RETRY, AbortAction.ANSWER
 
 
 class LiveRequests:
@@ -73,8 +74,8 @@ class LiveRequests:
         return attempt, rids
 
     @staticmethod
-    def mark(attempts: Iterable["Attempt"], action: str) -> int:
-        """Tell the request path what to do when these attempts come back aborted."""
+    def mark(attempts: Iterable["Attempt"], action: AbortAction) -> int:
+        """Tell the request path what to do when these attempts come back aborted (ANSWER wins over RETRY)."""
         count = 0
         for attempt in attempts:
             if attempt.abort_action is None or action == ANSWER:

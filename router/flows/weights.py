@@ -35,8 +35,7 @@ from router.control.upstream import Upstream
 from router.core.config import RouterConfig
 from router.core.errors import Conflict, RouterError, ServiceUnavailable
 from router.core.registry import Registry, Worker, WorkerState
-from router.dataplane.admission import Admission
-from router.dataplane.live import ANSWER, RETRY, LiveRequests
+from router.core.traffic import AbortAction, LiveRequest, RequestPathControl
 from router.flows.fleet import (
     ABORT_REPEAT_SECS,
     INFO_TIMEOUT,
@@ -151,13 +150,12 @@ def _round(value: float | None) -> float | None:
 
 
 class WeightFlow:
-    def __init__(self, config: RouterConfig, registry: Registry, upstream: Upstream, admission: Admission,
-                 live: LiveRequests, spawn: Callable[[Awaitable], asyncio.Task]) -> None:
+    def __init__(self, config: RouterConfig, registry: Registry, upstream: Upstream, traffic: RequestPathControl,
+                 spawn: Callable[[Awaitable], asyncio.Task]) -> None:
         self.config = config
         self.registry = registry
         self.upstream = upstream
-        self.admission = admission
-        self.live = live
+        self.traffic = traffic  # the request path: admission's hold and the router's live requests
         self.spawn = spawn
         self.fleet_version: str | None = None  # set by the first update (or adopted from an agreeing fleet)
         self.left_out: dict[str, LeftOut] = {}
@@ -194,7 +192,7 @@ class WeightFlow:
             "paused": self.paused,
             "memory_released": sorted(self.released_tags),
             "session_open": self.session_open,
-            "admission": self.admission.state(),
+            "admission": self.traffic.admission_state(),
             "left_out": [{"id": wid, "url": w.url if (w := self.registry.find(wid)) else None, "kind": lo.kind,
                           "reason": lo.reason, "since": lo.since} for wid, lo in self.left_out.items()],
             "current": self.current.to_dict() if self.current else None,
@@ -255,9 +253,9 @@ class WeightFlow:
     @asynccontextmanager
     async def _holding(self, op: Operation, reason: str, *, keep: bool = False):
         """Hold new requests for the operation; record how long and how many waited."""
-        held_before = self.admission.held_total
+        held_before = self.traffic.held_total
         step = op.step("hold")
-        self.admission.hold(reason)
+        self.traffic.hold(reason)
         step.end("ok", f"admission closed ({reason})")
         started = time.monotonic()
         try:
@@ -265,9 +263,9 @@ class WeightFlow:
             yield
         finally:
             if not keep:
-                self.admission.release(reason)
+                self.traffic.release(reason)
             op.hold_s = time.monotonic() - started
-            op.held_requests = self.admission.held_total - held_before
+            op.held_requests = self.traffic.held_total - held_before
 
     async def _wait_for_conversions(self, op: Operation) -> None:
         running = self.conversions_running()
@@ -287,7 +285,7 @@ class WeightFlow:
     def _mark_aborted(self, workers: list[Worker], retry: bool) -> int:
         """Before the router aborts these servers: mark their requests so the request path re-sends them
         (retry) or answers with SGLang's abort answer, and bump the workers' abort epochs."""
-        count = self.live.mark(self.live.on(workers), RETRY if retry else ANSWER)
+        count = self.traffic.mark_on(workers, AbortAction.RETRY if retry else AbortAction.ANSWER)
         self.registry.mark_aborted(workers)
         return count
 
@@ -537,7 +535,7 @@ class WeightFlow:
                               lambda op: self._pause(op, body, mode, retry))
 
     async def _pause(self, op: Operation, body: dict, mode: str, retry: bool) -> tuple[int, dict]:
-        self.admission.hold(PAUSE_HOLD)  # kept until continue_generation
+        self.traffic.hold(PAUSE_HOLD)  # kept until continue_generation
         op.step("hold").end("ok", "admission closed until continue_generation")
         self.paused = mode
         workers = self.targets()
@@ -555,7 +553,7 @@ class WeightFlow:
             step.end("ok" if quiet.ok else "timeout", f"busy: {quiet.busy}" if quiet.busy else "")
             paused_requests = 0
         else:
-            paused_requests = len(self.live.on(workers))  # the router's requests now stalled in the servers
+            paused_requests = self.traffic.count_on(workers)  # the router's requests now stalled in the servers
         op.workers = [o.to_dict() for o in outcomes]
         status = http_status(outcomes)
         message = "Generation paused successfully." if status == 200 else summary(outcomes, "pause_generation")
@@ -586,7 +584,7 @@ class WeightFlow:
         for outcome in outcomes:
             outcome.extra["routable"] = outcome.worker.routable
         self.paused = None
-        self.admission.release(PAUSE_HOLD)
+        self.traffic.release(PAUSE_HOLD)
         op.step("release").end("ok", "admission open")
         op.workers = [o.to_dict() for o in outcomes]
         status = http_status(outcomes)
@@ -605,7 +603,7 @@ class WeightFlow:
             workers = self.targets()
             if not await self._quiesce(op, workers, abort=abort, retry=retry):
                 if not held_already:
-                    self.admission.release(MEMORY_HOLD)
+                    self.traffic.release(MEMORY_HOLD)
                 return self._quiesce_timeout_answer(op, "release_memory_occupation")
             step = op.step("release", self.config.weight_update_timeout_secs)
             outcomes = await fan_out(workers, lambda w: self._call(w, "/release_memory_occupation", body,
@@ -615,7 +613,7 @@ class WeightFlow:
             if any(o.success for o in outcomes):
                 self.released_tags |= set(body.get("tags") or ALL_MEMORY_TAGS)
             elif not held_already:
-                self.admission.release(MEMORY_HOLD)  # nothing was released: serve on
+                self.traffic.release(MEMORY_HOLD)  # nothing was released: serve on
         return self._aggregate(op, outcomes, "release_memory_occupation",
                                memory_released=sorted(self.released_tags))
 
@@ -629,7 +627,7 @@ class WeightFlow:
         tags = body.get("tags")
         self.released_tags -= set(tags) if tags else set(self.released_tags)
         if not self.released_tags:
-            self.admission.release(MEMORY_HOLD)
+            self.traffic.release(MEMORY_HOLD)
             op.step("release").end("ok", "admission open")
         return self._aggregate(op, outcomes, "resume_memory_occupation",
                                memory_released=sorted(self.released_tags))
@@ -667,21 +665,18 @@ class WeightFlow:
         requests have ended (SGLang's own abort returns at once and aborts later)."""
         deadline = time.monotonic() + self.config.abort_timeout_secs
         if abort_all:
-            attempts = list(self.live)
-            self.live.mark(attempts, ANSWER)
+            aborted = self.traffic.mark_all(AbortAction.ANSWER)
             outcomes = await fan_out(self.targets(), lambda w: self._abort_call(w, {"abort_all": True}))
         else:
-            found = self.live.by_rid(rid)
+            found = self.traffic.mark_rid(rid, AbortAction.ANSWER)
             if found is None:  # not routed by this router now: every server may know it
                 outcomes = await fan_out(self.targets(), lambda w: self._abort_call(w, {"rid": rid}))
-                attempts = []
+                aborted = []
             else:
-                attempt, rids = found
-                attempts = [attempt]
-                self.live.mark(attempts, ANSWER)
-                outcomes = await fan_out((attempt.prefill, attempt.decode),
-                                         lambda w: self._abort_rids(w, rids))
-        pending = await self._wait_ended(attempts, deadline)
+                request, rids = found
+                aborted = [request]
+                outcomes = await fan_out((request.prefill, request.decode), lambda w: self._abort_rids(w, rids))
+        pending = await self._wait_ended(aborted, deadline)
         if not all(o.success for o in outcomes):
             return 502, {"success": False, "message": summary(outcomes, "abort_request"),
                          "workers": [o.to_dict() for o in outcomes]}
@@ -699,13 +694,13 @@ class WeightFlow:
         return next((o for o in outcomes if not o.success), outcomes[0]) if outcomes else \
             Outcome(worker, True, 200, "nothing to abort")
 
-    async def _wait_ended(self, attempts: list, deadline: float) -> list:
-        """Wait for aborted attempts to end; abort again by rid those still there (a leg can reach its
+    async def _wait_ended(self, requests: list[LiveRequest], deadline: float) -> list[LiveRequest]:
+        """Wait for aborted requests to end; abort again by rid those still there (a leg can reach its
         server after the abort did)."""
         last_abort = time.monotonic()
         delay = 0.005
         while True:
-            pending = [a for a in attempts if a in self.live]
+            pending = self.traffic.still_live(requests)
             now = time.monotonic()
             if not pending or now >= deadline:
                 return pending

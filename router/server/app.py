@@ -20,17 +20,17 @@ from router.control.discovery import Discovery
 from router.control.upstream import Upstream
 from router.core.config import DISCOVER, RouterConfig
 from router.core.errors import error_middleware
-from router.core.keys import ADMISSION, CONFIG, DISCOVERY, PROXY, REGISTRY, SESSION, TASKS, UPSTREAM
+from router.core.keys import ADMISSION, CONFIG, DISCOVERY, PROXY, REGISTRY, SESSION, TASKS, TRAFFIC, UPSTREAM
 from router.core.registry import Registry, Role, WorkerState
 from router.core.request_shape import GENERATE_ROUTES
 from router.dataplane.admission import Admission
 from router.dataplane.proxy import Proxy
+from router.dataplane.traffic import DataplaneControl
 from router.dataplane.upstream_http import UpstreamPool
 from router.obs import logs, metrics
 from router.server import policy_runtime
 
 logger = logging.getLogger(__name__)
-
 
 
 class BackgroundTasks:
@@ -123,6 +123,7 @@ async def _session_ctx(app: web.Application):
         admission=app[ADMISSION],
         spawn=app[TASKS].spawn,
     )
+    app[TRAFFIC] = DataplaneControl(app[ADMISSION], app[PROXY].live)
     yield
     await app[TASKS].close()
     await legs.close()

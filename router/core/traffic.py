@@ -1,0 +1,70 @@
+"""What the control flows may ask of the request path, and nothing more.
+
+Fleet-wide operations (weight updates, pause, memory release, abort) need to hold new requests and to tell
+the request path what to do with requests the router is about to abort. They call this interface; the
+request path implements it (`router/dataplane/traffic.py`), so flows never reach into its internals.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import TYPE_CHECKING, Iterable, Protocol, Sequence
+
+if TYPE_CHECKING:
+    from router.core.registry import Worker
+
+
+class AbortAction(str, enum.Enum):
+    """What the request path does with a request that an operator (or a flow) aborted."""
+
+    RETRY = "retry"  # aborted before the client saw a token: re-send once the fleet is open again
+    ANSWER = "answer"  # give the client SGLang's abort answer (with the partial output, if any)
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class LiveRequest(Protocol):
+    """One request the router has in flight on a prefill/decode pair (read-only for flows)."""
+
+    @property
+    def prefill(self) -> Worker: ...
+
+    @property
+    def decode(self) -> Worker: ...
+
+    @property
+    def rids(self) -> Sequence[str]: ...
+
+
+class RequestPathControl(Protocol):
+    # ---- admission: the fleet-wide hold --------------------------------------------------------------
+    def hold(self, reason: str) -> None:
+        """Close admission for `reason`: new requests wait in the bounded queue (retries wait too)."""
+
+    def release(self, reason: str) -> None:
+        """End the hold for `reason`; admission opens once no reason is left."""
+
+    @property
+    def held_total(self) -> int:
+        """Requests that ever had to wait for admission (a difference of two reads counts an operation's)."""
+
+    def admission_state(self) -> dict:
+        """Admission's figures for the admin API (open, holds, active, waiting, bounds, totals)."""
+
+    # ---- live requests -------------------------------------------------------------------------------
+    def count_on(self, workers: Iterable[Worker]) -> int:
+        """Requests the router has in flight with a leg on any of these workers."""
+
+    def mark_on(self, workers: Iterable[Worker], action: AbortAction) -> int:
+        """Before the router aborts these workers: mark their requests; return how many there were."""
+
+    def mark_all(self, action: AbortAction) -> list[LiveRequest]:
+        """Before the router aborts every server: mark every live request; return them."""
+
+    def mark_rid(self, rid: str, action: AbortAction) -> tuple[LiveRequest, list[str]] | None:
+        """Mark the request that knows `rid` and return it with the rids to abort on its two servers (the
+        rid itself and, for a parent rid, its sequences'); None when the router does not route it now."""
+
+    def still_live(self, requests: Iterable[LiveRequest]) -> list[LiveRequest]:
+        """Those of `requests` that have not ended yet."""

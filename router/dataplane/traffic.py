@@ -1,0 +1,57 @@
+"""The request path's side of `router.core.traffic.RequestPathControl`: admission and the live attempts of
+one proxy, behind the narrow interface that the control flows call."""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+from router.core.registry import Worker
+from router.core.traffic import AbortAction, LiveRequest
+from router.dataplane.admission import Admission
+from router.dataplane.live import LiveRequests
+
+
+class DataplaneControl:
+    """Implements RequestPathControl. Not on the hot path: only fleet-wide operations call it."""
+
+    __slots__ = ("_admission", "_live")
+
+    def __init__(self, admission: Admission, live: LiveRequests) -> None:
+        self._admission = admission
+        self._live = live
+
+    # ---- admission ---------------------------------------------------------------------------------
+    def hold(self, reason: str) -> None:
+        self._admission.hold(reason)
+
+    def release(self, reason: str) -> None:
+        self._admission.release(reason)
+
+    @property
+    def held_total(self) -> int:
+        return self._admission.held_total
+
+    def admission_state(self) -> dict:
+        return self._admission.state()
+
+    # ---- live requests -----------------------------------------------------------------------------
+    def count_on(self, workers: Iterable[Worker]) -> int:
+        return len(self._live.on(workers))
+
+    def mark_on(self, workers: Iterable[Worker], action: AbortAction) -> int:
+        return self._live.mark(self._live.on(workers), action)
+
+    def mark_all(self, action: AbortAction) -> list[LiveRequest]:
+        attempts = list(self._live)
+        self._live.mark(attempts, action)
+        return attempts
+
+    def mark_rid(self, rid: str, action: AbortAction) -> tuple[LiveRequest, list[str]] | None:
+        found = self._live.by_rid(rid)
+        if found is not None:
+            self._live.mark((found[0],), action)
+        return found
+
+    def still_live(self, requests: Iterable[LiveRequest]) -> list[LiveRequest]:
+        live = self._live
+        return [r for r in requests if r in live]
