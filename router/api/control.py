@@ -1,134 +1,38 @@
 """SGLang's control endpoints, served by the router for the whole fleet (every P and D server).
 
-Request bodies are SGLang 0.5.23's (`io_struct.py`), checked strictly (a JSON object, known fields, their
-types) before anything reaches a server; the router adds a few fields of its own (`retry_aborted`, and
-`abort_all_requests` on `release_memory_occupation`), which it strips before forwarding. Answers keep
-SGLang's shape and add the fleet's detail: `{"success", "message", "num_paused_requests", "workers":
-[{url, role, success, status, message, ...}]}`; 200 when every server succeeded, 400 when one refused,
-502 when one did not answer, 504 when the fleet did not quiesce in time (then nothing was changed).
+Request bodies are SGLang 0.5.23's (`io_struct.py`), declared in `control_bodies.py` and checked strictly (a
+JSON object, known fields, their types) before anything reaches a server; the router adds a few fields of its
+own (`retry_aborted`, and `abort_all_requests` on `release_memory_occupation`), which it strips before
+forwarding. Answers keep SGLang's shape and add the fleet's detail: `{"success", "message",
+"num_paused_requests", "workers": [{url, role, success, status, message, ...}]}`; 200 when every server
+succeeded, 400 when one refused, 502 when one did not answer, 504 when the fleet did not quiesce in time (then
+nothing was changed).
 """
 
 from __future__ import annotations
 
 import asyncio
-from typing import Any, Callable
+from typing import Callable
 
 from aiohttp import web
 
+from router.api.bodies import Empty, read_body
+from router.api.control_bodies import (BROADCAST_BODIES, UPDATE_BODIES, AbortRequest, ContinueGeneration,
+                                       InitUpdateGroup, PauseGeneration, ReleaseMemory, Retryable, ResumeMemory)
 from router.api.conversion import CONVERSIONS
 from router.api.info import any_prefill_first
-from router.api.workers import read_json_object
 from router.core.errors import BadRequest, NotFound, ServiceUnavailable, json_response
 from router.core.keys import CONFIG, METRICS, REGISTRY, TASKS, TRAFFIC, UPSTREAM, WEIGHTS
 from router.flows.fleet import INFO_TIMEOUT, fleet_weight_version
 from router.flows.weights import DISK, DISTRIBUTED, TENSOR, UPDATE_KINDS, VERSION, WeightFlow
-
-PAUSE_MODES = ("abort", "retract", "in_place")
-SELECTORS = ("target", "draft", "all")
-
-
-# ---- body validation -----------------------------------------------------------------------------------
-def _is_str(v: Any) -> bool:
-    return isinstance(v, str)
-
-
-def _is_bool(v: Any) -> bool:
-    return isinstance(v, bool)
-
-
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _optional(check: Callable[[Any], bool]) -> Callable[[Any], bool]:
-    return lambda v: v is None or check(v)
-
-
-def _list_of(check: Callable[[Any], bool]) -> Callable[[Any], bool]:
-    return lambda v: isinstance(v, list) and all(check(x) for x in v)
-
-
-def _one_of(*values: str) -> Callable[[Any], bool]:
-    return lambda v: v in values
-
-
-# field -> (check, what it must be, required)
-Schema = dict[str, tuple[Callable[[Any], bool], str, bool]]
-STR = (_is_str, "a string", False)
-OPT_STR = (_optional(_is_str), "a string or null", False)
-BOOL = (_is_bool, "a boolean", False)
-INT = (_is_int, "an integer", False)
-SELECTOR = (_one_of(*SELECTORS), f"one of {', '.join(SELECTORS)}", False)
-TAGS = (_optional(_list_of(_is_str)), "a list of strings or null", False)
-ROUTER_FIELDS: Schema = {"retry_aborted": BOOL}
-
-SCHEMAS: dict[str, Schema] = {
-    DISK: {"model_path": (_is_str, "a string", True), "load_format": OPT_STR, "abort_all_requests": BOOL,
-           "weight_version": OPT_STR, "is_async": BOOL, "torch_empty_cache": BOOL, "keep_pause": BOOL,
-           "recapture_cuda_graph": BOOL, "token_step": INT, "flush_cache": BOOL,
-           "manifest": (_optional(lambda v: isinstance(v, dict)), "an object or null", False)},
-    DISTRIBUTED: {"names": (_list_of(_is_str), "a list of strings", True),
-                  "dtypes": (_list_of(_is_str), "a list of strings", True),
-                  "shapes": (_list_of(_list_of(_is_int)), "a list of lists of integers", True),
-                  "group_name": STR, "flush_cache": BOOL, "abort_all_requests": BOOL, "weight_version": OPT_STR,
-                  "load_format": OPT_STR, "selector": SELECTOR, "torch_empty_cache": BOOL},
-    TENSOR: {"serialized_named_tensors": (_list_of(_is_str), "a list of base64 strings", True),
-             "load_format": OPT_STR, "flush_cache": BOOL, "abort_all_requests": BOOL, "weight_version": OPT_STR,
-             "selector": SELECTOR, "torch_empty_cache": BOOL},
-    VERSION: {"new_version": (_is_str, "a string", True), "abort_all_requests": BOOL},
-    "init_weights_update_group": {"master_address": (_is_str, "a string", True),
-                                  "master_port": (_is_int, "an integer", True),
-                                  "rank_offset": (_is_int, "an integer", True),
-                                  "world_size": (_is_int, "an integer", True),
-                                  "group_name": STR, "backend": STR},
-    "destroy_weights_update_group": {"group_name": STR},
-    "begin_weight_update": {"selector": SELECTOR},
-    "end_weight_update": {},
-    "pause_generation": {"mode": (_one_of(*PAUSE_MODES), f"one of {', '.join(PAUSE_MODES)}", False)},
-    "continue_generation": {"torch_empty_cache": BOOL},
-    "release_memory_occupation": {"tags": TAGS, "abort_all_requests": BOOL},
-    "resume_memory_occupation": {"tags": TAGS},
-    "abort_request": {"rid": STR, "abort_all": BOOL},
-    "weight_updates/rejoin": {},
-}
-# Fields the router reads itself and does not forward, per endpoint.
-OWN_FIELDS = {"release_memory_occupation": ("abort_all_requests",)}
-RETRY_ENDPOINTS = frozenset({DISK, DISTRIBUTED, TENSOR, VERSION, "pause_generation", "release_memory_occupation"})
-
-
-def validate(name: str, body: dict) -> tuple[dict, dict]:
-    """Check a body against the endpoint's schema; return (what to forward, the router's own fields)."""
-    schema = SCHEMAS[name]
-    allowed = {**schema, **(ROUTER_FIELDS if name in RETRY_ENDPOINTS else {})}
-    problems = []
-    unknown = sorted(set(body) - set(allowed))
-    if unknown:
-        problems.append(f"unknown field(s) {', '.join(unknown)} (known: {', '.join(sorted(allowed)) or 'none'})")
-    for key, (check, what, required) in allowed.items():
-        if key not in body:
-            if required:
-                problems.append(f"{key} is required")
-        elif not check(body[key]):
-            problems.append(f"{key} must be {what}, got {body[key]!r}"[:300])
-    if problems:
-        raise BadRequest(f"invalid {name} request: " + "; ".join(problems),
-                         param=unknown[0] if unknown else None)
-    own_keys = set(ROUTER_FIELDS) | set(OWN_FIELDS.get(name, ()))
-    forwarded = {k: v for k, v in body.items() if k not in own_keys}
-    own = {k: v for k, v in body.items() if k in own_keys}
-    return forwarded, own
-
-
-async def _body(request: web.Request, name: str) -> tuple[dict, dict]:
-    return validate(name, await read_json_object(request))
 
 
 def _flow(request: web.Request) -> WeightFlow:
     return request.app[WEIGHTS]
 
 
-def _retry(request: web.Request, own: dict) -> bool:
-    return own.get("retry_aborted", request.app[CONFIG].weight_update_retry_aborted)
+def _retry(request: web.Request, body: Retryable) -> bool:
+    return body.retry(request.app[CONFIG].weight_update_retry_aborted)
 
 
 def _answer(result: tuple[int, dict | None]) -> web.Response:
@@ -144,31 +48,29 @@ def _answer(result: tuple[int, dict | None]) -> web.Response:
 
 # ---- handlers ------------------------------------------------------------------------------------------
 async def abort_request(request: web.Request) -> web.Response:
-    body, _ = await _body(request, "abort_request")
-    abort_all = body.get("abort_all", False)
-    rid = body.get("rid")
-    if not abort_all and not rid:
+    body = await read_body(request, AbortRequest, "abort_request")
+    if not body.abort_all and not body.rid:
         raise BadRequest("abort_request needs a non-empty rid or abort_all: true", param="rid")
-    return _answer(await _flow(request).abort(rid=rid, abort_all=abort_all))
+    return _answer(await _flow(request).abort(rid=body.rid, abort_all=body.abort_all))
 
 
 async def pause_generation(request: web.Request) -> web.Response:
-    body, own = await _body(request, "pause_generation")
-    return _answer(await _flow(request).pause(body, retry=_retry(request, own)))
+    body = await read_body(request, PauseGeneration, "pause_generation")
+    return _answer(await _flow(request).pause(body.forwarded(), retry=_retry(request, body)))
 
 
 async def continue_generation(request: web.Request) -> web.Response:
-    body, _ = await _body(request, "continue_generation")
-    return _answer(await _flow(request).resume(body))
+    body = await read_body(request, ContinueGeneration, "continue_generation")
+    return _answer(await _flow(request).resume(body.forwarded()))
 
 
 def _update_handler(kind: str):
-    default_abort = kind == VERSION  # SGLang's default: only a version relabel aborts unless told
+    model = UPDATE_BODIES[kind]
 
     async def handler(request: web.Request) -> web.Response:
-        body, own = await _body(request, kind)
-        abort = body.get("abort_all_requests", default_abort)
-        return _answer(await _flow(request).update(kind, body, abort=abort, retry=_retry(request, own)))
+        body = await read_body(request, model, kind)
+        return _answer(await _flow(request).update(kind, body.forwarded(), abort=body.abort_all_requests,
+                                                   retry=_retry(request, body)))
 
     handler.__name__ = kind
     return handler
@@ -177,24 +79,25 @@ def _update_handler(kind: str):
 async def init_weights_update_group(request: web.Request) -> web.Response:
     """Every server joins the trainer's group with ranks of its own: the router gives each server the next
     `tp_size` ranks from `rank_offset` (a body copied to all would give them all the same ranks)."""
-    body, _ = await _body(request, "init_weights_update_group")
+    body = await read_body(request, InitUpdateGroup, "init_weights_update_group")
     flow, upstream = _flow(request), request.app[UPSTREAM]
     workers = flow.targets()
     if not workers:
         raise ServiceUnavailable("there is no server")
     infos = await asyncio.gather(*(upstream.server_info(w.url, timeout=INFO_TIMEOUT) for w in workers))
-    offsets, tp_sizes, rank = {}, {}, body["rank_offset"]
+    offsets, tp_sizes, rank = {}, {}, body.rank_offset
     for worker, info in zip(workers, infos):
         tp = info.data.get("tp_size") if info.ok and isinstance(info.data, dict) else None
-        tp_sizes[worker.id] = tp if _is_int(tp) and tp > 0 else 1
+        tp_sizes[worker.id] = tp if isinstance(tp, int) and not isinstance(tp, bool) and tp > 0 else 1
         offsets[worker.id] = rank
         rank += tp_sizes[worker.id]
-    if rank > body["world_size"]:
-        raise BadRequest(f"world_size {body['world_size']} is too small: the fleet's {len(workers)} servers take "
-                         f"ranks {body['rank_offset']}..{rank - 1} (tp sizes "
+    if rank > body.world_size:
+        raise BadRequest(f"world_size {body.world_size} is too small: the fleet's {len(workers)} servers take "
+                         f"ranks {body.rank_offset}..{rank - 1} (tp sizes "
                          f"{[tp_sizes[w.id] for w in workers]})", param="world_size", ranks_needed=rank)
-    status, answer = await flow.broadcast("/init_weights_update_group", body, workers=workers,
-                                          per_worker=lambda w: {**body, "rank_offset": offsets[w.id]})
+    forwarded = body.forwarded()
+    status, answer = await flow.broadcast("/init_weights_update_group", forwarded, workers=workers,
+                                          per_worker=lambda w: {**forwarded, "rank_offset": offsets[w.id]})
     by_url = {w.url: w.id for w in workers}
     for row in answer["workers"]:
         row["rank_offset"] = offsets[by_url[row["url"]]]
@@ -204,23 +107,25 @@ async def init_weights_update_group(request: web.Request) -> web.Response:
 
 
 def _broadcast_handler(name: str):
+    model = BROADCAST_BODIES[name]
+
     async def handler(request: web.Request) -> web.Response:
-        body, _ = await _body(request, name)
-        return _answer(await _flow(request).broadcast("/" + name, body))
+        body = await read_body(request, model, name)
+        return _answer(await _flow(request).broadcast("/" + name, body.forwarded()))
 
     handler.__name__ = name
     return handler
 
 
 async def release_memory_occupation(request: web.Request) -> web.Response:
-    body, own = await _body(request, "release_memory_occupation")
-    return _answer(await _flow(request).release_memory(body, abort=own.get("abort_all_requests", False),
-                                                       retry=_retry(request, own)))
+    body = await read_body(request, ReleaseMemory, "release_memory_occupation")
+    return _answer(await _flow(request).release_memory(body.forwarded(), abort=body.abort_all_requests,
+                                                       retry=_retry(request, body)))
 
 
 async def resume_memory_occupation(request: web.Request) -> web.Response:
-    body, _ = await _body(request, "resume_memory_occupation")
-    return _answer(await _flow(request).resume_memory(body))
+    body = await read_body(request, ResumeMemory, "resume_memory_occupation")
+    return _answer(await _flow(request).resume_memory(body.forwarded()))
 
 
 async def get_weight_version(request: web.Request) -> web.Response:
@@ -263,7 +168,7 @@ async def weight_update(request: web.Request) -> web.Response:
 
 async def rejoin(request: web.Request) -> web.Response:
     """Check now the servers left out for their weights (and active ones with another version)."""
-    await _body(request, "weight_updates/rejoin")
+    await read_body(request, Empty, "weight_updates/rejoin")
     return json_response(await _flow(request).reconcile())
 
 

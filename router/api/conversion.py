@@ -9,7 +9,8 @@
   `GET /admin/conversions/{id}`: history. `POST /admin/workers/{id}/reinstate`: a `failed` worker back into
   routing in the role its server reports.
 
-Bodies are validated strictly: unknown fields and wrong types are 400, every problem reported at once.
+Bodies (`conversion_bodies.py`) are validated strictly: unknown fields and wrong types are 400, every problem
+reported at once.
 Status codes: 200 converted, 202 started (no wait), 400 bad input, 404 unknown worker, 409 refused
 (busy, not active, last routable worker of its pool), 502 the server refused or failed, 504 a deadline
 passed, 500 internal error; the body's `outcome` says where the worker is now (`restored`: back in its old
@@ -18,123 +19,17 @@ pool; `failed`: out of routing until an operator acts).
 
 from __future__ import annotations
 
-from typing import Any, Callable
-
 from aiohttp import web
 
-from router.api.workers import find_worker, read_json_object
-from router.core.config import validate_port, validate_worker_url
+from router.api.bodies import Empty, read_body
+from router.api.conversion_bodies import ConvertPdRole, ConvertWorker, PdRoleSwitch
+from router.api.workers import find_worker
 from router.core.errors import BadRequest, NotFound, RouterError, json_response
 from router.core.keys import ADMISSION, CONFIG, METRICS, REGISTRY, TASKS, UPSTREAM
-from router.core.registry import Role, Worker
-from router.flows.conversion import CONVERT_PD_ROLE, SERVER_OPTIONS, Conversion, Conversions, Mode, Plan
+from router.core.registry import Worker
+from router.flows.conversion import Conversion, Conversions, Plan
 
 CONVERSIONS = web.AppKey("conversions", Conversions)
-
-Check = Callable[[Any], "str | None"]  # a problem with the value, or None
-
-
-# ---- value checks ---------------------------------------------------------------------------------------
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-def positive_number(value: Any) -> str | None:
-    return None if _is_number(value) and value > 0 else f"must be a positive number, got {value!r}"
-
-
-def non_negative_number(value: Any) -> str | None:
-    return None if _is_number(value) and value >= 0 else f"must be a non-negative number, got {value!r}"
-
-
-def boolean(value: Any) -> str | None:
-    return None if isinstance(value, bool) else f"must be true or false, got {value!r}"
-
-
-def positive_int_list(value: Any) -> str | None:
-    ok = isinstance(value, list) and value and all(isinstance(v, int) and not isinstance(v, bool) and v > 0
-                                                   for v in value)
-    return None if ok else f"must be a non-empty list of positive integers, got {value!r}"
-
-
-def json_object(value: Any) -> str | None:
-    return None if isinstance(value, dict) else f"must be a JSON object, got {value!r}"
-
-
-def port(value: Any) -> str | None:
-    return validate_port(value, "it")
-
-
-def worker_url(value: Any) -> str | None:
-    return validate_worker_url(value)
-
-
-def one_of(*allowed: str) -> Check:
-    def check(value: Any) -> str | None:
-        return None if value in allowed else f"must be one of {', '.join(allowed)}, got {value!r}"
-    return check
-
-
-SERVER_OPTION_CHECKS: dict[str, Check] = {
-    "decode_cuda_graph_bs": positive_int_list,
-    "decode_cuda_graph_memory_gb": non_negative_number,
-    "bootstrap_port": port,
-    "disable_radix_cache": boolean,
-    "disable_cuda_graph": boolean,
-}
-assert SERVER_OPTION_CHECKS.keys() == SERVER_OPTIONS.keys()
-
-ROLE = one_of("prefill", "decode")
-MODE = one_of(*(m.value for m in Mode))
-
-CONVERT_PD_ROLE_FIELDS: dict[str, Check] = {
-    "server_url": worker_url, "mode": MODE, "drain_timeout_secs": positive_number,
-    "switch_timeout_secs": positive_number, "server_options": json_object, **SERVER_OPTION_CHECKS,
-}
-PD_ROLE_SWITCH_FIELDS: dict[str, Check] = {
-    "worker_url": worker_url, "new_role": ROLE, "mode": MODE, "drain_timeout_secs": positive_number,
-    "switch_timeout_secs": positive_number, "server_options": json_object, **SERVER_OPTION_CHECKS,
-}
-CONVERT_FIELDS: dict[str, Check] = {
-    "mode": MODE, "new_role": ROLE, "timeout_s": positive_number, "switch_timeout_s": positive_number,
-    "verify_timeout_s": positive_number, "wait": boolean, "server_options": json_object, **SERVER_OPTION_CHECKS,
-}
-
-
-def validated(body: dict, schema: dict[str, Check], required: tuple[str, ...] = ()) -> dict:
-    """The body's fields (null meaning absent), or 400 listing every problem."""
-    problems = []
-    unknown = sorted(set(body) - set(schema))
-    if unknown:
-        problems.append(f"unknown field(s) {', '.join(unknown)} (accepted: {', '.join(sorted(schema))})")
-    for name in required:
-        if body.get(name) is None:
-            problems.append(f"{name} is required")
-    fields = {}
-    for name, check in schema.items():
-        value = body.get(name)
-        if value is None:
-            continue
-        problem = check(value)
-        if problem is not None:
-            problems.append(f"{name} {problem}")
-        fields[name] = value
-    if problems:
-        raise BadRequest("; ".join(problems), problems=problems)
-    return fields
-
-
-def make_plan(fields: dict, *, timeout_field: str, switch_field: str, api: str | None = None) -> Plan:
-    return Plan(
-        mode=Mode(fields.get("mode", Mode.DRAIN.value)),
-        new_role=Role(fields["new_role"]) if "new_role" in fields else None,
-        empty_timeout_s=fields.get(timeout_field),
-        switch_timeout_s=fields.get(switch_field),
-        verify_timeout_s=fields.get("verify_timeout_s"),
-        server_options={k: v for k, v in fields.items() if k in SERVER_OPTIONS},
-        raw_server_options=dict(fields.get("server_options") or {}),
-        api=api,
-    )
 
 
 def worker_by_url(app: web.Application, url: str) -> Worker:
@@ -176,16 +71,15 @@ def unchanged_body(worker: Worker) -> dict:
             "conversion_id": None, "worker_id": worker.id, "outcome": "unchanged"}
 
 
-async def _run_compat(request: web.Request, schema: dict[str, Check], url_field: str,
-                      required: tuple[str, ...], api: str | None = None) -> web.Response:
+async def _run_compat(request: web.Request, model: type[ConvertPdRole | PdRoleSwitch],
+                      name: str) -> web.Response:
     """The mini_lb-style endpoints: errors keep their `success`/`message` shape next to `error`."""
     worker: Worker | None = None
-    fields: dict = {}
+    plan: Plan | None = None
     try:
-        body = await read_json_object(request)
-        fields = validated(body, schema, required)
-        worker = worker_by_url(request.app, fields[url_field])
-        plan = make_plan(fields, timeout_field="drain_timeout_secs", switch_field="switch_timeout_secs", api=api)
+        body = await read_body(request, model, name)
+        plan = body.plan()
+        worker = worker_by_url(request.app, body.url)
         conversion = request.app[CONVERSIONS].start(worker, plan)
         if conversion is None:
             return json_response(unchanged_body(worker))
@@ -193,30 +87,31 @@ async def _run_compat(request: web.Request, schema: dict[str, Check], url_field:
         return json_response(compat_body(conversion), status=conversion.status)
     except RouterError as error:
         old = worker.role.value if worker is not None else None
-        new = fields.get("new_role") or (worker.role.opposite.value if worker is not None else None)
-        return json_response({"success": False, "message": error.message, "old_role": old, "new_role": new,
-                              "bootstrap_port": None, **error.body()}, status=error.status, headers=error.headers)
+        new = (plan.new_role if plan is not None and plan.new_role is not None
+               else worker.role.opposite if worker is not None else None)
+        return json_response({"success": False, "message": error.message, "old_role": old,
+                              "new_role": new.value if new is not None else None, "bootstrap_port": None,
+                              **error.body()}, status=error.status, headers=error.headers)
 
 
 # ---- handlers -----------------------------------------------------------------------------------------
 async def convert_pd_role(request: web.Request) -> web.Response:
     # The seed design's endpoint drives the seed design's server API where the server has it (server_patches
     # adds it to 0.5.23): its options (bootstrap_port, disable_radix_cache, ...) then reach the server.
-    return await _run_compat(request, CONVERT_PD_ROLE_FIELDS, "server_url", ("server_url",), api=CONVERT_PD_ROLE)
+    return await _run_compat(request, ConvertPdRole, "convert_pd_role")
 
 
 async def pd_role_switch(request: web.Request) -> web.Response:
-    return await _run_compat(request, PD_ROLE_SWITCH_FIELDS, "worker_url", ("worker_url", "new_role"))
+    return await _run_compat(request, PdRoleSwitch, "pd_role_switch")
 
 
 async def convert_worker(request: web.Request) -> web.Response:
     worker = find_worker(request.app, request.match_info["worker_id"])
-    fields = validated(await read_json_object(request), CONVERT_FIELDS)
-    plan = make_plan(fields, timeout_field="timeout_s", switch_field="switch_timeout_s")
-    conversion = request.app[CONVERSIONS].start(worker, plan)
+    body = await read_body(request, ConvertWorker, "convert")
+    conversion = request.app[CONVERSIONS].start(worker, body.plan())
     if conversion is None:
         return json_response(unchanged_body(worker))
-    if not fields.get("wait", True):
+    if not body.wait:
         return json_response(record_body(conversion), status=202,
                              headers={"Location": f"/admin/conversions/{conversion.id}"})
     await conversion.wait()
@@ -248,7 +143,7 @@ async def get_conversion(request: web.Request) -> web.Response:
 
 async def reinstate_worker(request: web.Request) -> web.Response:
     worker = find_worker(request.app, request.match_info["worker_id"])
-    validated(await read_json_object(request), {})
+    await read_body(request, Empty, "reinstate")
     message = await request.app[CONVERSIONS].reinstate(worker)
     return json_response({"success": True, "message": message, "worker": worker.to_dict()})
 

@@ -12,7 +12,7 @@ from aiohttp import web
 
 from policies import effective_load
 from policies.rebalance import UnknownFields
-from router.api.workers import read_json_object
+from router.api.bodies import read_json_object
 from router.core.errors import BadRequest, RouterError, json_response
 from router.core.keys import CONFIG, LOAD_MONITOR, PROXY, REBALANCER, REGISTRY
 from router.core.registry import Role, Worker

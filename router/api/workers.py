@@ -9,23 +9,16 @@ from urllib.parse import unquote
 
 from aiohttp import web
 
-from router.api.access import JSON_BODY
+from router.api.bodies import read_json_object
 from router.control.upstream import live_role_of
 from router.core.config import DISCOVER, validate_port, validate_worker_url
-from router.core.errors import BadRequest, Conflict, NotFound, json_response, parse_json_object
+from router.core.errors import BadRequest, Conflict, NotFound, json_response
 from router.core.keys import DISCOVERY, REGISTRY, UPSTREAM
 from router.core.registry import DuplicateWorker, Role, Worker, WorkerState
 
 # How long an API registration waits to learn a prefill's bootstrap port before answering.
 REGISTER_SETTLE_SECS = 5.0
 BUSY_STATES = (WorkerState.DRAINING, WorkerState.ABORTING, WorkerState.CONVERTING, WorkerState.VERIFYING)
-
-
-async def read_json_object(request: web.Request) -> dict:
-    if (parsed := request.get(JSON_BODY)) is not None:  # already checked by the access middleware
-        return parsed
-    raw = await request.read()
-    return parse_json_object(raw) if raw.strip() else {}
 
 
 def parse_role(value: object, field: str = "worker_type") -> Role | None:
