@@ -1,15 +1,14 @@
-"""`pd-router` / `python -m router`: parse flags (every mini_lb form), build the app, serve it on uvloop."""
+"""`pd-router` / `python -m router`: parse flags (every mini_lb form), build the app, serve it on uvloop.
+
+`pd-router ctl ...` is the control command line (`router.ctl`) instead: every launch form starts with a flag,
+so `ctl` as the first argument is unambiguous. The server's modules are imported only to serve, so the
+control command starts fast.
+"""
 
 from __future__ import annotations
 
 import logging
 import sys
-
-from router.core.config import ConfigError
-from router.obs.logs import setup_logging
-from router.server import serving
-from router.server.app import create_app
-from router.server.cli import config_from_args
 
 logger = logging.getLogger("router")
 # A burst of new clients (a load test's ramp, clients reconnecting after a restart) must not overflow the
@@ -27,7 +26,13 @@ def _event_loop():
     return uvloop.new_event_loop()
 
 
-def main(argv: list[str] | None = None) -> int:
+def serve(argv: list[str] | None = None) -> int:
+    from router.core.config import ConfigError
+    from router.obs.logs import setup_logging
+    from router.server import serving
+    from router.server.app import create_app
+    from router.server.cli import config_from_args
+
     try:
         config = config_from_args(argv)
     except ConfigError as exc:
@@ -41,6 +46,15 @@ def main(argv: list[str] | None = None) -> int:
     serving.run(app, host=config.host, port=config.port, loop=_event_loop(), backlog=BACKLOG, shutdown_timeout=10,
                 announce=lambda message: logger.info("%s", message))
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if args[:1] == ["ctl"]:
+        from router.ctl.main import main as ctl_main
+
+        return ctl_main(args[1:])
+    return serve(argv)
 
 
 if __name__ == "__main__":
