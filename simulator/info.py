@@ -37,6 +37,8 @@ def _launch_command(worker: "Worker") -> str:
         parts.append(f"--disaggregation-bootstrap-port {worker.launch_bootstrap_port}")
     if cfg.enable_pd_role_switch:
         parts.append("--enable-pd-role-switch")
+    if cfg.api_key is not None:
+        parts.append(f"--api-key {cfg.api_key}")  # the real launch_command repeats the key in clear
     return " ".join(parts)
 
 
@@ -60,6 +62,7 @@ def server_args(worker: "Worker") -> dict[str, Any]:
         "disaggregation_bootstrap_port": worker.launch_bootstrap_port,
         "enable_pd_role_switch": cfg.enable_pd_role_switch,
         "enable_metrics": cfg.enable_metrics,
+        "api_key": cfg.api_key,  # SGLang reports its key in clear, like every other launch argument
         "launch_command": _launch_command(worker),
         "device": "sim",
         "random_seed": cfg.seed,

@@ -47,6 +47,11 @@ class FakeWorker:
         self.bootstrap_port = bootstrap_port
         self.weight_version = weight_version
         self.behaviour = Behaviour()
+        # Launch arguments added to /server_info (top level and internal state, as SGLang reports them), e.g.
+        # the keys a real server shows there, and to /model_info and /v1/models (which a later server could
+        # grow), so a test sees every relay of them; text added to the messages of control answers.
+        self.server_args: dict = {}
+        self.message_suffix = ""
         self.requests: list[tuple[str, dict | None]] = []
         self.aborts: list[dict] = []
         self.rooms_seen: set[int] = set()
@@ -184,8 +189,8 @@ class FakeWorker:
 
     async def _flush(self, request: web.Request) -> web.Response:
         if self.in_handler:
-            return web.Response(status=400, text="Flush cache failed.")
-        return web.Response(status=200, text="Cache flushed.")
+            return web.Response(status=400, text="Flush cache failed." + self.message_suffix)
+        return web.Response(status=200, text="Cache flushed." + self.message_suffix)
 
     async def _loads(self, request: web.Request) -> web.Response:
         return web.json_response({"loads": [{"num_running_reqs": self.in_handler, "num_waiting_reqs": 0}]})
@@ -200,6 +205,7 @@ class FakeWorker:
         new = body.get("new_role") if api == "0.5.23" else ("prefill" if old == "decode" else "decode")
 
         def answer(status: int, success: bool, message: str, safe: bool = False) -> web.Response:
+            message += self.message_suffix
             if api == "convert":  # the earlier design says nothing about safety
                 return web.json_response({"success": success, "message": message, "bootstrap_port": None},
                                          status=status)
@@ -231,18 +237,20 @@ class FakeWorker:
 
     async def _server_info(self, request: web.Request) -> web.Response:
         return web.json_response({
+            **self.server_args,
             "disaggregation_mode": self.launch_role,
             "enable_pd_role_switch": self.api in ("0.5.23", "patched"),
             "enable_pd_convert": self.api == "convert",
             "disaggregation_bootstrap_port": self.bootstrap_port,
-            "internal_states": [{"weight_version": self.weight_version, "disaggregation_mode": self.role,
-                                 "last_gen_throughput": 1.0}],
+            "internal_states": [{**self.server_args, "weight_version": self.weight_version,
+                                 "disaggregation_mode": self.role, "last_gen_throughput": 1.0}],
             "version": "0.5.23",
         })
 
     async def _model_info(self, request: web.Request) -> web.Response:
-        return web.json_response({"model_path": "fake-model", "weight_version": self.weight_version,
-                                  "disaggregation_mode": self.role})
+        return web.json_response({**self.server_args, "model_path": "fake-model",
+                                  "weight_version": self.weight_version, "disaggregation_mode": self.role})
 
     async def _models(self, request: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": [{"id": "fake-model", "object": "model"}]})
+        return web.json_response({"object": "list", "data": [{**self.server_args, "id": "fake-model",
+                                                              "object": "model"}]})

@@ -23,6 +23,7 @@ from router.api.conversion import CONVERSIONS
 from router.api.info import any_prefill_first
 from router.core.errors import BadRequest, NotFound, ServiceUnavailable, json_response
 from router.core.keys import CONFIG, METRICS, REGISTRY, TASKS, TRAFFIC, UPSTREAM, WEIGHTS
+from router.core.redact import redact
 from router.flows.fleet import INFO_TIMEOUT, fleet_weight_version
 from router.flows.weights import DISK, DISTRIBUTED, TENSOR, UPDATE_KINDS, VERSION, WeightFlow
 
@@ -142,7 +143,7 @@ async def model_info(request: web.Request) -> web.Response:
     for worker in any_prefill_first(registry):
         reply = await upstream.model_info(worker.url, timeout=INFO_TIMEOUT)
         if reply.ok and isinstance(reply.data, dict):
-            data = reply.data
+            data = redact(reply.data)
             break
         last = reply
     if data is None:

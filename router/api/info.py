@@ -11,6 +11,7 @@ from aiohttp import web
 from router.control.upstream import Reply
 from router.core.errors import ServiceUnavailable, json_response
 from router.core.keys import ADMISSION, REGISTRY, UPSTREAM
+from router.core.redact import redact
 from router.core.registry import Registry, Role, Worker, WorkerState
 
 ADMIN_TIMEOUT = 30.0
@@ -84,8 +85,8 @@ async def server_info(request: web.Request) -> web.Response:
     registry, upstream = request.app[REGISTRY], request.app[UPSTREAM]
     workers = reachable_workers(registry)
     results = await fan_out(workers, lambda w: upstream.server_info(w.url, timeout=ADMIN_TIMEOUT))
-    prefill = [r.data for w, r in results if w.role is Role.PREFILL and r.ok]
-    decode = [r.data for w, r in results if w.role is Role.DECODE and r.ok]
+    prefill = [redact(r.data) for w, r in results if w.role is Role.PREFILL and r.ok]
+    decode = [redact(r.data) for w, r in results if w.role is Role.DECODE and r.ok]
     states = [s for d in decode if isinstance(d, dict) for s in (d.get("internal_states") or [])]
     if not states:  # what bench_one_batch_server.py expects when decode says nothing
         states = [{"last_gen_throughput": 0.0, "avg_spec_accept_length": None}]
@@ -98,7 +99,7 @@ async def _first_answer(request: web.Request, call) -> web.Response:
     for worker in any_prefill_first(registry):
         reply = await call(upstream, worker)
         if reply.ok:
-            return json_response(reply.data)
+            return json_response(redact(reply.data))
         last = reply
     if last is None:
         raise ServiceUnavailable("There is no server registered")

@@ -16,6 +16,8 @@ from typing import Any
 import aiohttp
 import orjson
 
+from router.core.redact import redact_text
+
 logger = logging.getLogger(__name__)
 
 JSON_HEADERS = {"Content-Type": "application/json"}
@@ -34,13 +36,14 @@ class Reply:
         return 200 <= self.status < 300
 
     def message(self) -> str:
+        """The server's message, fit to relay (in answers, records, logs): secrets redacted."""
         if isinstance(self.data, dict):
             msg = self.data.get("message")
             if msg is None and isinstance(self.data.get("error"), dict):
                 msg = self.data["error"].get("message")
             if msg is not None:
-                return str(msg)
-        return self.text[:500]
+                return redact_text(str(msg))
+        return redact_text(self.text[:500])
 
     def success(self) -> bool:
         """SGLang control answers: 200 and `success` not false."""

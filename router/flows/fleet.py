@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Awaitable, Callable, Iterable
 
 from router.control.upstream import Reply, Upstream
+from router.core.redact import redact_text
 from router.core.registry import Registry, Worker
 
 logger = logging.getLogger(__name__)
@@ -50,7 +51,7 @@ def _message(reply: Reply) -> str:
         return f"unreachable: {reply.text}"
     if isinstance(reply.data, dict):
         return reply.message()
-    return reply.text.strip()[:500]
+    return redact_text(reply.text.strip()[:500])
 
 
 async def fan_out(workers: Iterable[Worker], call: Callable[[Worker], Awaitable[Outcome]]) -> list[Outcome]:
