@@ -6,6 +6,9 @@ request aborted before its KV transfer finished gets a 500 from prefill ("Prefil
 Aborted by AbortReq.") or decode ("Decode transfer failed ..."), or a closed connection. The client asked
 for none of that: it gets the abort answer SGLang gives an aborted request with no output, in the shape of
 its route (native or OpenAI, single, batch or n>1, streaming or not).
+
+The request path also recognises an abort answer the client has seen nothing of (`some_sequence_aborted`,
+`aborted_before_first_token`): such a request can be re-sent whole.
 """
 
 from __future__ import annotations
@@ -16,9 +19,9 @@ import orjson
 from aiohttp import web
 
 from router.core.request_shape import RequestShape
+from router.dataplane import sse
 
 ABORT_MESSAGE = "Aborted by the router"
-SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
 
 
 def sequence_ids(shape: RequestShape, rids: list[str]) -> list[str]:
@@ -69,11 +72,61 @@ def abort_response(route: str, body: dict, shape: RequestShape, rids: list[str],
                  for i, rid in enumerate(ids)]
         if shape.stream:
             payload = b"".join(b"data: " + orjson.dumps(item) + b"\n\n" for item in items)
-            return web.Response(body=payload + b"data: [DONE]\n\n", headers=SSE_HEADERS)
+            return web.Response(body=payload + b"data: [DONE]\n\n", headers=sse.RESPONSE_HEADERS)
         answer: object = items if many else items[0]
     else:
         answer = _openai(route, ids[0], body.get("model"), len(ids), shape.stream)
         if shape.stream:
             return web.Response(body=b"data: " + orjson.dumps(answer) + b"\n\ndata: [DONE]\n\n",
-                                headers=SSE_HEADERS)
+                                headers=sse.RESPONSE_HEADERS)
     return web.Response(body=orjson.dumps(answer), content_type="application/json")
+
+
+def some_sequence_aborted(body: bytes) -> bool:
+    """A whole (non-streaming) answer in which some sequence ended with finish_reason abort."""
+    try:
+        answer = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return False
+    for item in answer if isinstance(answer, list) else [answer]:
+        if not isinstance(item, dict):
+            continue
+        meta = item.get("meta_info")
+        if isinstance(meta, dict):
+            reason = meta.get("finish_reason")
+            if isinstance(reason, dict) and reason.get("type") == "abort":
+                return True
+        choices = item.get("choices")
+        if isinstance(choices, list) and any(isinstance(c, dict) and c.get("finish_reason") == "abort"
+                                             for c in choices):
+            return True
+    return False
+
+
+def aborted_before_first_token(answer: object) -> bool:
+    """True when every sequence of an answer (or a stream's first event) was aborted with no output."""
+    items = answer if isinstance(answer, list) else [answer]
+    if not items:
+        return False
+    for item in items:
+        if not isinstance(item, dict):
+            return False
+        meta = item.get("meta_info")
+        if isinstance(meta, dict):
+            reason = meta.get("finish_reason")
+            if not (isinstance(reason, dict) and reason.get("type") == "abort"):
+                return False
+            if meta.get("completion_tokens") or item.get("output_ids") or item.get("text"):
+                return False
+            continue
+        choices = item.get("choices")
+        if isinstance(choices, list) and choices:
+            for choice in choices:
+                if choice.get("finish_reason") != "abort":
+                    return False
+                content = (choice.get("message") or choice.get("delta") or {}).get("content") or choice.get("text")
+                if content:
+                    return False
+            continue
+        return False
+    return True

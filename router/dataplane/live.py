@@ -14,7 +14,7 @@ from router.core.traffic import AbortAction
 
 if TYPE_CHECKING:
     from router.core.registry import Worker
-    from router.dataplane.proxy import Attempt
+    from router.dataplane.attempt import Attempt
 
 # The request path's short names for AbortAction's members (what to do with an attempt the router aborted).
 RETRY, ANSWER = AbortAction.RETRY, AbortAction.ANSWER

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import orjson
 
+# The head of every event stream the router answers with (relayed or its own).
+RESPONSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
 DONE = b"data: [DONE]\n\n"
 _DONE_PAYLOAD = b"[DONE]"
 _SEP = b"\n\n"

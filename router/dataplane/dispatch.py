@@ -1,0 +1,296 @@
+"""Dispatching one attempt's two legs to its pair and reading their answers.
+
+Both legs run as tasks of the request; a leg that fails first cancels the other (closing its connection and
+aborting its rids on the server), because the survivor would otherwise wait for a KV transfer that never
+comes. Nothing reaches the client before decode's first event, so every failure up to then raises
+`LegFailed`, for the proxy to answer or retry; from decode's first event on, `relay` streams to the client.
+Each leg holds its worker's in-flight count until it ends, and its outcome goes to the role's policy, the
+worker's failure count and the leg observers (passive health).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Awaitable, Callable
+
+import orjson
+from aiohttp import web
+
+from policies import Outcome, Policy
+from router.core.records import RequestRecord
+from router.core.registry import Registry, Role, Worker
+from router.core.request_shape import RequestShape
+from router.core.traffic import AbortAction
+from router.dataplane import sse
+from router.dataplane.aborts import aborted_before_first_token, some_sequence_aborted
+from router.dataplane.attempt import Attempt, Leg, LegFailed, first_done
+from router.dataplane.logprobs import index_prefill_events, merge_answer
+from router.dataplane.relay import ClientGone, relay
+from router.dataplane.sse import RESPONSE_HEADERS
+from router.dataplane.upstream_http import UpstreamError, UpstreamPool, UpstreamProtocolError, UpstreamResponse
+
+logger = logging.getLogger(__name__)
+
+# Before the first byte, a server error on either leg is retried on a fresh pair: in PD most 5xx are tied
+# to the pair (SGLang answers 500 for a KV transfer that failed because the *other* server died), so a new
+# pair usually succeeds. 4xx are the request's fault and go back as they are (except timeout / rate limit).
+RETRYABLE_CLIENT_STATUSES = frozenset({408, 429})
+ABORT_TIMEOUT_S = 5.0
+
+# (worker, verdict) for passive health: True served, False failed by the worker's fault (unreachable, 5xx,
+# stream cut), None no verdict (cancelled, client error, router abort).
+LegObserver = Callable[[Worker, "bool | None"], None]
+
+
+class Dispatcher:
+    """Runs attempts on their pairs: `unary` and `stream` return the client's response or raise LegFailed."""
+
+    def __init__(self, *, registry: Registry, upstream: UpstreamPool, policies: dict[Role, Policy],
+                 spawn: Callable[[Awaitable], asyncio.Task], abort_headers: bytes, retry_aborted: bool) -> None:
+        self.registry = registry
+        self.upstream = upstream  # the legs and their aborts
+        self.policies = policies
+        self.spawn = spawn  # owned background tasks (aborts, lingering prefill legs)
+        self.leg_observers: list[LegObserver] = []
+        self._abort_headers = abort_headers
+        self._retry_aborted = retry_aborted
+
+    def retry_abort(self, attempt: Attempt) -> bool:
+        """Whether a router-aborted attempt is re-sent (else the client gets the abort answer)."""
+        if attempt.abort_action is not None:
+            return attempt.abort_action == AbortAction.RETRY
+        return self._retry_aborted
+
+    # ---- legs --------------------------------------------------------------------------------------
+    def _open_leg(self, worker: Worker, role: Role, coro) -> Leg:
+        self.registry.acquire(worker)
+        return Leg(self, worker, role, asyncio.get_running_loop().create_task(coro))
+
+    def leg_done(self, worker: Worker, role: Role, outcome: Outcome, fault: bool = True) -> None:
+        self.registry.release(worker)
+        if outcome is Outcome.SUCCESS:
+            verdict: bool | None = True
+        else:
+            verdict = False if outcome is Outcome.ERROR and fault else None
+            if outcome is Outcome.ERROR:
+                worker.failures_total += 1
+        for observe in self.leg_observers:
+            observe(worker, verdict)
+        self.policies[role].on_complete(worker, outcome)
+
+    def abort_on(self, worker: Worker, rids: list[str]) -> None:
+        if rids:
+            self.spawn(self._send_aborts(worker, rids))
+
+    async def _send_aborts(self, worker: Worker, rids: list[str]) -> None:
+        # Over the legs' pool: a burst of disconnects (a load test stopping, a client timing out many
+        # requests) sends two aborts per request while the router is busiest.
+        for rid in rids:
+            try:
+                async with asyncio.timeout(ABORT_TIMEOUT_S):
+                    resp = await self.upstream.post(worker.url, "/abort_request", orjson.dumps({"rid": rid}),
+                                                    self._abort_headers)
+                    try:
+                        await resp.read()
+                    finally:
+                        resp.close()
+            except (UpstreamError, TimeoutError, OSError) as exc:
+                logger.debug("abort of %s on %s failed: %s", rid, worker.url, exc)
+
+    def _failure(self, leg: Leg, attempt: Attempt) -> LegFailed | None:
+        """Classify a finished leg task: None if it answered 200."""
+        task, worker, role = leg.task, leg.worker, leg.role
+        router_abort = attempt.router_aborted()
+        if task.cancelled():
+            if attempt.evicted is not None:
+                return LegFailed(worker, 502, b"", "", retryable=True,
+                                 reason=f"{role} {worker.url} given up: {attempt.evicted}")
+            exc: BaseException | None = asyncio.CancelledError("leg cancelled")
+        else:
+            exc = task.exception()
+        if exc is not None:
+            if not isinstance(exc, (UpstreamError, asyncio.TimeoutError, OSError, asyncio.CancelledError)):
+                raise exc
+            return LegFailed(worker, 502, b"", "", retryable=True, router_abort=router_abort,
+                             reason=f"{role} {worker.url} failed: {type(exc).__name__}: {exc}")
+        status, body, content_type = task.result()[:3]
+        if status == 200:
+            return None
+        retryable = status >= 500 or status in RETRYABLE_CLIENT_STATUSES
+        text = body[:300].decode(errors="replace")
+        return LegFailed(worker, status, body, content_type, retryable=retryable, router_abort=router_abort,
+                         reason=f"{role} {worker.url} answered {status}: {text}")
+
+    def _conclude(self, leg: Leg, attempt: Attempt) -> LegFailed | None:
+        """Close a finished leg, counting its outcome; return its failure if any."""
+        failure = self._failure(leg, attempt)
+        if failure is None:
+            leg.finish(Outcome.SUCCESS)
+        else:
+            leg.finish(Outcome.ERROR, fault=failure.worker_fault)
+        return failure
+
+    async def _finish_later(self, leg: Leg, attempt: Attempt) -> None:
+        """A prefill leg still running after decode answered: keep it counted until it ends."""
+        try:
+            await first_done((leg.task,))
+            self._conclude(leg, attempt)
+        except asyncio.CancelledError:  # router shutting down
+            leg.cancel(attempt.rids)
+            raise
+        except Exception:
+            leg.finish(Outcome.ERROR, fault=False)
+
+    def _post(self, worker: Worker, path: str, attempt: Attempt, headers: bytes) -> Awaitable[UpstreamResponse]:
+        return self.upstream.post(worker.url, path, attempt.payload, headers)
+
+    # ---- non-streaming -----------------------------------------------------------------------------
+    async def _unary_leg(self, worker: Worker, path: str, attempt: Attempt, headers) -> tuple[int, bytes, str]:
+        resp = await self._post(worker, path, attempt, headers)
+        try:
+            return resp.status, await resp.read(), resp.content_type
+        finally:
+            resp.close()
+
+    async def unary(self, path, attempt: Attempt, shape: RequestShape, headers, record) -> web.Response:
+        p = self._open_leg(attempt.prefill, Role.PREFILL, self._unary_leg(attempt.prefill, path, attempt, headers))
+        d = self._open_leg(attempt.decode, Role.DECODE, self._unary_leg(attempt.decode, path, attempt, headers))
+        attempt.legs = [p, d]
+        try:
+            while d.is_open:
+                await first_done([leg.task for leg in (p, d) if leg.is_open])
+                for leg, other in ((p, d), (d, p)):
+                    if leg.is_open and leg.task.done():
+                        failure = self._conclude(leg, attempt)
+                        if failure is not None:
+                            other.cancel(attempt.rids)
+                            raise failure
+            status, body, content_type = d.task.result()
+            if attempt.router_aborted() and self.retry_abort(attempt) and some_sequence_aborted(body):
+                # Nothing has reached the client yet, so even a partial answer can be re-sent whole.
+                p.cancel(attempt.rids)
+                raise LegFailed(d.worker, status, body, content_type, retryable=False, router_abort=True,
+                                reason="aborted by the router before the client saw a token")
+            if shape.return_logprob:
+                if p.is_open:
+                    await first_done((p.task,))
+                    self._conclude(p, attempt)
+                if not p.task.cancelled() and p.task.exception() is None and p.task.result()[0] == 200:
+                    answer = orjson.loads(body)
+                    merge_answer(orjson.loads(p.task.result()[1]), answer)
+                    body = orjson.dumps(answer)
+            if p.is_open:
+                p.detach()
+                self.spawn(self._finish_later(p, attempt))
+            return web.Response(body=body, status=status, content_type=content_type or "application/json")
+        except asyncio.CancelledError:
+            # The client went away (or the deadline passed): stop both legs on the servers too.
+            p.cancel(attempt.rids)
+            d.cancel(attempt.rids)
+            raise
+        finally:
+            p.ensure_closed()
+            d.ensure_closed()
+
+    # ---- streaming ---------------------------------------------------------------------------------
+    async def _prefill_stream_leg(self, worker: Worker, path: str, attempt: Attempt, headers,
+                                  keep_events: bool) -> tuple[int, bytes, str, list]:
+        """Read prefill's whole answer (it streams one token); keep its events when logprobs are merged."""
+        resp = await self._post(worker, path, attempt, headers)
+        try:
+            body = await resp.read()
+        finally:
+            resp.close()
+        events = []
+        if resp.status == 200 and keep_events:
+            splitter = sse.EventSplitter()
+            events = [e for raw in splitter.feed(body + b"\n\n") if (e := sse.parse_event(raw)) is not None]
+        return resp.status, body, resp.content_type, events
+
+    async def _decode_first_event(self, worker: Worker, path: str, attempt: Attempt, headers):
+        """Open decode's stream and read up to its first complete event.
+
+        Returns (status, error body, content type, (response, events, splitter) or None)."""
+        resp = await self._post(worker, path, attempt, headers)
+        try:
+            if resp.status != 200:
+                return resp.status, await resp.read(), resp.content_type, None
+            splitter = sse.EventSplitter()
+            async for chunk in resp:
+                events = splitter.feed(chunk)
+                if events:
+                    opened, resp = resp, None  # ownership passes to the caller
+                    return 200, b"", opened.content_type, (opened, events, splitter)
+            raise UpstreamProtocolError("decode stream ended before its first event")
+        finally:
+            if resp is not None:
+                resp.close()
+
+    async def stream(self, request: web.Request, path, attempt: Attempt, shape: RequestShape, headers,
+                     record: RequestRecord) -> web.StreamResponse:
+        p = self._open_leg(attempt.prefill, Role.PREFILL,
+                           self._prefill_stream_leg(attempt.prefill, path, attempt, headers, shape.return_logprob))
+        d = self._open_leg(attempt.decode, Role.DECODE,
+                           self._decode_first_event(attempt.decode, path, attempt, headers))
+        attempt.legs = [p, d]
+        d_resp: UpstreamResponse | None = None
+        try:
+            # Phase 1: until decode's first event, any failure is answered (or retried) as plain HTTP.
+            while not d.task.done():
+                await first_done([leg.task for leg in (p, d) if leg.is_open and not leg.task.done()])
+                if p.is_open and p.task.done():
+                    failure = self._conclude(p, attempt)
+                    if failure is not None:
+                        d.cancel(attempt.rids)
+                        raise failure
+            failure = self._failure(d, attempt)
+            if failure is not None:
+                d.finish(Outcome.ERROR, fault=failure.worker_fault)
+                p.cancel(attempt.rids)
+                raise failure
+            d_resp, events, splitter = d.task.result()[3]
+            if attempt.router_aborted() and self.retry_abort(attempt) \
+                    and aborted_before_first_token(sse.parse_event(events[0])):
+                d.finish(Outcome.CANCELLED)
+                p.cancel(attempt.rids)
+                raise LegFailed(d.worker, 200, b"", "", retryable=False, router_abort=True,
+                                reason="aborted by the router before the first token")
+
+            # Phase 2: the client sees a stream from here on.
+            attempt.streaming = True
+            prefill_first: dict[int, dict] = {}
+            if shape.return_logprob:
+                if p.is_open:
+                    await first_done((p.task,))
+                    self._conclude(p, attempt)
+                if not p.task.cancelled() and p.task.exception() is None:
+                    prefill_first = index_prefill_events(p.task.result()[3])
+            if p.is_open:
+                # Decode has its KV: the prefill leg holds its worker until its own answer ends, not until
+                # decode's stream does (that would count it as prefill load, and stretch prefill drains).
+                p.detach()
+                self.spawn(self._finish_later(p, attempt))
+            response = web.StreamResponse(status=200, headers=RESPONSE_HEADERS)
+            record.response = response
+            await response.prepare(request)
+            first_at = time.monotonic()
+            record.ttft_s = first_at - record.started
+            ok = await relay(response, d_resp, events, splitter, prefill_first, record, first_at)
+            d.finish(Outcome.SUCCESS if ok else Outcome.ERROR)
+            return response
+        except (asyncio.CancelledError, ClientGone):
+            record.outcome = "client_disconnect"
+            p.cancel(attempt.rids)
+            d.cancel(attempt.rids)
+            raise
+        finally:
+            if d_resp is not None:
+                d_resp.close()
+            elif d.task.done() and not d.task.cancelled() and d.task.exception() is None:
+                opened = d.task.result()[3]
+                if opened is not None:
+                    opened[0].close()
+            p.ensure_closed()
+            d.ensure_closed()

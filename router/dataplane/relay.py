@@ -1,0 +1,103 @@
+"""Relaying decode's stream to the client, once its first event is in and the client's stream has begun.
+
+From here on the client has seen bytes: a failure can no longer be answered as plain HTTP nor retried, so
+it ends the stream with an SSE error event and `[DONE]`. Bytes are passed on as they come, except when
+prefill's logprobs are merged into decode's events (then each event is rewritten).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from aiohttp import web
+
+from router.core.records import RequestRecord
+from router.dataplane import sse
+from router.dataplane.logprobs import merge_meta
+from router.dataplane.upstream_http import UpstreamError, UpstreamResponse
+
+logger = logging.getLogger(__name__)
+
+
+class ClientGone(Exception):
+    """Writing to the client failed: it disconnected."""
+
+
+async def relay(response: web.StreamResponse, d_resp: UpstreamResponse, events: list[bytes],
+                splitter: sse.EventSplitter, prefill_first: dict[int, dict], record: RequestRecord,
+                first_at: float) -> bool:
+    """Relay decode's stream; True if it ended with [DONE]. Mid-stream failure → error event + [DONE]."""
+    merge = bool(prefill_first)
+    last_at = first_at
+    saw_done = False
+
+    async def write(data: bytes) -> None:
+        try:
+            await response.write(data)
+        except (ConnectionResetError, ConnectionError) as exc:
+            raise ClientGone(str(exc)) from None
+
+    def rewrite(raw_events: list[bytes]) -> bytes:
+        nonlocal saw_done
+        out = []
+        for raw in raw_events:
+            if sse.is_done(raw):
+                saw_done = True
+            elif merge:
+                payload = sse.parse_event(raw)
+                if isinstance(payload, dict):
+                    merge_meta(prefill_first.get(payload.get("index", 0)), payload)
+                    raw = sse.event(payload)
+            out.append(raw)
+        return b"".join(out)
+
+    try:
+        await write(rewrite(events))
+        record.events = len(events)
+        if merge:
+            async for chunk in d_resp:
+                new = splitter.feed(chunk)
+                if new:
+                    last_at = time.monotonic()
+                    record.events += len(new)
+                    await write(rewrite(new))
+        else:
+            # Relay bytes as they come; only the tail is inspected for the final [DONE].
+            tail = splitter.rest()
+            if tail:
+                await write(tail)
+            async for chunk in d_resp:
+                last_at = time.monotonic()
+                record.events += chunk.count(b"data:")
+                await write(chunk)
+                tail = (tail + chunk)[-64:]
+            saw_done = saw_done or tail.rstrip(b"\r\n").endswith(sse.DONE.rstrip(b"\n"))
+    except (UpstreamError, asyncio.TimeoutError) as exc:
+        record.outcome = "error"
+        record.error = f"decode stream failed: {exc}"
+        logger.warning("decode %s failed mid-stream: %s", record.decode.url if record.decode else "?", exc)
+        await write(sse.error_event(f"decode worker failed mid-stream: {type(exc).__name__}: {exc}") + sse.DONE)
+        return False
+    if record.events > 1:
+        record.itl_s = (last_at - first_at) / (record.events - 1)
+    if not saw_done:
+        record.outcome = "error"
+        record.error = "decode stream ended without [DONE]"
+        await write(sse.error_event("decode worker closed the stream before [DONE]") + sse.DONE)
+        return False
+    try:
+        await response.write_eof()
+    except (ConnectionResetError, ConnectionError) as exc:
+        raise ClientGone(str(exc)) from None
+    return True
+
+
+async def end_stream_with_error(response: web.StreamResponse, message: str, code: int) -> None:
+    """The deadline passed after the stream began: a timeout error event and [DONE], if the client is there."""
+    try:
+        await response.write(sse.error_event(message, code=code, type_="timeout") + sse.DONE)
+        await response.write_eof()
+    except (ConnectionResetError, ConnectionError, RuntimeError):
+        pass
