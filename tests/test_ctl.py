@@ -7,6 +7,7 @@ import asyncio
 import json
 import os
 import signal
+import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -322,3 +323,18 @@ async def test_pd_router_serves_as_before_and_its_ctl_reads_it():
         finally:
             router.send_signal(signal.SIGINT)  # Ctrl-C: the router shuts down cleanly
             assert await asyncio.wait_for(router.wait(), 30) == 0
+
+
+def test_ctl_help_does_not_load_the_server():
+    """`pd-router ctl` imports nothing of the server (aiohttp, the app), so it answers fast; `pd-router --help`
+    points to it."""
+    probe = ("import sys\nfrom router.__main__ import main\ntry:\n    main(['ctl', '--help'])\nexcept SystemExit as e:\n"
+             "    assert e.code == 0\nloaded = sorted(m for m in sys.modules if m.split('.')[0] == 'aiohttp'"
+             " or m.startswith('router.server'))\nprint('LOADED', loaded)")
+    proc = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert "Exit codes: 0 ok; 1 the operation failed" in proc.stdout
+    assert proc.stdout.splitlines()[-1] == "LOADED []"
+    server_help = subprocess.run([sys.executable, "-m", "router", "--help"], cwd=REPO, capture_output=True, text=True,
+                                 timeout=60)
+    assert server_help.returncode == 0 and "pd-router ctl --help" in server_help.stdout

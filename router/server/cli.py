@@ -111,6 +111,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="pd-router",
         description="Router for SGLang prefill/decode disaggregation (drop-in for mini_lb).",
+        epilog="To see and act on a running router: pd-router ctl --help",
     )
     add = p.add_argument
     # mini_lb / sglang_router forms
