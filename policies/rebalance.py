@@ -51,7 +51,7 @@ GUARDS = (NO_SIGNAL, DEADBAND, MARGIN, WARMUP, BUSY, COOLDOWN, FAILURE_COOLDOWN,
 PREFILL, DECODE = "prefill", "decode"
 
 
-class Mode(str, enum.Enum):
+class RebalanceMode(str, enum.Enum):
     OFF = "off"  # not even observed
     ADVISORY = "advisory"  # decide and record "would convert X", change nothing
     ENABLED = "enabled"  # decide and convert
@@ -62,7 +62,7 @@ class Mode(str, enum.Enum):
 
 @dataclass(frozen=True, slots=True)
 class RebalanceConfig:
-    mode: Mode = Mode.ADVISORY
+    mode: RebalanceMode = RebalanceMode.ADVISORY
     interval_secs: float = 5.0  # one observation and decision per interval
     window_secs: float = 15.0  # latency samples older than this are forgotten
     warmup_secs: float = 30.0
@@ -84,16 +84,17 @@ class RebalanceConfig:
     conversion_mode: str = "drain"
 
     def __post_init__(self) -> None:
-        if not isinstance(self.mode, Mode) and isinstance(self.mode, str):
+        if not isinstance(self.mode, RebalanceMode) and isinstance(self.mode, str):
             try:
-                object.__setattr__(self, "mode", Mode(self.mode))
+                object.__setattr__(self, "mode", RebalanceMode(self.mode))
             except ValueError:
                 pass  # reported by problems()
 
     def problems(self) -> list[str]:
         found = []
-        if not isinstance(self.mode, Mode):
-            found.append(f"rebalance mode must be one of {', '.join(m.value for m in Mode)}, got {self.mode!r}")
+        if not isinstance(self.mode, RebalanceMode):
+            found.append(f"rebalance mode must be one of {', '.join(m.value for m in RebalanceMode)}, "
+                         f"got {self.mode!r}")
         for name in ("interval_secs", "window_secs", "ttft_target_secs", "itl_target_secs", "queue_target",
                      "kv_target", "min_pressure"):
             value = getattr(self, name)
@@ -130,7 +131,7 @@ class RebalanceConfig:
 
     def to_dict(self) -> dict:
         out = asdict(self)
-        out["mode"] = self.mode.value if isinstance(self.mode, Mode) else self.mode
+        out["mode"] = self.mode.value if isinstance(self.mode, RebalanceMode) else self.mode
         return out
 
 

@@ -11,7 +11,7 @@ from router.api.control_bodies import (AbortRequest, BeginUpdate, ContinueGenera
 from router.api.conversion_bodies import ConvertPdRole, ConvertWorker, PdRoleSwitch
 from router.core.errors import BadRequest
 from router.core.registry import Role
-from router.flows.conversion import CONVERT_PD_ROLE, Mode
+from router.flows.conversion import CONVERT_PD_ROLE, DrainMode
 
 UPDATE_COMMON = {"abort_all_requests": True, "weight_version": "v2", "load_format": None, "flush_cache": False,
                  "torch_empty_cache": True}
@@ -104,7 +104,7 @@ def test_json_types_are_taken_as_they_are(model, body, field):
 def test_conversion_null_means_not_given_but_an_unknown_null_is_refused():
     body = parse_body(PdRoleSwitch, {"worker_url": "http://h:1", "new_role": "decode", "mode": None,
                                      "drain_timeout_secs": None, "bootstrap_port": None}, "pd_role_switch")
-    assert body.mode is Mode.DRAIN and body.plan().server_options == {}
+    assert body.mode is DrainMode.DRAIN and body.plan().server_options == {}
     assert problems_of(PdRoleSwitch, {"worker_url": None, "new_role": "decode"})["problems"] == [
         "worker_url is required"]
     assert problems_of(ConvertWorker, {"drain": None})["param"] == "drain"
@@ -119,7 +119,7 @@ def test_conversion_bodies_become_plans():
     plan = parse_body(PdRoleSwitch, {"worker_url": "http://h:1", "new_role": "decode", "mode": "abort",
                                      "drain_timeout_secs": 5, "decode_cuda_graph_memory_gb": 0,
                                      "server_options": {"prepare_only": True}}, "pd_role_switch").plan()
-    assert (plan.mode, plan.new_role, plan.empty_timeout_s, plan.api) == (Mode.ABORT, Role.DECODE, 5, None)
+    assert (plan.mode, plan.new_role, plan.empty_timeout_s, plan.api) == (DrainMode.ABORT, Role.DECODE, 5, None)
     assert plan.server_options == {"decode_cuda_graph_memory_gb": 0}
     assert plan.raw_server_options == {"prepare_only": True}
     seed = parse_body(ConvertPdRole, {"server_url": "http://h:1", "disable_radix_cache": True,

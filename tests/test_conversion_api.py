@@ -268,6 +268,24 @@ async def test_abort_mode_marks_the_worker_and_aborts_all(fake_fleet, make_route
     assert {"abort_all": True} in p2.aborts and worker.abort_epoch > epoch
 
 
+async def test_abort_mode_aborts_again_while_busy_and_counts_the_routers_requests_once(fake_fleet, make_router):
+    p1, p2, d1 = await fake_fleet(2, 1)
+    client = await make_router([p1, p2], [d1])
+    requests = await hold_a_request_on(client, p2, other=p1)
+    worker = worker_of(client, p2)
+    resp = await client.post(f"/admin/workers/{worker.id}/convert", json={"mode": "abort", "wait": False})
+    record = await resp.json()
+    assert resp.status == 202, record
+    # The fake ignores aborts: while its request is still there, the router aborts the worker again.
+    await wait_for(lambda: p2.aborts.count({"abort_all": True}) >= 3, timeout=10, message="repeated aborts")
+    p2.release.set()
+    await asyncio.gather(*requests)
+    record = await conversion_done(client, record["id"])
+    assert record["outcome"] == "converted" and record["steps"][0]["attempts"] >= 3
+    text = await (await client.get("/metrics")).text()
+    assert 'pd_router_aborts_total{reason="conversion"} 1.0' in text
+
+
 @pytest.mark.parametrize("path,body,problem", [
     ("/pd_role_switch", {"worker_url": "URL", "new_role": "decode", "drain_timeout": 3}, "unknown field(s) drain_timeout"),
     ("/pd_role_switch", {"worker_url": "URL"}, "new_role is required"),

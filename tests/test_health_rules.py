@@ -13,7 +13,7 @@ from router.control.health import (
     after_probe,
     breaker_after_time,
     breaker_after_verdict,
-    fleet_weight_version,
+    agreed_weight_version,
     health_verdict,
     rejoin_refusal,
 )
@@ -157,8 +157,8 @@ def test_full_breaker_cycle_with_fake_clock():
     (["v2", "v2", None], "v2"),
     (["v1", "v2"], None),  # no agreement: nothing to hold a returning worker to
 ])
-def test_fleet_weight_version(versions, fleet):
-    assert fleet_weight_version(versions) == fleet
+def test_agreed_weight_version(versions, fleet):
+    assert agreed_weight_version(versions) == fleet
 
 
 @pytest.mark.parametrize("version,fleet,refused", [

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from policies import ServerLoad
-from policies.rebalance import Mode, RebalanceConfig
+from policies.rebalance import RebalanceMode, RebalanceConfig
 from router.server.cli import config_from_args
 from router.core.config import ConfigError, LoadMonitorConfig
 from router.core.keys import LOAD_MONITOR, PROXY, REBALANCER
@@ -186,7 +186,7 @@ QUICK_REBALANCE = dict(warmup_secs=0, confirmations=1, interval_secs=3600)  # ti
 async def test_enabled_rebalancer_converts_through_the_conversion_flow(fake_fleet, make_router):
     p1, p2, d1, d2 = await fake_fleet(2, 2)
     client = await make_router([p1, p2], [d1, d2], **NO_POLL,
-                               rebalance=RebalanceConfig(mode=Mode.ENABLED, **QUICK_REBALANCE))
+                               rebalance=RebalanceConfig(mode=RebalanceMode.ENABLED, **QUICK_REBALANCE))
     _hot_prefill(client)
     rebalancer = client.app[REBALANCER]
     decision = rebalancer.tick()

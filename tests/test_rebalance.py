@@ -8,7 +8,7 @@ import pytest
 
 from policies.rebalance import (
     BUSY, CONFIRMATIONS, COOLDOWN, DEADBAND, FAILURE_COOLDOWN, FLOOR, MARGIN, NO_CANDIDATE, NO_SIGNAL, WARMUP,
-    Mode, Observation, RebalanceConfig, RebalanceState, UnknownFields, WorkerView, conversion_ended, decide,
+    RebalanceMode, Observation, RebalanceConfig, RebalanceState, UnknownFields, WorkerView, conversion_ended, decide,
     initial_state, pool_pressures,
 )
 
@@ -216,5 +216,5 @@ def test_config_rejects_unknown_keys_and_parses_the_mode():
     with pytest.raises(UnknownFields, match="bogus"):
         RebalanceConfig().with_changes({"bogus": 1, "mode": "enabled"})
     config = RebalanceConfig().with_changes({"mode": "enabled", "cooldown_secs": 5})
-    assert config.mode is Mode.ENABLED and config.to_dict()["mode"] == "enabled"
+    assert config.mode is RebalanceMode.ENABLED and config.to_dict()["mode"] == "enabled"
     assert len(RebalanceConfig(interval_secs=0, confirmations=0, min_improvement=2).problems()) == 3

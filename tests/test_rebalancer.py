@@ -9,7 +9,7 @@ from dataclasses import replace
 import pytest
 
 from policies import ServerLoad
-from policies.rebalance import BUSY, COOLDOWN, FAILURE_COOLDOWN, Mode, RebalanceConfig
+from policies.rebalance import BUSY, COOLDOWN, FAILURE_COOLDOWN, RebalanceMode, RebalanceConfig
 from router.core.records import RequestRecord
 from router.flows.rebalancer import ConversionResult, LatencyWindow, Rebalancer
 from router.core.registry import Registry, Role, WorkerState
@@ -95,7 +95,7 @@ def test_advisory_mode_records_would_convert_and_changes_nothing():
 async def test_enabled_mode_converts_through_the_flow_one_at_a_time():
     registry = fleet()
     converter = FakeConverter(registry)
-    rebalancer, clock = make(registry, replace(CONFIG, mode=Mode.ENABLED, confirmations=1), converter)
+    rebalancer, clock = make(registry, replace(CONFIG, mode=RebalanceMode.ENABLED, confirmations=1), converter)
     decision = rebalancer.tick()
     assert decision.convert and rebalancer.decisions[-1]["applied"] == "started"
     await wait_for(lambda: converter.calls)
@@ -118,7 +118,7 @@ async def test_a_failed_conversion_starts_the_failure_cooldown():
     registry = fleet()
     converter = FakeConverter(registry, ok=False)
     converter.gate.set()
-    rebalancer, clock = make(registry, replace(CONFIG, mode=Mode.ENABLED, confirmations=1), converter)
+    rebalancer, clock = make(registry, replace(CONFIG, mode=RebalanceMode.ENABLED, confirmations=1), converter)
     assert rebalancer.tick().convert
     await wait_for(lambda: rebalancer.counters["conversions_failed"] == 1)
     clock.now += 100
@@ -133,14 +133,14 @@ async def test_a_converter_that_raises_does_not_stop_the_rebalancer():
         async def convert(self, worker, to_role, *, reason, mode):
             raise RuntimeError("flow bug")
 
-    rebalancer, _ = make(registry, replace(CONFIG, mode=Mode.ENABLED, confirmations=1), Broken())
+    rebalancer, _ = make(registry, replace(CONFIG, mode=RebalanceMode.ENABLED, confirmations=1), Broken())
     rebalancer.tick()
     await wait_for(lambda: rebalancer.applying is None and rebalancer.conversions)
     assert rebalancer.conversions[-1]["ok"] is False and "flow bug" in rebalancer.conversions[-1]["detail"]
 
 
 def test_enabled_without_a_conversion_flow_refuses_visibly():
-    rebalancer, _ = make(fleet(), replace(CONFIG, mode=Mode.ENABLED, confirmations=1))
+    rebalancer, _ = make(fleet(), replace(CONFIG, mode=RebalanceMode.ENABLED, confirmations=1))
     assert rebalancer.tick().convert
     assert rebalancer.decisions[-1]["applied"].startswith("not applied")
     assert rebalancer.counters["conversions_failed"] == 1 and rebalancer.state.last_failure_at is not None
@@ -156,7 +156,7 @@ def test_an_operators_conversion_counts_as_busy():
 
 
 def test_off_mode_does_nothing_and_reconfigure_validates():
-    rebalancer, clock = make(fleet(), replace(CONFIG, mode=Mode.OFF))
+    rebalancer, clock = make(fleet(), replace(CONFIG, mode=RebalanceMode.OFF))
     assert rebalancer.tick() is None and not rebalancer.decisions
     with pytest.raises(ValueError):
         rebalancer.reconfigure({"mode": "sometimes"})

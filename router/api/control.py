@@ -24,7 +24,7 @@ from router.api.info import any_prefill_first
 from router.core.errors import BadRequest, NotFound, ServiceUnavailable, json_response
 from router.core.keys import CONFIG, METRICS, REGISTRY, TASKS, TRAFFIC, UPSTREAM, WEIGHTS
 from router.core.redact import redact
-from router.flows.fleet import INFO_TIMEOUT, fleet_weight_version
+from router.flows.fleet import INFO_TIMEOUT, read_fleet_weight_version
 from router.flows.weights import DISK, DISTRIBUTED, TENSOR, UPDATE_KINDS, VERSION, WeightFlow
 
 
@@ -149,7 +149,7 @@ async def model_info(request: web.Request) -> web.Response:
     if data is None:
         raise ServiceUnavailable("There is no server registered" if last is None
                                  else f"no worker answered: {last.message()}")
-    fleet = await fleet_weight_version(registry, upstream, _flow(request).targets())
+    fleet = await read_fleet_weight_version(registry, upstream, _flow(request).targets())
     data["weight_version"] = fleet.version
     if not fleet.consistent:
         data["weight_versions"] = fleet.workers

@@ -12,15 +12,15 @@ from pydantic import Field, model_validator
 from router.api.bodies import (Body, Flag, JsonObject, NonNegativeNumber, Port, PositiveIntegers, PositiveNumber,
                                WorkerUrl, one_of)
 from router.core.registry import Role
-from router.flows.conversion import CONVERT_PD_ROLE, SERVER_OPTIONS, Mode, Plan
+from router.flows.conversion import CONVERT_PD_ROLE, SERVER_OPTIONS, DrainMode, Plan
 
-# Enums are read from their JSON values (`strict=False` lets "drain" be Mode.DRAIN; nothing else passes).
-DrainModeField = Annotated[Mode, Field(strict=False, description=one_of(m.value for m in Mode))]
+# Enums are read from their JSON values (`strict=False` lets "drain" be DrainMode.DRAIN; nothing else passes).
+DrainModeField = Annotated[DrainMode, Field(strict=False, description=one_of(m.value for m in DrainMode))]
 RoleField = Annotated[Role, Field(strict=False, description=one_of(r.value for r in Role))]
 
 
 class ConversionBody(Body):
-    mode: DrainModeField = Mode.DRAIN
+    mode: DrainModeField = DrainMode.DRAIN
     server_options: JsonObject = None  # sent verbatim to whichever switch API the server has
     # The server options the router knows (SERVER_OPTIONS), given at the top level of the body.
     decode_cuda_graph_bs: PositiveIntegers = None

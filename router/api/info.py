@@ -3,12 +3,11 @@ with the servers' statuses taken into account (mini_lb ignores them)."""
 
 from __future__ import annotations
 
-import asyncio
-from typing import Awaitable, Callable, Iterable
+from typing import Iterable
 
 from aiohttp import web
 
-from router.control.upstream import Reply
+from router.control.upstream import Reply, fan_out
 from router.core.errors import ServiceUnavailable, json_response
 from router.core.keys import ADMISSION, REGISTRY, UPSTREAM
 from router.core.redact import redact
@@ -17,13 +16,7 @@ from router.core.registry import Registry, Role, Worker, WorkerState
 ADMIN_TIMEOUT = 30.0
 
 
-async def fan_out(workers: Iterable[Worker], call: Callable[[Worker], Awaitable[Reply]]) -> list[tuple[Worker, Reply]]:
-    workers = list(workers)
-    replies = await asyncio.gather(*(call(w) for w in workers))
-    return list(zip(workers, replies))
-
-
-def worker_outcomes(results: list[tuple[Worker, Reply]]) -> list[dict]:
+def worker_outcomes(results: Iterable[tuple[Worker, Reply]]) -> list[dict]:
     return [{"url": w.url, "role": w.role.value, "success": r.success(), "status": r.status,
              "message": r.message()} for w, r in results]
 
@@ -62,8 +55,8 @@ async def health_generate(request: web.Request) -> web.Response:
     workers = [w for w in registry.workers() if w.routable]
     if not workers:
         raise ServiceUnavailable("no routable worker")
-    results = await fan_out(workers, lambda w: upstream.get(w.url, "/health_generate", timeout=ADMIN_TIMEOUT))
-    outcomes = worker_outcomes(results)
+    replies = await fan_out(workers, lambda w: upstream.get(w.url, "/health_generate", timeout=ADMIN_TIMEOUT))
+    outcomes = worker_outcomes(zip(workers, replies))
     roles_ok = {role: any(o["success"] for o in outcomes if o["role"] == role.value) for role in Role}
     ok = all(roles_ok.values()) and all(o["success"] for o in outcomes)
     return json_response({"success": ok, "workers": outcomes}, status=200 if ok else 503)
@@ -72,9 +65,9 @@ async def health_generate(request: web.Request) -> web.Response:
 async def flush_cache(request: web.Request) -> web.Response:
     registry, upstream = request.app[REGISTRY], request.app[UPSTREAM]
     query = f"?timeout={request.query['timeout']}" if "timeout" in request.query else ""
-    results = await fan_out(reachable_workers(registry),
-                            lambda w: upstream.post(w.url, "/flush_cache" + query, timeout=ADMIN_TIMEOUT))
-    outcomes = worker_outcomes(results)
+    workers = reachable_workers(registry)
+    replies = await fan_out(workers, lambda w: upstream.post(w.url, "/flush_cache" + query, timeout=ADMIN_TIMEOUT))
+    outcomes = worker_outcomes(zip(workers, replies))
     ok = all(o["success"] for o in outcomes)
     failed = [o["url"] for o in outcomes if not o["success"]]
     message = "Cache flushed on every worker." if ok else f"Flush cache failed on {', '.join(failed)}."
@@ -84,7 +77,7 @@ async def flush_cache(request: web.Request) -> web.Response:
 async def server_info(request: web.Request) -> web.Response:
     registry, upstream = request.app[REGISTRY], request.app[UPSTREAM]
     workers = reachable_workers(registry)
-    results = await fan_out(workers, lambda w: upstream.server_info(w.url, timeout=ADMIN_TIMEOUT))
+    results = list(zip(workers, await fan_out(workers, lambda w: upstream.server_info(w.url, timeout=ADMIN_TIMEOUT))))
     prefill = [redact(r.data) for w, r in results if w.role is Role.PREFILL and r.ok]
     decode = [redact(r.data) for w, r in results if w.role is Role.DECODE and r.ok]
     states = [s for d in decode if isinstance(d, dict) for s in (d.get("internal_states") or [])]

@@ -113,7 +113,7 @@ def breaker_after_time(state: BreakerState, now: float, config: BreakerConfig) -
     return state
 
 
-def fleet_weight_version(versions: list[str | None]) -> str | None:
+def agreed_weight_version(versions: list[str | None]) -> str | None:
     """The version the routable fleet agrees on: the only one reported, else None (no agreement to keep)."""
     known = Counter(v for v in versions if v is not None)
     return next(iter(known)) if len(known) == 1 else None
@@ -341,7 +341,7 @@ class HealthMonitor:
     async def _rejoin_refusal(self, worker: Worker) -> str | None:
         """A worker coming back must carry the fleet's weights (it may have missed an update while away)."""
         others = [w.weight_version for w in self.registry.workers() if w is not worker and w.routable]
-        fleet = fleet_weight_version(others)
+        fleet = agreed_weight_version(others)
         if fleet is None:
             return None
         reply = await self.upstream.server_info(worker.url, timeout=min(self.health.timeout_secs, INFO_TIMEOUT))

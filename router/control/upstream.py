@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Awaitable, Callable, Iterable, TypeVar
 
 import aiohttp
 import orjson
@@ -21,6 +21,14 @@ from router.core.redact import redact_text
 logger = logging.getLogger(__name__)
 
 JSON_HEADERS = {"Content-Type": "application/json"}
+
+W = TypeVar("W")
+T = TypeVar("T")
+
+
+async def fan_out(workers: Iterable[W], call: Callable[[W], Awaitable[T]]) -> list[T]:
+    """Make one call per worker, all at once; the answers come back in the workers' order."""
+    return list(await asyncio.gather(*(call(w) for w in workers)))
 
 
 @dataclass(slots=True)

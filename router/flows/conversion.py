@@ -30,10 +30,12 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable
 
-from router.control.health import fleet_weight_version, rejoin_refusal
+from router.control.health import agreed_weight_version, rejoin_refusal
 from router.control.upstream import Reply, Upstream, bootstrap_port_of, live_role_of, weight_version_of
 from router.core.errors import BadGateway, Conflict
 from router.core.registry import Registry, Role, Worker, WorkerState
+from router.flows.fleet import ABORT_REPEAT_SECS
+from router.flows.steps import Step
 
 logger = logging.getLogger(__name__)
 
@@ -46,7 +48,6 @@ SWITCH_APIS = (PD_ROLE_SWITCH, CONVERT_PD_ROLE)  # probing order when the server
 DEFAULT_DECODE_CUDA_GRAPH_MEMORY_GB = 0.0
 VERIFY_TIMEOUT_SECS = 15.0
 HISTORY_SIZE = 100
-ABORT_REPEAT_SECS = 1.0  # abort mode: abort again if the worker is not idle by then (a request slipped in)
 INFO_TIMEOUT = 5.0
 HEALTH_TIMEOUT = 25.0  # 0.5.23's /health runs a 1-token generation and waits up to 20 s for progress
 POLL_FIRST, POLL_MAX = 0.01, 0.2
@@ -64,7 +65,7 @@ SERVER_OPTIONS: dict[str, frozenset[str]] = {
 }
 
 
-class Mode(str, enum.Enum):
+class DrainMode(str, enum.Enum):
     DRAIN = "drain"  # stop routing; wait for in-flight requests to finish
     ABORT = "abort"  # stop routing; abort everything on the worker; wait until it is idle
 
@@ -72,7 +73,7 @@ class Mode(str, enum.Enum):
         return self.value
 
 
-class Outcome(str, enum.Enum):
+class ConversionOutcome(str, enum.Enum):
     CONVERTED = "converted"  # active in the new pool
     RESTORED = "restored"  # failed safely: active again in the old pool
     FAILED = "failed"  # left unsafe: worker state `failed`
@@ -87,7 +88,7 @@ class Outcome(str, enum.Enum):
 class Plan:
     """What an operator asked for (validated by the API layer)."""
 
-    mode: Mode = Mode.DRAIN
+    mode: DrainMode = DrainMode.DRAIN
     new_role: Role | None = None  # None: the opposite of the worker's role
     empty_timeout_s: float | None = None  # drain/abort deadline; None: the router's drain_timeout_secs
     switch_timeout_s: float | None = None  # None: the router's switch_timeout_secs
@@ -100,42 +101,17 @@ class Plan:
 
 
 @dataclass(eq=False, slots=True)
-class Step:
-    name: str
-    started_at: float  # wall clock
-    t0: float  # monotonic
-    deadline_s: float
-    duration_s: float | None = None
-    outcome: str = "running"  # running | ok | failed | timeout | cancelled
-    message: str = ""
-    attempts: int = 0
-    details: dict = field(default_factory=dict)  # figures of the step (idle waits, polls)
-
-    def end(self, outcome: str, message: str | None = None) -> None:
-        self.duration_s = time.monotonic() - self.t0
-        self.outcome = outcome
-        if message is not None:
-            self.message = message
-
-    def to_dict(self) -> dict:
-        return {"step": self.name, "started_at": self.started_at, "deadline_s": self.deadline_s,
-                "duration_s": None if self.duration_s is None else round(self.duration_s, 6),
-                "outcome": self.outcome, "message": self.message, "attempts": self.attempts,
-                "details": dict(self.details)}
-
-
-@dataclass(eq=False, slots=True)
 class Conversion:
     id: str
     worker_id: str
     worker_url: str
     old_role: Role
     new_role: Role
-    mode: Mode
+    mode: DrainMode
     started_at: float = field(default_factory=time.time)
     t0: float = field(default_factory=time.monotonic)
     state: str = "starting"  # the step running now, or "done"
-    outcome: Outcome | None = None
+    outcome: ConversionOutcome | None = None
     message: str = ""
     status: int = 0  # the HTTP status that reports the outcome
     api: str | None = None
@@ -152,12 +128,12 @@ class Conversion:
 
     @property
     def success(self) -> bool:
-        return self.outcome is Outcome.CONVERTED
+        return self.outcome is ConversionOutcome.CONVERTED
 
     def step_time(self, *names: str) -> float:
         return sum(s.duration_s or 0.0 for s in self.steps if s.name in names)
 
-    def finish(self, outcome: Outcome, message: str, status: int) -> None:
+    def finish(self, outcome: ConversionOutcome, message: str, status: int) -> None:
         self.outcome, self.message, self.status = outcome, message, status
         self.state = "done"
         self.duration_s = time.monotonic() - self.t0
@@ -184,7 +160,7 @@ class Conversion:
             "server_switch_s": None if self.server_switch_s is None else round(self.server_switch_s, 6),
             "overhead_s": None if overhead is None else round(overhead, 6),
             "notes": list(self.notes),
-            "steps": [s.to_dict() for s in self.steps],
+            "steps": [{"step": s.name, **s.to_dict()} for s in self.steps],  # "step": the API's first key
         }
 
 
@@ -233,7 +209,7 @@ class Conversions:
         self._history: collections.OrderedDict[str, Conversion] = collections.OrderedDict()
         self._history_size = history_size
         # (event, conversion, details): "finished" once per conversion (refusals included); "abort_all" per
-        # abort sent, with `inflight` = the requests the router had on the worker then
+        # abort sent, with `inflight` = the router's requests it aborted (counted once per conversion)
         self.observers: list[Callable[[str, Conversion, dict], None]] = []
 
     # ---- reads -------------------------------------------------------------------------------------
@@ -265,13 +241,13 @@ class Conversions:
                                 old_role=worker.role, new_role=new_role, mode=plan.mode)
         refusal = refusal or self.fleet_busy() or self._last_of_pool(worker)
         if refusal is not None:
-            self._finish(conversion, Outcome.REFUSED, refusal, 409)
+            self._finish(conversion, ConversionOutcome.REFUSED, refusal, 409)
             self._remember(conversion)
             logger.warning("conversion %s of %s refused: %s", conversion.id, worker.url, refusal)
             raise Conflict(refusal, conversion_id=conversion.id)
         self._running[worker.id] = conversion
         self._remember(conversion)
-        if plan.mode is Mode.DRAIN:
+        if plan.mode is DrainMode.DRAIN:
             self._set(worker, conversion, WorkerState.DRAINING, "drain", "no new requests; in-flight ones finish")
         else:
             self._set(worker, conversion, WorkerState.ABORTING, "abort", "aborting its requests")
@@ -301,7 +277,7 @@ class Conversions:
                     f"would leave no {worker.role} worker to route to")
         return None
 
-    def _finish(self, conversion: Conversion, outcome: Outcome, message: str, status: int) -> None:
+    def _finish(self, conversion: Conversion, outcome: ConversionOutcome, message: str, status: int) -> None:
         conversion.finish(outcome, message, status)
         self._notify("finished", conversion)
 
@@ -331,7 +307,7 @@ class Conversions:
         try:
             try:
                 empty_timeout = _positive(plan.empty_timeout_s, self.drain_timeout_s)
-                if plan.mode is Mode.DRAIN:
+                if plan.mode is DrainMode.DRAIN:
                     await self._step(conversion, "drain", empty_timeout, lambda s: self._drain(worker, s),
                                      on_timeout=lambda s: self._empty_timeout(worker, s, "drain"))
                 else:
@@ -370,11 +346,11 @@ class Conversions:
             if self._running.get(worker.id) is conversion:
                 del self._running[worker.id]
             if not conversion.done.is_set():  # defensive: every path above finishes the record
-                self._finish(conversion, Outcome.FAILED, "conversion ended without an outcome", 500)
+                self._finish(conversion, ConversionOutcome.FAILED, "conversion ended without an outcome", 500)
 
     async def _step(self, conversion: Conversion, name: str, deadline_s: float,
                     body: Callable[[Step], Awaitable[Any]], *, on_timeout: Callable[[Step], StepFailed]) -> Any:
-        step = Step(name=name, started_at=time.time(), t0=time.monotonic(), deadline_s=deadline_s)
+        step = Step(name, deadline_s)
         conversion.steps.append(step)
         conversion.state = name
         try:
@@ -411,7 +387,9 @@ class Conversions:
         while True:
             # Mark first: a request aborted by this call must be recognisable as router-aborted.
             self.registry.mark_aborted([worker])
-            inflight = worker.inflight
+            # The router's requests on the worker, counted at the first abort only: the worker is out of
+            # routing, so a later round finds the same requests (still ending), not new ones.
+            inflight = worker.inflight if step.attempts == 0 else 0
             reply = await self.upstream.abort(worker.url, abort_all=True, timeout=INFO_TIMEOUT)
             step.attempts += 1
             self._notify("abort_all", conversion, inflight=inflight)
@@ -595,27 +573,27 @@ class Conversions:
         message = f"{worker.url} converted from {conversion.old_role} to {conversion.new_role}"
         if port is not None:
             message += f" (bootstrap port {port})"
-        self._finish(conversion, Outcome.CONVERTED, message, 200)
+        self._finish(conversion, ConversionOutcome.CONVERTED, message, 200)
         logger.info("conversion %s: %s in %.3f s", conversion.id, message, conversion.duration_s)
 
     # ---- failure -------------------------------------------------------------------------------------
     def _end_failed(self, conversion: Conversion, worker: Worker, failure: StepFailed, safe: bool) -> None:
         if self.registry.find(worker.id) is not worker:
-            self._finish(conversion, Outcome.FAILED, f"{failure.message}; the worker was removed meanwhile",
+            self._finish(conversion, ConversionOutcome.FAILED, f"{failure.message}; the worker was removed meanwhile",
                          failure.status)
             return
         if safe:
             self.registry.set_state(worker, WorkerState.ACTIVE,
                                     f"conversion {conversion.id} failed safely: {failure.message}")
             message = f"conversion failed; {worker.url} is back in the {worker.role} pool: {failure.message}"
-            self._finish(conversion, Outcome.RESTORED, message, failure.status)
+            self._finish(conversion, ConversionOutcome.RESTORED, message, failure.status)
         else:
             self.registry.set_state(worker, WorkerState.FAILED,
                                     f"conversion {conversion.id} left it unsafe: {failure.message}; reinstate "
                                     f"(POST /admin/workers/{worker.id}/reinstate) or remove it")
             message = (f"conversion failed and {worker.url} is not safe to route to (state failed; POST "
                        f"/admin/workers/{worker.id}/reinstate or DELETE /workers/{worker.id}): {failure.message}")
-            self._finish(conversion, Outcome.FAILED, message, failure.status)
+            self._finish(conversion, ConversionOutcome.FAILED, message, failure.status)
         logger.warning("conversion %s: %s", conversion.id, conversion.message)
 
     def _end_cancelled(self, conversion: Conversion, worker: Worker, switch_called: bool) -> None:
@@ -625,7 +603,7 @@ class Conversions:
                                         f"conversion {conversion.id} interrupted during the switch")
             else:
                 self.registry.set_state(worker, WorkerState.ACTIVE, f"conversion {conversion.id} cancelled")
-        self._finish(conversion, Outcome.CANCELLED, "the router shut down during the conversion", 503)
+        self._finish(conversion, ConversionOutcome.CANCELLED, "the router shut down during the conversion", 503)
 
     # ---- operator actions ----------------------------------------------------------------------------
     async def reinstate(self, worker: Worker, timeout: float = 30.0) -> str:
@@ -644,7 +622,7 @@ class Conversions:
             raise Conflict(f"worker {worker.id} changed while it was being checked")
         # Never a silent mix of weights: it must carry the version the routable fleet agrees on.
         version = weight_version_of(server.data if server is not None else None)
-        fleet = fleet_weight_version([w.weight_version for w in self.registry.workers() if w.routable])
+        fleet = agreed_weight_version([w.weight_version for w in self.registry.workers() if w.routable])
         if (refusal := rejoin_refusal(version, fleet)) is not None:
             raise Conflict(f"cannot reinstate {worker.url}: {refusal}")
         if version is not None:

@@ -8,7 +8,7 @@ import collections
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Awaitable, Callable, Iterable
+from typing import Iterable
 
 from router.control.upstream import Reply, Upstream
 from router.core.redact import redact_text
@@ -18,11 +18,17 @@ logger = logging.getLogger(__name__)
 
 INFO_TIMEOUT = 5.0
 POLL_FIRST, POLL_MAX = 0.01, 0.25
-ABORT_REPEAT_SECS = 0.25  # abort mode: abort again on servers that are still busy after this long
+# How long a server may stay busy after the router aborted its requests before the router aborts again. SGLang
+# answers an abort at once and aborts later (0.01 s on a real server), and a leg already on the wire can reach
+# the server after the abort: only a second abort ends that request. One value for every flow that aborts (a
+# conversion's abort step, `wait_quiet`, an abort_request waiting for its requests): 0.25 s is several
+# scheduler steps, so the first abort has had its chance, yet it bounds what one late request adds to the
+# time a worker or the fleet stays out of service; another abort costs one small POST per busy server.
+ABORT_REPEAT_SECS = 0.25
 
 
 @dataclass(slots=True)
-class Outcome:
+class WorkerResult:
     """One server's answer to one fan-out call."""
 
     worker: Worker
@@ -33,7 +39,7 @@ class Outcome:
     extra: dict = field(default_factory=dict)
 
     @classmethod
-    def of(cls, worker: Worker, reply: Reply, **extra) -> "Outcome":
+    def of(cls, worker: Worker, reply: Reply, **extra) -> "WorkerResult":
         return cls(worker, reply.success(), reply.status, _message(reply), reply.data, extra)
 
     @property
@@ -54,28 +60,23 @@ def _message(reply: Reply) -> str:
     return redact_text(reply.text.strip()[:500])
 
 
-async def fan_out(workers: Iterable[Worker], call: Callable[[Worker], Awaitable[Outcome]]) -> list[Outcome]:
-    workers = list(workers)
-    return list(await asyncio.gather(*(call(w) for w in workers)))
-
-
-def http_status(outcomes: list[Outcome]) -> int:
+def http_status(results: list[WorkerResult]) -> int:
     """200 when every server succeeded; 502 when one did not answer (unreachable, 5xx); else 400 (SGLang's
     status for a refused control call)."""
-    if all(o.success for o in outcomes):
+    if all(o.success for o in results):
         return 200
-    if any(not o.success and not o.answered for o in outcomes):
+    if any(not o.success and not o.answered for o in results):
         return 502
     return 400
 
 
-def summary(outcomes: list[Outcome], what: str) -> str:
-    failed = [o for o in outcomes if not o.success]
+def summary(results: list[WorkerResult], what: str) -> str:
+    failed = [o for o in results if not o.success]
     if not failed:
-        messages = {o.message for o in outcomes}
-        return messages.pop() if len(messages) == 1 else f"{what} succeeded on {len(outcomes)} servers."
+        messages = {o.message for o in results}
+        return messages.pop() if len(messages) == 1 else f"{what} succeeded on {len(results)} servers."
     details = "; ".join(f"{o.worker.url} ({o.worker.role}): {o.message}" for o in failed)
-    return f"{what} failed on {len(failed)} of {len(outcomes)} servers: {details}"
+    return f"{what} failed on {len(failed)} of {len(results)} servers: {details}"
 
 
 # ---- weight versions ---------------------------------------------------------------------------------
@@ -111,8 +112,8 @@ class FleetVersion:
         return {"weight_version": self.version, "consistent": self.consistent, "workers": self.workers}
 
 
-async def fleet_weight_version(registry: Registry, upstream: Upstream, workers: list[Worker] | None = None,
-                               timeout: float = INFO_TIMEOUT) -> FleetVersion:
+async def read_fleet_weight_version(registry: Registry, upstream: Upstream, workers: list[Worker] | None = None,
+                                    timeout: float = INFO_TIMEOUT) -> FleetVersion:
     """Read every server's live version; the fleet's version is the one its routable servers agree on.
     Servers left out of routing are listed (with `routable: false`) but do not make the fleet disagree."""
     workers = list(registry.workers()) if workers is None else workers

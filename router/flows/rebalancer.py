@@ -22,7 +22,7 @@ from typing import Awaitable, Callable, Protocol
 
 from policies.rebalance import (
     Decision,
-    Mode,
+    RebalanceMode,
     Observation,
     RebalanceConfig,
     WorkerView,
@@ -33,8 +33,7 @@ from policies.rebalance import (
 from router.core.errors import Conflict
 from router.core.registry import Registry, Role, Worker, WorkerState
 from router.core.records import RequestRecord
-from router.flows.conversion import Conversions, Plan
-from router.flows.conversion import Mode as ConversionMode
+from router.flows.conversion import Conversions, DrainMode, Plan
 
 logger = logging.getLogger(__name__)
 
@@ -64,7 +63,7 @@ class FlowConverter:
 
     async def convert(self, worker: Worker, to_role: Role, *, reason: str, mode: str) -> ConversionResult:
         try:
-            conversion = self.conversions.start(worker, Plan(mode=ConversionMode(mode), new_role=to_role))
+            conversion = self.conversions.start(worker, Plan(mode=DrainMode(mode), new_role=to_role))
         except Conflict as refusal:
             return ConversionResult(False, f"refused: {refusal.message}")
         if conversion is None:
@@ -151,7 +150,7 @@ class Rebalancer:
     # ---- decide ----------------------------------------------------------------------------------------
     def tick(self) -> Decision | None:
         """One observation and decision; applies or records it. None when the rebalancer is off."""
-        if self.config.mode is Mode.OFF:
+        if self.config.mode is RebalanceMode.OFF:
             return None
         obs = self.observe()
         decision = decide(obs, self.state, self.config)
@@ -173,7 +172,7 @@ class Rebalancer:
 
     def _act(self, decision: Decision) -> str:
         worker = self.registry.find(decision.worker_id)
-        if self.config.mode is Mode.ADVISORY:
+        if self.config.mode is RebalanceMode.ADVISORY:
             self.counters["would_convert"] += 1
             logger.info("rebalancer (advisory) would convert %s %s -> %s: %s", decision.worker_id,
                         decision.from_role, decision.to_role, decision.reason)
@@ -236,7 +235,7 @@ class Rebalancer:
             self.decisions = deque(self.decisions, maxlen=config.history)
             self.conversions = deque(self.conversions, maxlen=config.history)
         self.window.window_secs = config.window_secs
-        if self.config.mode is Mode.OFF and config.mode is not Mode.OFF:
+        if self.config.mode is RebalanceMode.OFF and config.mode is not RebalanceMode.OFF:
             self.state = initial_state(self.clock())  # observing again: warm up again
         logger.info("rebalancer reconfigured: %s", changes)
         self.config = config

@@ -31,7 +31,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Awaitable, Callable
 
-from router.control.upstream import Upstream
+from router.control.upstream import Upstream, fan_out
 from router.core.config import RouterConfig
 from router.core.errors import Conflict, RouterError, ServiceUnavailable
 from router.core.registry import Registry, Worker, WorkerState
@@ -40,15 +40,15 @@ from router.flows.fleet import (
     ABORT_REPEAT_SECS,
     INFO_TIMEOUT,
     FleetVersion,
-    Outcome,
-    fan_out,
-    fleet_weight_version,
+    WorkerResult,
     http_status,
     live_weight_version,
     most_common,
+    read_fleet_weight_version,
     summary,
     wait_quiet,
 )
+from router.flows.steps import Step
 
 logger = logging.getLogger(__name__)
 
@@ -67,26 +67,6 @@ MEMORY_HOLD = "release_memory_occupation"
 HISTORY_SIZE = 50
 CACHE_NOT_FLUSHED = "cache was not flushed"
 SESSION_ALREADY_OPEN = "already open"
-
-
-@dataclass(slots=True)
-class Step:
-    name: str
-    deadline_s: float | None
-    started: float = field(default_factory=time.monotonic)
-    duration_s: float | None = None
-    outcome: str = "running"  # running | ok | failed | timeout | skipped
-    message: str = ""
-
-    def end(self, outcome: str, message: str = "") -> None:
-        self.duration_s = time.monotonic() - self.started
-        self.outcome = outcome
-        if message:
-            self.message = message
-
-    def to_dict(self) -> dict:
-        return {"name": self.name, "outcome": self.outcome, "duration_s": _round(self.duration_s),
-                "deadline_s": self.deadline_s, "message": self.message}
 
 
 @dataclass(slots=True)
@@ -117,7 +97,7 @@ class Operation:
 
     @property
     def current_step(self) -> str | None:
-        running = [s.name for s in self.steps if s.outcome == "running"]
+        running = [s.name for s in self.steps if s.running]
         return running[-1] if running else None
 
     def finish(self, status: int, message: str) -> None:
@@ -126,7 +106,7 @@ class Operation:
         self.state = "succeeded" if status == 200 else "failed"
         self.duration_s = time.monotonic() - self.started
         for step in self.steps:
-            if step.outcome == "running":
+            if step.running:
                 step.end("failed", "interrupted")
 
     def to_dict(self) -> dict:
@@ -338,20 +318,20 @@ class WeightFlow:
             before = dict(zip(workers, snapshot))
 
             step = op.step("update", self.config.weight_update_timeout_secs)
-            outcomes = await fan_out(workers, lambda w: self._apply(kind, w, body, deadline))
-            step.end("ok" if all(o.success for o in outcomes) else "failed", summary(outcomes, kind))
+            results = await fan_out(workers, lambda w: self._apply(kind, w, body, deadline))
+            step.end("ok" if all(o.success for o in results) else "failed", summary(results, kind))
 
             step = op.step("verify", INFO_TIMEOUT)
             versions = await asyncio.gather(*(live_weight_version(self.upstream, w) for w in workers))
-            message = self._settle(kind, outcomes, versions, before, target)
-            step.end("ok" if all(o.success for o in outcomes) else "failed", message)
+            message = self._settle(kind, results, versions, before, target)
+            step.end("ok" if all(o.success for o in results) else "failed", message)
             op.weight_version = self.fleet_version
-            op.workers = [o.to_dict() for o in outcomes]
-            status = http_status(outcomes)
+            op.workers = [o.to_dict() for o in results]
+            status = http_status(results)
             return status, {
                 "success": status == 200,
                 "message": message,
-                "num_paused_requests": _paused_count(outcomes),
+                "num_paused_requests": _paused_count(results),
                 "num_aborted_requests": op.aborted_requests,
                 "weight_version": self.fleet_version,
                 "update_id": op.id,
@@ -359,7 +339,7 @@ class WeightFlow:
                 "left_out": [w.url for w in workers if w.id in self.left_out],
             }
 
-    async def _apply(self, kind: str, worker: Worker, body: dict, deadline: float) -> Outcome:
+    async def _apply(self, kind: str, worker: Worker, body: dict, deadline: float) -> WorkerResult:
         """One server's update, wrapped in a begin/end_weight_update session where it needs one."""
         timeout = max(deadline - time.monotonic(), 1.0)
         wrap = kind in SESSION_KINDS and not self.session_open and worker.id not in self._no_session_api
@@ -373,58 +353,58 @@ class WeightFlow:
                 await self.upstream.post(worker.url, "/end_weight_update", {}, timeout=timeout)
                 begin = await self.upstream.post(worker.url, "/begin_weight_update", {}, timeout=timeout)
             if wrap and not begin.success():
-                outcome = Outcome.of(worker, begin)
-                outcome.message = f"begin_weight_update failed: {outcome.message}"
-                return outcome
+                result = WorkerResult.of(worker, begin)
+                result.message = f"begin_weight_update failed: {result.message}"
+                return result
         reply = await self.upstream.post(worker.url, "/" + kind, body, timeout=timeout)
-        outcome = Outcome.of(worker, reply)
+        result = WorkerResult.of(worker, reply)
         if wrap:
             end = await self.upstream.post(worker.url, "/end_weight_update", {}, timeout=timeout)
-            if outcome.success and not end.success():
-                outcome = Outcome.of(worker, end)
-                outcome.message = f"end_weight_update failed: {outcome.message}"
-        if not outcome.success and reply.status == 400 and CACHE_NOT_FLUSHED in outcome.message:
+            if result.success and not end.success():
+                result = WorkerResult.of(worker, end)
+                result.message = f"end_weight_update failed: {result.message}"
+        if not result.success and reply.status == 400 and CACHE_NOT_FLUSHED in result.message:
             # 0.5.23 changed the weights but found requests still there when it flushed (a request got in
             # after the quiesce, or the server was paused in place). Flush once it is idle.
             flush = await self.upstream.post(worker.url, "/flush_cache?timeout=5", timeout=10)
             if flush.ok:
-                outcome.success = True
-                outcome.message += " The router flushed the cache once the server was idle."
-        return outcome
+                result.success = True
+                result.message += " The router flushed the cache once the server was idle."
+        return result
 
-    def _settle(self, kind: str, outcomes: list[Outcome], versions: list[str | None],
+    def _settle(self, kind: str, results: list[WorkerResult], versions: list[str | None],
                 before: dict[Worker, str | None], target: str | None) -> str:
         """Decide who serves after an update; set states and the fleet's version; return the message."""
-        for outcome, version in zip(outcomes, versions):
-            outcome.extra["weight_version"] = version
-        if (kind in ATOMIC_KINDS and not any(o.success for o in outcomes)
-                and all(o.answered for o in outcomes)
-                and all(v is not None and v == before[o.worker] for o, v in zip(outcomes, versions))
+        for result, version in zip(results, versions):
+            result.extra["weight_version"] = version
+        if (kind in ATOMIC_KINDS and not any(o.success for o in results)
+                and all(o.answered for o in results)
+                and all(v is not None and v == before[o.worker] for o, v in zip(results, versions))
                 and len(set(versions)) == 1):
-            for outcome in outcomes:
-                outcome.extra["routable"] = outcome.worker.routable
-            return (summary(outcomes, kind) + f" Nothing changed: every server still serves version "
+            for result in results:
+                result.extra["routable"] = result.worker.routable
+            return (summary(results, kind) + f" Nothing changed: every server still serves version "
                     f"{versions[0]!r}, and stays in routing.")
-        fleet = target if target is not None else most_common(v for o, v in zip(outcomes, versions) if o.success)
+        fleet = target if target is not None else most_common(v for o, v in zip(results, versions) if o.success)
         served = 0
-        for outcome, version in zip(outcomes, versions):
-            worker = outcome.worker
+        for result, version in zip(results, versions):
+            worker = result.worker
             if version is not None and self.registry.find(worker.id) is worker:
                 self.registry.update_info(worker, weight_version=version)
-            if outcome.success and fleet is not None and version is not None and version != fleet:
-                outcome.success = False
-                outcome.message = (f"{outcome.message} But it reports weight_version {version!r}, not the "
+            if result.success and fleet is not None and version is not None and version != fleet:
+                result.success = False
+                result.message = (f"{result.message} But it reports weight_version {version!r}, not the "
                                    f"fleet's {fleet!r}.").strip()
-            if outcome.success:
+            if result.success:
                 served += 1
                 self._rejoin(worker, f"weights: updated to {version!r}", kinds=("weights",))
             else:
-                self._leave_out(worker, "weights", f"{kind} failed: {outcome.message}"[:500])
-            outcome.extra["routable"] = worker.routable
+                self._leave_out(worker, "weights", f"{kind} failed: {result.message}"[:500])
+            result.extra["routable"] = worker.routable
         if served and fleet is not None:
             self.fleet_version = fleet
-        message = summary(outcomes, kind)
-        failed = len(outcomes) - served
+        message = summary(results, kind)
+        failed = len(results) - served
         if failed:
             message += (f" {failed} server(s) left out of routing until they serve version "
                         f"{self.fleet_version!r}.")
@@ -499,7 +479,7 @@ class WeightFlow:
         """Bring back servers left out for their weights once they serve the fleet's version; keep out
         active servers (new ones, typically) that serve another one."""
         if self.fleet_version is None:
-            adopted = await fleet_weight_version(self.registry, self.upstream,
+            adopted = await read_fleet_weight_version(self.registry, self.upstream,
                                                  [w for w in self.registry.workers() if w.routable])
             if adopted.consistent and adopted.version is not None:
                 self.fleet_version = adopted.version
@@ -542,9 +522,9 @@ class WeightFlow:
         if mode == "abort":
             op.aborted_requests = self._mark_aborted(workers, retry)
         step = op.step("pause", self.config.abort_timeout_secs)
-        outcomes = await fan_out(workers, lambda w: self._call(w, "/pause_generation", body,
+        results = await fan_out(workers, lambda w: self._call(w, "/pause_generation", body,
                                                                self.config.abort_timeout_secs))
-        step.end("ok" if all(o.success for o in outcomes) else "failed", summary(outcomes, "pause_generation"))
+        step.end("ok" if all(o.success for o in results) else "failed", summary(results, "pause_generation"))
         if mode == "abort":  # the servers answered once their requests were gone; so must the router's
             step = op.step("quiesce", self.config.abort_timeout_secs)
             quiet = await wait_quiet(self.registry, self.upstream, workers,
@@ -554,9 +534,9 @@ class WeightFlow:
             paused_requests = 0
         else:
             paused_requests = self.traffic.count_on(workers)  # the router's requests now stalled in the servers
-        op.workers = [o.to_dict() for o in outcomes]
-        status = http_status(outcomes)
-        message = "Generation paused successfully." if status == 200 else summary(outcomes, "pause_generation")
+        op.workers = [o.to_dict() for o in results]
+        status = http_status(results)
+        message = "Generation paused successfully." if status == 200 else summary(results, "pause_generation")
         return status, {"success": status == 200, "message": message, "status": "ok" if status == 200 else "error",
                         "num_paused_requests": paused_requests, "num_aborted_requests": op.aborted_requests,
                         "workers": op.workers}
@@ -569,26 +549,26 @@ class WeightFlow:
         """Fan out a call that gives a server back its ability to serve (continue, memory resume): those
         that took it rejoin routing (at the fleet's weight version), the others are left out as `kind`."""
         step = op.step(step_name, timeout)
-        outcomes = await fan_out(self.targets(), lambda w: self._call(w, "/" + call, body, timeout))
-        step.end("ok" if all(o.success for o in outcomes) else "failed", summary(outcomes, call))
-        for outcome in outcomes:
-            if outcome.success:
-                await self._rejoin_if_current(outcome.worker, f"{call} succeeded", kind)
+        results = await fan_out(self.targets(), lambda w: self._call(w, "/" + call, body, timeout))
+        step.end("ok" if all(o.success for o in results) else "failed", summary(results, call))
+        for result in results:
+            if result.success:
+                await self._rejoin_if_current(result.worker, f"{call} succeeded", kind)
             else:  # it cannot serve (still paused, memory not back, or unreachable)
-                self._leave_out(outcome.worker, kind, f"{call} failed: {outcome.message}")
-        return outcomes
+                self._leave_out(result.worker, kind, f"{call} failed: {result.message}")
+        return results
 
     async def _resume(self, op: Operation, body: dict) -> tuple[int, dict]:
-        outcomes = await self._restore(op, "continue", "continue_generation", body, self.config.abort_timeout_secs,
+        results = await self._restore(op, "continue", "continue_generation", body, self.config.abort_timeout_secs,
                                        "paused")
-        for outcome in outcomes:
-            outcome.extra["routable"] = outcome.worker.routable
+        for result in results:
+            result.extra["routable"] = result.worker.routable
         self.paused = None
         self.traffic.release(PAUSE_HOLD)
         op.step("release").end("ok", "admission open")
-        op.workers = [o.to_dict() for o in outcomes]
-        status = http_status(outcomes)
-        message = "Generation continued successfully." if status == 200 else summary(outcomes, "continue_generation")
+        op.workers = [o.to_dict() for o in results]
+        status = http_status(results)
+        message = "Generation continued successfully." if status == 200 else summary(results, "continue_generation")
         return status, {"success": status == 200, "message": message, "status": "ok" if status == 200 else "error",
                         "workers": op.workers}
 
@@ -606,15 +586,15 @@ class WeightFlow:
                     self.traffic.release(MEMORY_HOLD)
                 return self._quiesce_timeout_answer(op, "release_memory_occupation")
             step = op.step("release", self.config.weight_update_timeout_secs)
-            outcomes = await fan_out(workers, lambda w: self._call(w, "/release_memory_occupation", body,
+            results = await fan_out(workers, lambda w: self._call(w, "/release_memory_occupation", body,
                                                                    self.config.weight_update_timeout_secs))
-            step.end("ok" if all(o.success for o in outcomes) else "failed",
-                     summary(outcomes, "release_memory_occupation"))
-            if any(o.success for o in outcomes):
+            step.end("ok" if all(o.success for o in results) else "failed",
+                     summary(results, "release_memory_occupation"))
+            if any(o.success for o in results):
                 self.released_tags |= set(body.get("tags") or ALL_MEMORY_TAGS)
             elif not held_already:
                 self.traffic.release(MEMORY_HOLD)  # nothing was released: serve on
-        return self._aggregate(op, outcomes, "release_memory_occupation",
+        return self._aggregate(op, results, "release_memory_occupation",
                                memory_released=sorted(self.released_tags))
 
     async def resume_memory(self, body: dict) -> tuple[int, dict]:
@@ -622,14 +602,14 @@ class WeightFlow:
                               lambda op: self._resume_memory(op, body))
 
     async def _resume_memory(self, op: Operation, body: dict) -> tuple[int, dict]:
-        outcomes = await self._restore(op, "resume", "resume_memory_occupation", body,
+        results = await self._restore(op, "resume", "resume_memory_occupation", body,
                                        self.config.weight_update_timeout_secs, "memory")
         tags = body.get("tags")
         self.released_tags -= set(tags) if tags else set(self.released_tags)
         if not self.released_tags:
             self.traffic.release(MEMORY_HOLD)
             op.step("release").end("ok", "admission open")
-        return self._aggregate(op, outcomes, "resume_memory_occupation",
+        return self._aggregate(op, results, "resume_memory_occupation",
                                memory_released=sorted(self.released_tags))
 
     # ---- plain fan-outs ------------------------------------------------------------------------------
@@ -639,23 +619,23 @@ class WeightFlow:
         """A control call that changes no routing (update groups, sessions): to every server, at once."""
         timeout = timeout or self.config.weight_update_timeout_secs
         workers = self.targets() if workers is None else workers
-        outcomes = await fan_out(workers, lambda w: self._call(
+        results = await fan_out(workers, lambda w: self._call(
             w, path, per_worker(w) if per_worker else body, timeout))
         if path == "/begin_weight_update":
-            self.session_open = any(o.success for o in outcomes)
+            self.session_open = any(o.success for o in results)
         elif path == "/end_weight_update":
             self.session_open = False
-        return self._aggregate(None, outcomes, path.strip("/"))
+        return self._aggregate(None, results, path.strip("/"))
 
-    async def _call(self, worker: Worker, path: str, body: dict | None, timeout: float) -> Outcome:
-        return Outcome.of(worker, await self.upstream.post(worker.url, path, body or {}, timeout=timeout))
+    async def _call(self, worker: Worker, path: str, body: dict | None, timeout: float) -> WorkerResult:
+        return WorkerResult.of(worker, await self.upstream.post(worker.url, path, body or {}, timeout=timeout))
 
-    def _aggregate(self, op: Operation | None, outcomes: list[Outcome], what: str, **extra) -> tuple[int, dict]:
-        workers = [o.to_dict() for o in outcomes]
+    def _aggregate(self, op: Operation | None, results: list[WorkerResult], what: str, **extra) -> tuple[int, dict]:
+        workers = [o.to_dict() for o in results]
         if op is not None:
             op.workers = workers
-        status = http_status(outcomes) if outcomes else 503
-        message = summary(outcomes, what) if outcomes else "there is no server"
+        status = http_status(results) if results else 503
+        message = summary(results, what) if results else "there is no server"
         return status, {"success": status == 200, "message": message, "num_paused_requests": 0,
                         "workers": workers, **extra}
 
@@ -666,33 +646,34 @@ class WeightFlow:
         deadline = time.monotonic() + self.config.abort_timeout_secs
         if abort_all:
             aborted = self.traffic.mark_all(AbortAction.ANSWER)
-            outcomes = await fan_out(self.targets(), lambda w: self._abort_call(w, {"abort_all": True}))
+            results = await fan_out(self.targets(), lambda w: self._abort_call(w, {"abort_all": True}))
         else:
             found = self.traffic.mark_rid(rid, AbortAction.ANSWER)
             if found is None:  # not routed by this router now: every server may know it
-                outcomes = await fan_out(self.targets(), lambda w: self._abort_call(w, {"rid": rid}))
+                results = await fan_out(self.targets(), lambda w: self._abort_call(w, {"rid": rid}))
                 aborted = []
             else:
                 request, rids = found
                 aborted = [request]
-                outcomes = await fan_out((request.prefill, request.decode), lambda w: self._abort_rids(w, rids))
+                results = await fan_out((request.prefill, request.decode), lambda w: self._abort_rids(w, rids))
         pending = await self._wait_ended(aborted, deadline)
-        if not all(o.success for o in outcomes):
-            return 502, {"success": False, "message": summary(outcomes, "abort_request"),
-                         "workers": [o.to_dict() for o in outcomes]}
+        if not all(o.success for o in results):
+            return 502, {"success": False, "message": summary(results, "abort_request"),
+                         "workers": [o.to_dict() for o in results]}
         if pending:
             return 504, {"success": False, "message": f"{len(pending)} aborted request(s) still running after "
                                                       f"{self.config.abort_timeout_secs:g} s",
-                         "workers": [o.to_dict() for o in outcomes]}
+                         "workers": [o.to_dict() for o in results]}
         return 200, None  # SGLang's answer: 200, empty body
 
-    async def _abort_call(self, worker: Worker, body: dict) -> Outcome:
-        return Outcome.of(worker, await self.upstream.post(worker.url, "/abort_request", body, timeout=INFO_TIMEOUT))
+    async def _abort_call(self, worker: Worker, body: dict) -> WorkerResult:
+        reply = await self.upstream.post(worker.url, "/abort_request", body, timeout=INFO_TIMEOUT)
+        return WorkerResult.of(worker, reply)
 
-    async def _abort_rids(self, worker: Worker, rids: list[str]) -> Outcome:
-        outcomes = [await self._abort_call(worker, {"rid": rid}) for rid in rids]
-        return next((o for o in outcomes if not o.success), outcomes[0]) if outcomes else \
-            Outcome(worker, True, 200, "nothing to abort")
+    async def _abort_rids(self, worker: Worker, rids: list[str]) -> WorkerResult:
+        results = [await self._abort_call(worker, {"rid": rid}) for rid in rids]
+        return next((o for o in results if not o.success), results[0]) if results else \
+            WorkerResult(worker, True, 200, "nothing to abort")
 
     async def _wait_ended(self, requests: list[LiveRequest], deadline: float) -> list[LiveRequest]:
         """Wait for aborted requests to end; abort again by rid those still there (a leg can reach its
@@ -712,13 +693,13 @@ class WeightFlow:
             delay = min(delay * 2, 0.1)
 
     async def fleet_version_now(self) -> FleetVersion:
-        return await fleet_weight_version(self.registry, self.upstream, self.targets())
+        return await read_fleet_weight_version(self.registry, self.upstream, self.targets())
 
 
-def _paused_count(outcomes: list[Outcome]) -> int:
+def _paused_count(results: list[WorkerResult]) -> int:
     total = 0
-    for outcome in outcomes:
-        value = outcome.data.get("num_paused_requests") if isinstance(outcome.data, dict) else None
+    for result in results:
+        value = result.data.get("num_paused_requests") if isinstance(result.data, dict) else None
         if isinstance(value, list):
             total += sum(v for v in value if isinstance(v, int))
         elif isinstance(value, int) and not isinstance(value, bool):

@@ -6,7 +6,7 @@ from __future__ import annotations
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from policies import Policy, effective_load
-from policies.rebalance import GUARDS, Mode
+from policies.rebalance import GUARDS, RebalanceMode
 from router.control.load_monitor import LoadMonitor
 from router.core.registry import Registry, Role
 from router.flows.rebalancer import Rebalancer
@@ -60,7 +60,7 @@ class PolicyCollector:
     def _rebalancer(self):
         r = self.rebalancer
         mode = GaugeMetricFamily(f"{PREFIX}_rebalancer_mode", "1 for the rebalancer's mode", labels=["mode"])
-        for m in Mode:
+        for m in RebalanceMode:
             mode.add_metric([m.value], 1 if r.config.mode is m else 0)
         yield mode
         decisions = CounterMetricFamily(f"{PREFIX}_rebalancer_decisions", "decisions by action",

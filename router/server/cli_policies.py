@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from policies.params import PolicyParams
-from policies.rebalance import Mode, RebalanceConfig
+from policies.rebalance import RebalanceMode, RebalanceConfig
 from router.server.cli_flags import Flag, field_flags, flag
 
 _POLICY_HELP = {
@@ -41,7 +41,7 @@ POLICY_FLAGS: list[Flag] = [
          help="how often each server's /v1/loads is read (power_of_two, cache_aware, the rebalancer)"),
     flag("--load-poll-timeout-secs", path="load_monitor.timeout_secs"),
     flag("--disable-load-poll", path="load_monitor.enabled", help="policies use the router's own counts only"),
-    flag("--rebalance", path="rebalance.mode", choices=tuple(m.value for m in Mode),
+    flag("--rebalance", path="rebalance.mode", choices=tuple(m.value for m in RebalanceMode),
          help="automatic P/D conversion: off, advisory (record what it would do) or enabled"),
     # `history` is the admin API's memory, not a knob of the command line.
     *field_flags("rebalance", RebalanceConfig, prefix="rebalance-", helps=_REBALANCE_HELP,
