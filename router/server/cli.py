@@ -110,8 +110,9 @@ FLAGS = SETTING_FLAGS + POLICY_FLAGS
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="pd-router",
-        description="Router for SGLang prefill/decode disaggregation (drop-in for mini_lb).",
-        epilog="To see and act on a running router: pd-router ctl --help",
+        # the pointer to ctl goes here, not in an epilog: an epilog would run on after the last option's help
+        description="Router for SGLang prefill/decode disaggregation (drop-in for mini_lb). To see and act on "
+                    "a running router: pd-router ctl --help",
     )
     add = p.add_argument
     # mini_lb / sglang_router forms
