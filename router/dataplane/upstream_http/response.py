@@ -1,36 +1,20 @@
-"""A lean HTTP/1.1 client for the request path's two legs: keep-alive pools on plain asyncio protocols.
+"""One HTTP/1.1 exchange of the legs' client: the answer's head, its body framing, and the consumer's API.
 
-Why not aiohttp's ClientSession here: it costs ~130 µs of CPU per POST where a protocol that parses only what
-the proxy needs costs ~10 µs (`python -m bench.client_cost`), and every request makes two. The control plane
-(`upstream.py`, aborts) keeps aiohttp.
-
-What it does, and no more: POST a body; the status and content type; the whole body, or its pieces as they
-arrive (SSE); Content-Length, chunked and read-until-close framing; keep-alive reuse with a bound on the
-connections in use; a connect timeout. Rules that keep a pool sound:
-- a connection goes back to its pool only once its response has been read to its end with keep-alive; an
-  error, a cancellation, garbage after the message or a response closed early closes it instead;
-- a request on a reused connection that the server closed before answering (it timed out the idle
-  connection while we wrote) is sent once more on a fresh connection; never when any byte of an answer came.
+`UpstreamResponse` parses what its connection feeds it (status line, the few header fields the framing
+needs, Content-Length / chunked / read-until-close bodies) and hands the body to its reader, whole or in
+pieces as they arrive. It hands its connection back to the pool only once the body arrived whole with
+keep-alive; anything else (an error, garbage after the message, a response closed early) closes it.
 """
 
 from __future__ import annotations
 
 import asyncio
-import collections
 import re
-import socket
-import ssl as ssl_module
-import time
-from urllib.parse import urlsplit
+from typing import Protocol
 
 MAX_HEAD_SIZE = 64 * 1024
-MAX_BODY_SIZE = 1024 * 1024 * 1024  # for whole-body reads: a logprob answer for a large batch is big
 PAUSE_ABOVE = 1024 * 1024  # buffered, unconsumed body bytes at which reading from the socket pauses
 MAX_CHUNK_LINE = 4096
-IDLE_SWEEP_S = 5.0
-# A connection idle this long is not reused: SGLang's uvicorn closes idle connections after 5 s
-# (SGLANG_TIMEOUT_KEEP_ALIVE), and reusing one just as the server closes it is the stale-connection race.
-IDLE_TIMEOUT_S = 4.0
 
 _HEAD_END = b"\r\n\r\n"
 _HEX = re.compile(rb"[0-9A-Fa-f]{1,15}")
@@ -53,8 +37,29 @@ class UpstreamProtocolError(UpstreamError):
     """The answer is not HTTP/1.x we can read: garbled, oversized, or cut before its end."""
 
 
-class _Stale(UpstreamError):
+class StaleConnection(UpstreamError):
     """A reused connection closed before any byte of the answer: the request may be sent again."""
+
+
+class _Carrier(Protocol):
+    """The connection an exchange runs on (`pool._Connection`)."""
+
+    transport: asyncio.Transport
+    response: UpstreamResponse | None
+    served: int  # exchanges started on it: above 0, it is a reused connection
+
+    def close(self) -> None: ...
+
+
+class _Pool(Protocol):
+    """What an exchange needs of the pool it came from (`pool.UpstreamPool`)."""
+
+    loop: asyncio.AbstractEventLoop
+    max_body_size: int
+
+    def release_slot(self) -> None: ...
+
+    def put_idle(self, conn: _Carrier) -> None: ...
 
 
 def _field(head: bytes, lower: bytes, name: bytes) -> bytes | None:
@@ -79,11 +84,11 @@ class UpstreamResponse:
                  "_chunks", "_buffered", "_done", "_error", "_waiter", "_got_bytes", "_head_in", "_keep_alive",
                  "_slot", "_cbuf", "_cstate", "_clean_end", "_paused", "_reused", "__weakref__")
 
-    def __init__(self, conn: "_Connection", pool: "UpstreamPool") -> None:
+    def __init__(self, conn: _Carrier, pool: _Pool) -> None:
         self.status = 0
         self.content_type = ""
         self._head = self._lower = b""
-        self._conn: _Connection | None = conn
+        self._conn: _Carrier | None = conn
         self._pool = pool
         self._framing = _LENGTH
         self._remaining = 0
@@ -177,7 +182,7 @@ class UpstreamResponse:
             self._error = UpstreamError("response closed before its end")
         self._release_slot()
 
-    # ---- protocol side ---------------------------------------------------------------------------------
+    # ---- protocol side (its connection calls feed() and connection_lost()) -----------------------------
     async def _wait(self) -> None:
         waiter = self._waiter = self._pool.loop.create_future()
         try:
@@ -205,7 +210,7 @@ class UpstreamResponse:
     def _release_slot(self) -> None:
         if self._slot:
             self._slot = False
-            self._pool._slot_released()
+            self._pool.release_slot()
 
     def _fail(self, error: UpstreamError) -> None:
         if not self._done:
@@ -214,7 +219,7 @@ class UpstreamResponse:
             self._chunks.clear()
         self._wake()
 
-    def _feed(self, data: bytes) -> None:
+    def feed(self, data: bytes) -> None:
         """Bytes from the socket; returns when they are consumed (the connection may have been handed back)."""
         self._got_bytes = True
         if not self._head_in:
@@ -235,7 +240,7 @@ class UpstreamResponse:
                 return self._abandon(UpstreamProtocolError(error))
             if not self._head_in:  # an interim 1xx answer: the real head follows
                 rest = data[end + 4:]
-                return self._feed(rest) if rest else None
+                return self.feed(rest) if rest else None
             data = data[end + 4:]
             if self._done:  # no body
                 if data:
@@ -385,7 +390,7 @@ class UpstreamResponse:
                 self._paused = False
                 conn.transport.resume_reading()
             if self._keep_alive and self._clean_end:
-                self._pool._put_idle(conn)
+                self._pool.put_idle(conn)
             else:
                 conn.close()
         self._release_slot()
@@ -401,7 +406,7 @@ class UpstreamResponse:
             conn.close()
         self._release_slot()
 
-    def _connection_lost(self, exc: Exception | None) -> None:
+    def connection_lost(self, exc: Exception | None) -> None:
         self._conn = None
         if self._head_in and self._framing == _UNTIL_CLOSE and exc is None:
             self._done = True
@@ -411,7 +416,7 @@ class UpstreamResponse:
         why = f": {exc}" if exc else ""
         if not self._head_in:
             if self._reused and not self._got_bytes:
-                error: UpstreamError = _Stale(f"reused connection closed before an answer{why}")
+                error: UpstreamError = StaleConnection(f"reused connection closed before an answer{why}")
             else:
                 error = UpstreamProtocolError(f"server closed the connection before answering{why}")
         else:
@@ -420,281 +425,27 @@ class UpstreamResponse:
         self._release_slot()
 
 
-class _Connection(asyncio.Protocol):
-    """One TCP connection to one endpoint; `response` is the exchange it is serving, None while idle."""
-
-    __slots__ = ("pool", "endpoint", "transport", "response", "served", "lost", "idle_since")
-
-    def __init__(self, pool: "UpstreamPool", endpoint: "_Endpoint") -> None:
-        self.pool = pool
-        self.endpoint = endpoint
-        self.transport: asyncio.Transport | None = None
-        self.response: UpstreamResponse | None = None
-        self.served = 0
-        self.lost = False
-        self.idle_since = 0.0
-
-    def connection_made(self, transport) -> None:
-        self.transport = transport
-        sock = transport.get_extra_info("socket")
-        if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
-            try:
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            except OSError:
-                pass
-        self.pool._connections.add(self)
-
-    def data_received(self, data: bytes) -> None:
-        response = self.response
-        if response is None:  # unsolicited bytes on an idle connection: it cannot be trusted
-            self.close()
-            return
-        response._feed(data)
-
-    def eof_received(self) -> bool:
-        return False  # close our side too
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self.lost = True
-        self.pool._connections.discard(self)
-        response = self.response
-        if response is not None:
-            self.response = None
-            response._connection_lost(exc)
-
-    def close(self) -> None:
-        self.lost = True
-        if self.transport is not None:
-            self.transport.close()
-
-
-class _Endpoint:
-    """One upstream server (scheme, host, port): its idle connections and request-line prefixes."""
-
-    __slots__ = ("host", "port", "ssl", "server_hostname", "idle", "_prefixes", "_host_header")
-
-    def __init__(self, base_url: str) -> None:
-        parts = urlsplit(base_url)
-        if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise ValueError(f"not an http(s) URL: {base_url!r}")
-        self.host = parts.hostname
-        self.port = parts.port or (443 if parts.scheme == "https" else 80)
-        self.ssl = parts.scheme == "https"
-        self.server_hostname = self.host if self.ssl else None
-        host = f"[{self.host}]" if ":" in self.host else self.host
-        default = 443 if self.ssl else 80
-        host = host if host.isascii() else host.encode("idna").decode("ascii")
-        self._host_header = (host if self.port == default else f"{host}:{self.port}").encode("ascii")
-        self.idle: list[_Connection] = []
-        self._prefixes: dict[str, bytes] = {}
-
-    def prefix(self, path: str) -> bytes:
-        """`POST path HTTP/1.1`, Host and Content-Type, up to the Content-Length value."""
-        prefix = self._prefixes.get(path)
-        if prefix is None:
-            if any(c in path for c in "\r\n ") or not path.startswith("/"):
-                raise ValueError(f"bad request path {path!r}")
-            prefix = self._prefixes[path] = (
-                b"POST " + path.encode("ascii") + b" HTTP/1.1\r\nHost: " + self._host_header
-                + b"\r\nContent-Type: application/json\r\nContent-Length: ")
-        return prefix
-
-
-def header_lines(headers: dict[str, str]) -> bytes:
-    """Extra request headers as wire bytes (values with CR or LF are refused)."""
-    out = []
-    for name, value in headers.items():
-        if "\r" in value or "\n" in value or "\r" in name or "\n" in name or ":" in name:
-            raise ValueError(f"header {name!r} cannot be sent")
-        out.append(f"{name}: {value}\r\n".encode("utf-8", "surrogateescape"))
-    return b"".join(out)
-
-
-class UpstreamPool:
-    """Keep-alive connections to the upstream servers, for the request path's POSTs."""
-
-    def __init__(self, *, max_connections: int = 8192, connect_timeout: float | None = 10.0,
-                 idle_timeout: float = IDLE_TIMEOUT_S, max_body_size: int = MAX_BODY_SIZE,
-                 ssl_context: ssl_module.SSLContext | None = None) -> None:
-        self.loop = asyncio.get_running_loop()
-        self.max_connections = max_connections
-        self.connect_timeout = connect_timeout
-        self.idle_timeout = idle_timeout
-        self.max_body_size = max_body_size
-        self._ssl_context = ssl_context
-        self._endpoints: dict[str, _Endpoint] = {}
-        self._connections: set[_Connection] = set()
-        self._in_use = 0
-        self._slot_waiters: collections.deque[asyncio.Future] = collections.deque()
-        self._sweeper: asyncio.TimerHandle | None = None
-        self._closed = False
-        self.connects_total = 0  # fresh connections made (tests and diagnostics: keep-alive works)
-        self.stale_retries_total = 0
-
-    @property
-    def in_use(self) -> int:
-        return self._in_use
-
-    @property
-    def open_connections(self) -> int:
-        return len(self._connections)
-
-    def idle_connections(self, base_url: str) -> int:
-        endpoint = self._endpoints.get(base_url)
-        return sum(1 for c in endpoint.idle if not c.lost) if endpoint else 0
-
-    async def post(self, base_url: str, path: str, body: bytes, headers: bytes = b"") -> UpstreamResponse:
-        """Send `POST path` with a JSON body and return once the answer's head is in.
-
-        `headers`: extra header lines as `header_lines()` makes them. The caller must `close()` the response
-        (or read it to its end) in every case."""
-        endpoint = self._endpoints.get(base_url)
-        if endpoint is None:
-            endpoint = self._endpoints[base_url] = _Endpoint(base_url)
-        request = b"".join((endpoint.prefix(path), str(len(body)).encode(), b"\r\n", headers, b"\r\n", body))
-        await self._take_slot()
+async def exchange(pool: _Pool, conn: _Carrier, request: bytes) -> UpstreamResponse:
+    """Write the request on conn and wait for the head. The pool's in-use slot, taken by the caller, passes to
+    the response on success (or goes back at once when the whole answer came with its head)."""
+    response = UpstreamResponse(conn, pool)
+    response._slot = False  # post() holds the slot until the head is in
+    conn.response = response
+    conn.served += 1
+    try:
         try:
-            conn = self._idle_connection(endpoint)
-            if conn is None:
-                conn = await self._connect(endpoint)
-            try:
-                return await self._exchange(conn, request)
-            except _Stale:
-                # The server closed the idle connection as we wrote: nothing of ours was processed.
-                self.stale_retries_total += 1
-                return await self._exchange(await self._connect(endpoint), request)
-        except BaseException:
-            self._slot_released()
-            raise
-
-    async def _exchange(self, conn: _Connection, request: bytes) -> UpstreamResponse:
-        """Write the request on conn and wait for the head. The slot passes to the response on success."""
-        response = UpstreamResponse(conn, self)
-        response._slot = False  # post() holds the slot until the head is in
-        conn.response = response
-        conn.served += 1
-        try:
-            try:
-                conn.transport.write(request)
-            except (RuntimeError, OSError) as exc:  # the transport closed under us: nothing was sent
-                raise (_Stale if response._reused else UpstreamError)(f"cannot send the request: {exc}") from exc
-            while not response._head_in and not response._done:
-                await response._wait()
-        except BaseException:
-            response.close()
-            raise
-        if not response._head_in:
-            raise response._error
-        if response._done:  # (a body error is raised by read(), after the head)
-            self._slot_released()  # the whole answer came with its head
-        else:
-            response._slot = True  # released when the body ends or the response is closed
-        return response
-
-    def _idle_connection(self, endpoint: _Endpoint) -> _Connection | None:
-        idle = endpoint.idle
-        deadline = time.monotonic() - self.idle_timeout
-        while idle:
-            conn = idle.pop()
-            if conn.lost or conn.transport.is_closing():
-                continue
-            if conn.idle_since < deadline:
-                conn.close()
-                continue
-            return conn
-        return None
-
-    async def _connect(self, endpoint: _Endpoint) -> _Connection:
-        if self._closed:
-            raise UpstreamConnectError("client is closed")
-        conn = _Connection(self, endpoint)
-        ssl = None
-        if endpoint.ssl:
-            if self._ssl_context is None:  # made once: loading the CA store costs milliseconds
-                self._ssl_context = ssl_module.create_default_context()
-            ssl = self._ssl_context
-        where = f"{endpoint.host}:{endpoint.port}"
-        try:
-            async with asyncio.timeout(self.connect_timeout):
-                await self.loop.create_connection(lambda: conn, endpoint.host, endpoint.port, ssl=ssl,
-                                                  server_hostname=endpoint.server_hostname)
-        except TimeoutError:
-            raise UpstreamConnectError(f"cannot connect to {where}: no connection within "
-                                       f"{self.connect_timeout:g} s") from None
-        except (OSError, ssl_module.SSLError) as exc:
-            raise UpstreamConnectError(f"cannot connect to {where}: {exc}") from exc
-        self.connects_total += 1
-        return conn
-
-    # ---- the in-use bound -----------------------------------------------------------------------------
-    async def _take_slot(self) -> None:
-        if self._in_use < self.max_connections and not self._slot_waiters:
-            self._in_use += 1
-            return
-        waiter = self.loop.create_future()
-        self._slot_waiters.append(waiter)
-        try:
-            await waiter  # the releaser counted our slot already
-        except BaseException:
-            if waiter.done() and not waiter.cancelled():
-                self._slot_released()  # given to us just as we were cancelled: pass it on
-            else:
-                try:
-                    self._slot_waiters.remove(waiter)
-                except ValueError:
-                    pass
-            raise
-
-    def _slot_released(self) -> None:
-        waiters = self._slot_waiters
-        while waiters:
-            waiter = waiters.popleft()
-            if not waiter.done():
-                waiter.set_result(None)  # the slot passes straight to the waiter
-                return
-        self._in_use -= 1
-
-    # ---- idle connections ----------------------------------------------------------------------------
-    def _put_idle(self, conn: _Connection) -> None:
-        if self._closed or conn.lost:
-            conn.close()
-            return
-        conn.idle_since = time.monotonic()
-        conn.endpoint.idle.append(conn)
-        if self._sweeper is None:
-            self._sweeper = self.loop.call_later(IDLE_SWEEP_S, self._sweep)
-
-    def _sweep(self) -> None:
-        """Close connections idle for longer than idle_timeout, drop lost ones from the idle lists."""
-        self._sweeper = None
-        deadline = time.monotonic() - self.idle_timeout
-        remaining = 0
-        for endpoint in self._endpoints.values():
-            keep = []
-            for conn in endpoint.idle:
-                if conn.lost:
-                    continue
-                if conn.idle_since < deadline:
-                    conn.close()
-                else:
-                    keep.append(conn)
-            endpoint.idle[:] = keep
-            remaining += len(keep)
-        if remaining and not self._closed:
-            self._sweeper = self.loop.call_later(IDLE_SWEEP_S, self._sweep)
-
-    async def close(self) -> None:
-        """Close every connection (in use ones too) and wait until their transports are gone."""
-        self._closed = True
-        if self._sweeper is not None:
-            self._sweeper.cancel()
-            self._sweeper = None
-        for endpoint in self._endpoints.values():
-            endpoint.idle.clear()
-        connections = list(self._connections)
-        for conn in connections:
-            conn.close()
-        # Transports finish closing on the next loop iterations; wait (bounded) so nothing leaks a warning.
-        deadline = self.loop.time() + 1.0
-        while self._connections and self.loop.time() < deadline:
-            await asyncio.sleep(0)
+            conn.transport.write(request)
+        except (RuntimeError, OSError) as exc:  # the transport closed under us: nothing was sent
+            raise (StaleConnection if response._reused else UpstreamError)(f"cannot send the request: {exc}") from exc
+        while not response._head_in and not response._done:
+            await response._wait()
+    except BaseException:
+        response.close()
+        raise
+    if not response._head_in:
+        raise response._error
+    if response._done:  # (a body error is raised by read(), after the head)
+        pool.release_slot()  # the whole answer came with its head
+    else:
+        response._slot = True  # released when the body ends or the response is closed
+    return response

@@ -1,0 +1,280 @@
+"""The legs' keep-alive connections: one pool of idle connections per upstream server, a bound on those in
+use, connecting (with a timeout), reusing, sweeping the idle ones, closing."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import socket
+import ssl as ssl_module
+import time
+from urllib.parse import urlsplit
+
+from router.dataplane.upstream_http.response import (
+    StaleConnection,
+    UpstreamConnectError,
+    UpstreamResponse,
+    exchange,
+)
+
+MAX_BODY_SIZE = 1024 * 1024 * 1024  # for whole-body reads: a logprob answer for a large batch is big
+IDLE_SWEEP_S = 5.0
+# A connection idle this long is not reused: SGLang's uvicorn closes idle connections after 5 s
+# (SGLANG_TIMEOUT_KEEP_ALIVE), and reusing one just as the server closes it is the stale-connection race.
+IDLE_TIMEOUT_S = 4.0
+
+
+class _Connection(asyncio.Protocol):
+    """One TCP connection to one endpoint; `response` is the exchange it is serving, None while idle."""
+
+    __slots__ = ("pool", "endpoint", "transport", "response", "served", "lost", "idle_since")
+
+    def __init__(self, pool: "UpstreamPool", endpoint: "_Endpoint") -> None:
+        self.pool = pool
+        self.endpoint = endpoint
+        self.transport: asyncio.Transport | None = None
+        self.response: UpstreamResponse | None = None
+        self.served = 0
+        self.lost = False
+        self.idle_since = 0.0
+
+    def connection_made(self, transport) -> None:
+        self.transport = transport
+        sock = transport.get_extra_info("socket")
+        if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+            try:
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            except OSError:
+                pass
+        self.pool._connections.add(self)
+
+    def data_received(self, data: bytes) -> None:
+        response = self.response
+        if response is None:  # unsolicited bytes on an idle connection: it cannot be trusted
+            self.close()
+            return
+        response.feed(data)
+
+    def eof_received(self) -> bool:
+        return False  # close our side too
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.lost = True
+        self.pool._connections.discard(self)
+        response = self.response
+        if response is not None:
+            self.response = None
+            response.connection_lost(exc)
+
+    def close(self) -> None:
+        self.lost = True
+        if self.transport is not None:
+            self.transport.close()
+
+
+class _Endpoint:
+    """One upstream server (scheme, host, port): its idle connections and request-line prefixes."""
+
+    __slots__ = ("host", "port", "ssl", "server_hostname", "idle", "_prefixes", "_host_header")
+
+    def __init__(self, base_url: str) -> None:
+        parts = urlsplit(base_url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError(f"not an http(s) URL: {base_url!r}")
+        self.host = parts.hostname
+        self.port = parts.port or (443 if parts.scheme == "https" else 80)
+        self.ssl = parts.scheme == "https"
+        self.server_hostname = self.host if self.ssl else None
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        default = 443 if self.ssl else 80
+        host = host if host.isascii() else host.encode("idna").decode("ascii")
+        self._host_header = (host if self.port == default else f"{host}:{self.port}").encode("ascii")
+        self.idle: list[_Connection] = []
+        self._prefixes: dict[str, bytes] = {}
+
+    def prefix(self, path: str) -> bytes:
+        """`POST path HTTP/1.1`, Host and Content-Type, up to the Content-Length value."""
+        prefix = self._prefixes.get(path)
+        if prefix is None:
+            if any(c in path for c in "\r\n ") or not path.startswith("/"):
+                raise ValueError(f"bad request path {path!r}")
+            prefix = self._prefixes[path] = (
+                b"POST " + path.encode("ascii") + b" HTTP/1.1\r\nHost: " + self._host_header
+                + b"\r\nContent-Type: application/json\r\nContent-Length: ")
+        return prefix
+
+
+def header_lines(headers: dict[str, str]) -> bytes:
+    """Extra request headers as wire bytes (values with CR or LF are refused)."""
+    out = []
+    for name, value in headers.items():
+        if "\r" in value or "\n" in value or "\r" in name or "\n" in name or ":" in name:
+            raise ValueError(f"header {name!r} cannot be sent")
+        out.append(f"{name}: {value}\r\n".encode("utf-8", "surrogateescape"))
+    return b"".join(out)
+
+
+class UpstreamPool:
+    """Keep-alive connections to the upstream servers, for the request path's POSTs."""
+
+    def __init__(self, *, max_connections: int = 8192, connect_timeout: float | None = 10.0,
+                 idle_timeout: float = IDLE_TIMEOUT_S, max_body_size: int = MAX_BODY_SIZE,
+                 ssl_context: ssl_module.SSLContext | None = None) -> None:
+        self.loop = asyncio.get_running_loop()
+        self.max_connections = max_connections
+        self.connect_timeout = connect_timeout
+        self.idle_timeout = idle_timeout
+        self.max_body_size = max_body_size
+        self._ssl_context = ssl_context
+        self._endpoints: dict[str, _Endpoint] = {}
+        self._connections: set[_Connection] = set()
+        self._in_use = 0
+        self._slot_waiters: collections.deque[asyncio.Future] = collections.deque()
+        self._sweeper: asyncio.TimerHandle | None = None
+        self._closed = False
+        self.connects_total = 0  # fresh connections made (tests and diagnostics: keep-alive works)
+        self.stale_retries_total = 0
+
+    @property
+    def in_use(self) -> int:
+        return self._in_use
+
+    @property
+    def open_connections(self) -> int:
+        return len(self._connections)
+
+    def idle_connections(self, base_url: str) -> int:
+        endpoint = self._endpoints.get(base_url)
+        return sum(1 for c in endpoint.idle if not c.lost) if endpoint else 0
+
+    async def post(self, base_url: str, path: str, body: bytes, headers: bytes = b"") -> UpstreamResponse:
+        """Send `POST path` with a JSON body and return once the answer's head is in.
+
+        `headers`: extra header lines as `header_lines()` makes them. The caller must `close()` the response
+        (or read it to its end) in every case."""
+        endpoint = self._endpoints.get(base_url)
+        if endpoint is None:
+            endpoint = self._endpoints[base_url] = _Endpoint(base_url)
+        request = b"".join((endpoint.prefix(path), str(len(body)).encode(), b"\r\n", headers, b"\r\n", body))
+        await self._take_slot()
+        try:
+            conn = self._idle_connection(endpoint)
+            if conn is None:
+                conn = await self._connect(endpoint)
+            try:
+                return await exchange(self, conn, request)
+            except StaleConnection:
+                # The server closed the idle connection as we wrote: nothing of ours was processed.
+                self.stale_retries_total += 1
+                return await exchange(self, await self._connect(endpoint), request)
+        except BaseException:
+            self.release_slot()
+            raise
+
+    def _idle_connection(self, endpoint: _Endpoint) -> _Connection | None:
+        idle = endpoint.idle
+        deadline = time.monotonic() - self.idle_timeout
+        while idle:
+            conn = idle.pop()
+            if conn.lost or conn.transport.is_closing():
+                continue
+            if conn.idle_since < deadline:
+                conn.close()
+                continue
+            return conn
+        return None
+
+    async def _connect(self, endpoint: _Endpoint) -> _Connection:
+        if self._closed:
+            raise UpstreamConnectError("client is closed")
+        conn = _Connection(self, endpoint)
+        ssl = None
+        if endpoint.ssl:
+            if self._ssl_context is None:  # made once: loading the CA store costs milliseconds
+                self._ssl_context = ssl_module.create_default_context()
+            ssl = self._ssl_context
+        where = f"{endpoint.host}:{endpoint.port}"
+        try:
+            async with asyncio.timeout(self.connect_timeout):
+                await self.loop.create_connection(lambda: conn, endpoint.host, endpoint.port, ssl=ssl,
+                                                  server_hostname=endpoint.server_hostname)
+        except TimeoutError:
+            raise UpstreamConnectError(f"cannot connect to {where}: no connection within "
+                                       f"{self.connect_timeout:g} s") from None
+        except (OSError, ssl_module.SSLError) as exc:
+            raise UpstreamConnectError(f"cannot connect to {where}: {exc}") from exc
+        self.connects_total += 1
+        return conn
+
+    # ---- the in-use bound -----------------------------------------------------------------------------
+    async def _take_slot(self) -> None:
+        if self._in_use < self.max_connections and not self._slot_waiters:
+            self._in_use += 1
+            return
+        waiter = self.loop.create_future()
+        self._slot_waiters.append(waiter)
+        try:
+            await waiter  # the releaser counted our slot already
+        except BaseException:
+            if waiter.done() and not waiter.cancelled():
+                self.release_slot()  # given to us just as we were cancelled: pass it on
+            else:
+                try:
+                    self._slot_waiters.remove(waiter)
+                except ValueError:
+                    pass
+            raise
+
+    def release_slot(self) -> None:
+        waiters = self._slot_waiters
+        while waiters:
+            waiter = waiters.popleft()
+            if not waiter.done():
+                waiter.set_result(None)  # the slot passes straight to the waiter
+                return
+        self._in_use -= 1
+
+    # ---- idle connections ----------------------------------------------------------------------------
+    def put_idle(self, conn: _Connection) -> None:
+        if self._closed or conn.lost:
+            conn.close()
+            return
+        conn.idle_since = time.monotonic()
+        conn.endpoint.idle.append(conn)
+        if self._sweeper is None:
+            self._sweeper = self.loop.call_later(IDLE_SWEEP_S, self._sweep)
+
+    def _sweep(self) -> None:
+        """Close connections idle for longer than idle_timeout, drop lost ones from the idle lists."""
+        self._sweeper = None
+        deadline = time.monotonic() - self.idle_timeout
+        remaining = 0
+        for endpoint in self._endpoints.values():
+            keep = []
+            for conn in endpoint.idle:
+                if conn.lost:
+                    continue
+                if conn.idle_since < deadline:
+                    conn.close()
+                else:
+                    keep.append(conn)
+            endpoint.idle[:] = keep
+            remaining += len(keep)
+        if remaining and not self._closed:
+            self._sweeper = self.loop.call_later(IDLE_SWEEP_S, self._sweep)
+
+    async def close(self) -> None:
+        """Close every connection (in use ones too) and wait until their transports are gone."""
+        self._closed = True
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            self._sweeper = None
+        for endpoint in self._endpoints.values():
+            endpoint.idle.clear()
+        connections = list(self._connections)
+        for conn in connections:
+            conn.close()
+        # Transports finish closing on the next loop iterations; wait (bounded) so nothing leaks a warning.
+        deadline = self.loop.time() + 1.0
+        while self._connections and self.loop.time() < deadline:
+            await asyncio.sleep(0)
