@@ -8,6 +8,7 @@ on its own, unless `wait_for_prefill` links it to prefill fakes that must have s
 from __future__ import annotations
 
 import asyncio
+import collections
 from dataclasses import dataclass, field
 
 import orjson
@@ -27,6 +28,10 @@ class Behaviour:
     health_status: int = 200  # status of GET /health
     health_hang: bool = False  # GET /health never answers (until health_release is set)
     health_script: list = field(default_factory=list)  # statuses for the next /health calls, in order
+
+
+INFO_PATHS = frozenset({"/server_info", "/get_server_info", "/model_info", "/get_model_info", "/v1/models",
+                        "/health_generate"})
 
 
 class FakeWorker:
@@ -52,6 +57,9 @@ class FakeWorker:
         # grow), so a test sees every relay of them; text added to the messages of control answers.
         self.server_args: dict = {}
         self.message_suffix = ""
+        self.calls: collections.Counter[str] = collections.Counter()  # requests received, by path
+        # When set: the info routes and /health_generate wait for it to open before answering.
+        self.info_gate: asyncio.Event | None = None
         self.requests: list[tuple[str, dict | None]] = []
         self.aborts: list[dict] = []
         self.rooms_seen: set[int] = set()
@@ -68,7 +76,7 @@ class FakeWorker:
 
     # ---- lifecycle -------------------------------------------------------------------------------
     async def start(self) -> "FakeWorker":
-        app = web.Application()
+        app = web.Application(middlewares=[self._count])
         for path in ("/generate", "/v1/completions", "/v1/chat/completions"):
             app.router.add_post(path, self._generate)
         app.router.add_post("/abort_request", self._abort)
@@ -98,6 +106,13 @@ class FakeWorker:
         self.health_release.set()
         if self._runner is not None:
             await self._runner.cleanup()
+
+    @web.middleware
+    async def _count(self, request: web.Request, handler):
+        self.calls[request.path] += 1
+        if self.info_gate is not None and request.path in INFO_PATHS:
+            await self.info_gate.wait()
+        return await handler(request)
 
     # ---- helpers ---------------------------------------------------------------------------------
     def bodies(self, path: str = "/generate") -> list[dict]:

@@ -20,7 +20,7 @@ from router.api.bodies import Empty, read_body
 from router.api.control_bodies import (BROADCAST_BODIES, UPDATE_BODIES, AbortRequest, ContinueGeneration,
                                        InitUpdateGroup, PauseGeneration, ReleaseMemory, Retryable, ResumeMemory)
 from router.api.conversion import CONVERSIONS
-from router.api.info import any_prefill_first
+from router.api.info import INFO_ANSWER_TTL, any_prefill_first, shared_handler
 from router.core.errors import BadRequest, NotFound, ServiceUnavailable, json_response
 from router.core.keys import CONFIG, METRICS, REGISTRY, TASKS, TRAFFIC, UPSTREAM, WEIGHTS
 from router.core.redact import redact
@@ -135,10 +135,10 @@ async def get_weight_version(request: web.Request) -> web.Response:
     return json_response({**fleet.to_dict(), "fleet_weight_version": flow.fleet_version})
 
 
-async def model_info(request: web.Request) -> web.Response:
+async def model_info(app: web.Application) -> tuple[dict, int]:
     """One server's model info, with the weight version the fleet serves now (0.5.23's `/model_info` can
     lag it), or null and each server's version when they disagree."""
-    registry, upstream = request.app[REGISTRY], request.app[UPSTREAM]
+    registry, upstream = app[REGISTRY], app[UPSTREAM]
     data, last = None, None
     for worker in any_prefill_first(registry):
         reply = await upstream.model_info(worker.url, timeout=INFO_TIMEOUT)
@@ -149,11 +149,11 @@ async def model_info(request: web.Request) -> web.Response:
     if data is None:
         raise ServiceUnavailable("There is no server registered" if last is None
                                  else f"no worker answered: {last.message()}")
-    fleet = await read_fleet_weight_version(registry, upstream, _flow(request).targets())
+    fleet = await read_fleet_weight_version(registry, upstream, app[WEIGHTS].targets())
     data["weight_version"] = fleet.version
     if not fleet.consistent:
         data["weight_versions"] = fleet.workers
-    return json_response(data)
+    return data, 200
 
 
 async def weight_updates(request: web.Request) -> web.Response:
@@ -211,8 +211,9 @@ def setup(app: web.Application) -> None:
         r.add_route(method, "/resume_memory_occupation", resume_memory_occupation)
     r.add_get("/get_weight_version", get_weight_version)
     r.add_get("/weight_version", get_weight_version)
-    r.add_get("/model_info", model_info)
-    r.add_get("/get_model_info", model_info)
+    info = shared_handler(app, "model_info", model_info, INFO_ANSWER_TTL)
+    r.add_get("/model_info", info)
+    r.add_get("/get_model_info", info)
     r.add_get("/weight_updates", weight_updates)
     r.add_get("/weight_updates/{op_id}", weight_update)
     r.add_post("/weight_updates/rejoin", rejoin)

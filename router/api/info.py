@@ -7,6 +7,7 @@ from typing import Iterable
 
 from aiohttp import web
 
+from router.api.shared_answers import shared_answer
 from router.control.upstream import Reply, fan_out
 from router.core.errors import ServiceUnavailable, json_response
 from router.core.keys import ADMISSION, REGISTRY, UPSTREAM
@@ -14,6 +15,8 @@ from router.core.redact import redact
 from router.core.registry import Registry, Role, Worker, WorkerState
 
 ADMIN_TIMEOUT = 30.0
+# How long the public info routes reuse an answer (any registry change drops it sooner).
+INFO_ANSWER_TTL = 1.0
 
 
 def worker_outcomes(results: Iterable[tuple[Worker, Reply]]) -> list[dict]:
@@ -50,8 +53,8 @@ async def health(request: web.Request) -> web.Response:
     return json_response(body, status=200 if ready else 503)
 
 
-async def health_generate(request: web.Request) -> web.Response:
-    registry, upstream = request.app[REGISTRY], request.app[UPSTREAM]
+async def health_generate(app: web.Application) -> tuple[dict, int]:
+    registry, upstream = app[REGISTRY], app[UPSTREAM]
     workers = [w for w in registry.workers() if w.routable]
     if not workers:
         raise ServiceUnavailable("no routable worker")
@@ -59,7 +62,7 @@ async def health_generate(request: web.Request) -> web.Response:
     outcomes = worker_outcomes(zip(workers, replies))
     roles_ok = {role: any(o["success"] for o in outcomes if o["role"] == role.value) for role in Role}
     ok = all(roles_ok.values()) and all(o["success"] for o in outcomes)
-    return json_response({"success": ok, "workers": outcomes}, status=200 if ok else 503)
+    return {"success": ok, "workers": outcomes}, 200 if ok else 503
 
 
 async def flush_cache(request: web.Request) -> web.Response:
@@ -74,8 +77,8 @@ async def flush_cache(request: web.Request) -> web.Response:
     return json_response({"success": ok, "message": message, "workers": outcomes}, status=200 if ok else 400)
 
 
-async def server_info(request: web.Request) -> web.Response:
-    registry, upstream = request.app[REGISTRY], request.app[UPSTREAM]
+async def server_info(app: web.Application) -> tuple[dict, int]:
+    registry, upstream = app[REGISTRY], app[UPSTREAM]
     workers = reachable_workers(registry)
     results = list(zip(workers, await fan_out(workers, lambda w: upstream.server_info(w.url, timeout=ADMIN_TIMEOUT))))
     prefill = [redact(r.data) for w, r in results if w.role is Role.PREFILL and r.ok]
@@ -83,33 +86,44 @@ async def server_info(request: web.Request) -> web.Response:
     states = [s for d in decode if isinstance(d, dict) for s in (d.get("internal_states") or [])]
     if not states:  # what bench_one_batch_server.py expects when decode says nothing
         states = [{"last_gen_throughput": 0.0, "avg_spec_accept_length": None}]
-    return json_response({"internal_states": states, "prefill": prefill, "decode": decode})
+    return {"internal_states": states, "prefill": prefill, "decode": decode}, 200
 
 
-async def _first_answer(request: web.Request, call) -> web.Response:
-    registry, upstream = request.app[REGISTRY], request.app[UPSTREAM]
+async def models(app: web.Application) -> tuple[dict, int]:
+    """The first worker's answer (prefill first)."""
+    registry, upstream = app[REGISTRY], app[UPSTREAM]
     last: Reply | None = None
     for worker in any_prefill_first(registry):
-        reply = await call(upstream, worker)
+        reply = await upstream.get(worker.url, "/v1/models", timeout=ADMIN_TIMEOUT)
         if reply.ok:
-            return json_response(redact(reply.data))
+            return redact(reply.data), 200
         last = reply
     if last is None:
         raise ServiceUnavailable("There is no server registered")
     raise ServiceUnavailable(f"no worker answered: {last.message()}")
 
 
-async def models(request: web.Request) -> web.Response:
-    return await _first_answer(request, lambda up, w: up.get(w.url, "/v1/models", timeout=ADMIN_TIMEOUT))
+def shared_handler(app: web.Application, name: str, produce, ttl: float = 0.0):
+    """A GET handler answering `produce(app)`'s (body, status), computed once for concurrent callers (and
+    reused `ttl` seconds): see shared_answers."""
+    answer = shared_answer(app, name, ttl)
+
+    async def handler(request: web.Request) -> web.Response:
+        body, status = await answer.get(lambda: produce(app))
+        return json_response(body, status=status)
+
+    handler.__name__ = name
+    return handler
 
 
 def setup(app: web.Application) -> None:
     r = app.router
     r.add_get("/health", health)
-    r.add_get("/health_generate", health_generate)
+    r.add_get("/health_generate", shared_handler(app, "health_generate", health_generate))
     r.add_route("POST", "/flush_cache", flush_cache)
     r.add_route("GET", "/flush_cache", flush_cache)
-    r.add_get("/get_server_info", server_info)
-    r.add_get("/server_info", server_info)
+    info = shared_handler(app, "server_info", server_info, INFO_ANSWER_TTL)
+    r.add_get("/get_server_info", info)
+    r.add_get("/server_info", info)
     # /model_info and /get_model_info: api_control (with the fleet's live weight version)
-    r.add_get("/v1/models", models)
+    r.add_get("/v1/models", shared_handler(app, "models", models, INFO_ANSWER_TTL))
