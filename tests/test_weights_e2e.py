@@ -435,6 +435,22 @@ async def test_pause_holds_new_requests_and_continue_releases_them(sim_router, m
     await quiet(router)
 
 
+async def test_a_fleet_hold_leaves_every_worker_routable_and_the_router_ready(sim_router):
+    """The hold is the router's (admission), not a worker state: /health stays ready (a readiness probe keeps
+    the router in service) and requests wait in its queue instead of finding no routable worker."""
+    router = await sim_router(1, 1)
+    status, _ = await router.call("/pause_generation", {"mode": "retract"})
+    assert status == 200 and not router.admission.is_open
+    held = asyncio.ensure_future(router.generate())
+    await wait_for(lambda: router.admission.waiting == 1, message="the request waits in the router")
+    status, health = await router.call("/health", method="GET")
+    assert status == 200 and health["admission"]["held"] is True
+    _, listing = await router.call("/workers", method="GET")
+    assert [(w["state"], w["routable"]) for w in listing["workers"]] == [("active", True)] * 2
+    status, _ = await router.call("/continue_generation", {})
+    assert status == 200 and (await held).outcome == "complete"
+
+
 async def test_pause_abort_with_retry_aborted_re_sends_after_continue(sim_router):
     router = await sim_router(1, 1, decode_step_s=0.02)
     running = [asyncio.ensure_future(router.generate()) for _ in range(3)]

@@ -34,10 +34,10 @@ from router.core.registry import Registry, Worker, WorkerState
 
 logger = logging.getLogger(__name__)
 
-# States in which a flow is talking to the server (switching its role, updating weights): its answers to
-# probes are the flow's business, and a probe would only see a server in transition.
-UNPROBED_STATES = frozenset({WorkerState.PENDING, WorkerState.CONVERTING, WorkerState.VERIFYING,
-                             WorkerState.PAUSED})
+# States in which a flow is talking to the server (switching its role): its answers to probes are the flow's
+# business, and a probe would only see a server in transition. (Fleet-wide operations hold admission, and no
+# probe runs while the fleet is held.)
+UNPROBED_STATES = frozenset({WorkerState.PENDING, WorkerState.CONVERTING, WorkerState.VERIFYING})
 INFO_TIMEOUT = 5.0
 
 

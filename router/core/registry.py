@@ -42,7 +42,8 @@ class WorkerState(str, enum.Enum):
     ABORTING = "aborting"  # in-flight requests being aborted
     CONVERTING = "converting"  # the server is switching role
     VERIFYING = "verifying"  # checking the live role after a switch
-    PAUSED = "paused"  # held by a fleet-wide operation (weight update)
+    # No "paused": a fleet-wide hold (weight update, pause_generation) is the router's, in admission, and
+    # leaves each worker routable, so /health stays ready and requests wait in the queue instead of failing.
     FAILED = "failed"  # left unsafe by a failed operation: never routed to until an operator acts
 
     def __str__(self) -> str:
