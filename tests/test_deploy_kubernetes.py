@@ -6,6 +6,7 @@ against the router's shutdown grace, the image's port and user, etcd's member li
 from __future__ import annotations
 
 import copy
+import functools
 import re
 import subprocess
 import sys
@@ -15,12 +16,12 @@ from urllib.parse import urlsplit
 import dockerfile
 import kubernetes_validate
 import pytest
-import yaml
 
 from router.server.cli import build_parser, config_from_args
 
-ROOT = Path(__file__).resolve().parents[1]
-MANIFESTS = sorted((ROOT / "deploy" / "kubernetes").glob("*.yaml"))
+from .deploy_support import (DOCS, MANIFESTS, ROOT, container, find, flag_values, matches, port_number,
+                             router_args, router_container, router_deployment)
+
 # The oldest Kubernetes the manifests claim to work on (every field they use exists there), and the newest
 # the schema package knows.
 KUBERNETES_VERSIONS = ("1.27", kubernetes_validate.latest_version())
@@ -28,51 +29,6 @@ KUBERNETES_VERSIONS = ("1.27", kubernetes_validate.latest_version())
 # once `pd-router --help` lists them; until then their own test skips and says so.
 PENDING_FLAGS = {"--etcd-endpoints", "--cluster-name", "--shutdown-grace-secs"}
 ROUTER_KEY_ENV = {"PD_ROUTER_ADMIN_API_KEY", "PD_ROUTER_API_KEY", "PD_ROUTER_WORKER_API_KEY"}
-
-
-def documents() -> list[dict]:
-    docs = []
-    for path in MANIFESTS:
-        docs.extend(doc for doc in yaml.safe_load_all(path.read_text()) if doc is not None)
-    return docs
-
-
-DOCS = documents()
-
-
-def find(kind: str, name: str) -> dict:
-    found = [d for d in DOCS if d["kind"] == kind and d["metadata"]["name"] == name]
-    assert len(found) == 1, f"expected one {kind}/{name}, found {len(found)}"
-    return found[0]
-
-
-def router_deployment() -> dict:
-    return find("Deployment", "pd-router")
-
-
-def container(workload: dict, name: str) -> dict:
-    return next(c for c in workload["spec"]["template"]["spec"]["containers"] if c["name"] == name)
-
-
-def router_container() -> dict:
-    return container(router_deployment(), "pd-router")
-
-
-def router_args() -> list[str]:
-    return list(router_container()["args"])
-
-
-def flag_values(args: list[str], flag: str) -> list[str]:
-    """The values after `flag` (up to the next flag); [] when it takes none, None when it is absent."""
-    if flag not in args:
-        return None
-    rest = args[args.index(flag) + 1:]
-    values = []
-    for token in rest:
-        if token.startswith("--"):
-            break
-        values.append(token)
-    return values
 
 
 def without_flags(args: list[str], flags: set[str]) -> list[str]:
@@ -85,22 +41,12 @@ def without_flags(args: list[str], flags: set[str]) -> list[str]:
     return out
 
 
-def help_flags() -> set[str]:
-    script = Path(sys.executable).with_name("pd-router")  # the console script the image's entrypoint names
+@functools.cache
+def router_help() -> tuple[frozenset[str], str]:
+    """The flags `pd-router --help` lists, and its text (run through the console script the image names)."""
+    script = Path(sys.executable).with_name("pd-router")
     text = subprocess.run([str(script), "--help"], capture_output=True, text=True, check=True, timeout=60).stdout
-    return set(re.findall(r"(?<![\w-])--[a-z][a-z0-9-]*", text)), text
-
-
-def port_number(c: dict, port) -> int:
-    if isinstance(port, int):
-        return port
-    named = {p["name"]: p["containerPort"] for p in c.get("ports", [])}
-    assert port in named, f"port {port!r} is not a named port of container {c['name']}"
-    return named[port]
-
-
-def matches(selector: dict, labels: dict) -> bool:
-    return all(labels.get(k) == v for k, v in selector.items())
+    return frozenset(re.findall(r"(?<![\w-])--[a-z][a-z0-9-]*", text)), text
 
 
 # ---- schemas ------------------------------------------------------------------------------------------------
@@ -142,13 +88,13 @@ def test_router_args_parse_with_the_router_cli():
     assert config.prefill and config.decode, "mini_lb's form: the workers on the command line"
     assert config.host == "0.0.0.0"
     flags = {t for t in args if t.startswith("--")}
-    known, _ = help_flags()
+    known, _ = router_help()
     unknown = flags - known - PENDING_FLAGS
     assert not unknown, f"flags pd-router --help does not list: {sorted(unknown)}"
 
 
 def test_flags_of_features_being_built_are_known_to_the_router():
-    known, _ = help_flags()
+    known, _ = router_help()
     missing = sorted(f for f in PENDING_FLAGS if f in router_args() and f not in known)
     if missing:
         pytest.skip(f"not in pd-router --help yet (features being built): {', '.join(missing)}")
@@ -194,7 +140,7 @@ def test_grace_period_outlasts_the_pre_stop_wait_and_the_router_shutdown_grace()
 
 
 def test_keys_come_from_the_secret_under_the_names_the_router_reads():
-    _, text = help_flags()
+    _, text = router_help()
     secret = find("Secret", "pd-router-keys")
     env = {e["name"]: e for e in router_container()["env"]}
     assert ROUTER_KEY_ENV <= set(env)
