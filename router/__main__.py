@@ -29,7 +29,7 @@ def _event_loop():
 def serve(argv: list[str] | None = None) -> int:
     from router.core.config import ConfigError
     from router.obs.logs import setup_logging
-    from router.server import serving
+    from router.server import serving, shutdown
     from router.server.app import create_app
     from router.server.cli import config_from_args
 
@@ -43,8 +43,10 @@ def serve(argv: list[str] | None = None) -> int:
     app = create_app(config)
     logger.info("pd-router on %s:%d: %d prefill, %d decode; policies %s/%s", config.host, config.port,
                 len(config.prefill), len(config.decode), config.prefill_policy, config.decode_policy)
-    serving.run(app, host=config.host, port=config.port, loop=_event_loop(), backlog=BACKLOG, shutdown_timeout=10,
-                announce=lambda message: logger.info("%s", message))
+    serving.run(app, host=config.host, port=config.port, loop=_event_loop(), backlog=BACKLOG,
+                shutdown_timeout=shutdown.close_timeout(config.shutdown_grace_secs),
+                announce=lambda message: logger.info("%s", message), wind_down=shutdown.wind_down(app))
+    logger.info("pd-router stopped")
     return 0
 
 

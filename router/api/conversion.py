@@ -25,7 +25,7 @@ from router.api.bodies import Empty, read_body
 from router.api.conversion_bodies import ConvertPdRole, ConvertWorker, PdRoleSwitch
 from router.api.workers import find_worker
 from router.core.errors import BadRequest, NotFound, RouterError, json_response
-from router.core.keys import ADMISSION, CONFIG, METRICS, REGISTRY, TASKS, UPSTREAM
+from router.core.keys import ADMISSION, CONFIG, LIFECYCLE, METRICS, REGISTRY, TASKS, UPSTREAM
 from router.core.registry import Worker
 from router.flows.conversion import Conversion, Conversions, Plan
 
@@ -161,6 +161,8 @@ async def _conversions_ctx(app: web.Application):
     config, admission = app[CONFIG], app[ADMISSION]
 
     def fleet_busy() -> str | None:
+        if (refusal := app[LIFECYCLE].refusal()) is not None:
+            return f"{refusal}: no conversion starts now"
         if admission.is_open:
             return None
         return (f"the fleet is held ({', '.join(admission.state()['holds'])}): convert once that operation "

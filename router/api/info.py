@@ -10,7 +10,7 @@ from aiohttp import web
 from router.api.shared_answers import shared_answer
 from router.control.upstream import Reply, fan_out
 from router.core.errors import ServiceUnavailable, json_response
-from router.core.keys import ADMISSION, REGISTRY, UPSTREAM
+from router.core.keys import ADMISSION, LIFECYCLE, REGISTRY, UPSTREAM
 from router.core.redact import redact
 from router.core.registry import Registry, Role, Worker, WorkerState
 
@@ -47,6 +47,10 @@ async def health(request: web.Request) -> web.Response:
     admission = request.app[ADMISSION]
     body = {"status": "ok" if ready else "unavailable", "pools": pools,
             "admission": {"in_flight": admission.active, "queued": admission.waiting, "held": not admission.is_open}}
+    lifecycle = request.app[LIFECYCLE]
+    if lifecycle.shutting_down:  # a balancer stops sending here; keep-alive connections still get an answer
+        body.update(status="shutting down", shutdown=lifecycle.to_dict(), message=lifecycle.refusal())
+        return json_response(body, status=503)
     if not ready:
         empty = [name for name, p in pools.items() if p["routable"] == 0]
         body["message"] = f"no routable worker in pool(s): {', '.join(empty)}"

@@ -150,6 +150,9 @@ class RouterConfig:
     weight_update_retry_aborted: bool = False
     # Inject a router-made `rid` when the client gave none, so both legs can be aborted by id.
     inject_rid: bool = True
+    # SIGTERM/SIGINT: the whole shutdown, from the signal to the exit (Kubernetes' default grace period). Requests
+    # in flight finish until its last fifth (at most 5 s) is left; then what is left is aborted and answered.
+    shutdown_grace_secs: float = 30.0
 
     def with_(self, **changes) -> "RouterConfig":
         return replace(self, **changes)
@@ -175,6 +178,8 @@ class RouterConfig:
                      "switch_timeout_secs", "weight_update_timeout_secs", "abort_timeout_secs"):
             if getattr(self, name) <= 0:
                 found.append(f"{name} must be positive")
+        if self.shutdown_grace_secs < 0:
+            found.append("--shutdown-grace-secs must not be negative")
         if self.max_connections < 1:
             found.append("--max-connections must be at least 1")
         for group in (self.health, self.breaker, self.retry, self.admission):

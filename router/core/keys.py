@@ -11,6 +11,7 @@ import aiohttp
 from aiohttp import web
 
 from router.core.config import RouterConfig
+from router.core.lifecycle import Lifecycle
 from router.core.registry import Registry
 from router.core.traffic import RequestPathControl
 
@@ -34,3 +35,4 @@ LOAD_MONITOR = web.AppKey("load_monitor", object)
 REBALANCER = web.AppKey("rebalancer", object)
 METRICS: web.AppKey[RouterMetrics] = web.AppKey("metrics")
 WEIGHTS = web.AppKey("weights", object)  # flows.weights.WeightFlow
+LIFECYCLE = web.AppKey("lifecycle", Lifecycle)  # serving, or shutting down

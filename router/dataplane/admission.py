@@ -4,6 +4,9 @@ A request enters when the gate is open and a slot is free; otherwise it waits in
 deadline. A weight update closes the gate (`hold`): new requests wait instead of failing, and are let
 through in arrival order when the hold ends. Beyond the queue bound, or past the deadline, the client gets
 503 with Retry-After.
+
+At shutdown, `close` stops admitting (new requests get 503 at once; those admitted go on, retries included),
+and once the grace period is over `turn_away` answers 503 to every request still queued and to every retry.
 """
 
 from __future__ import annotations
@@ -27,6 +30,8 @@ class Admission:
         self._holds: set[str] = set()
         self._open = asyncio.Event()
         self._open.set()
+        self._closed: str | None = None  # why new requests are refused (shutdown)
+        self._turned_away: str | None = None  # why queued requests and retries are refused too
         # Figures for the admin API and the weight-update report.
         self.held_total = 0
         self.rejected_total = 0
@@ -60,12 +65,36 @@ class Admission:
         """For retries of requests already admitted: wait for a hold to end, with the request's deadline."""
         if self.is_open:
             return
+        self._check_turned_away()
         remaining = deadline - self._clock()
         try:
             await asyncio.wait_for(self._open.wait(), max(remaining, 0))
         except asyncio.TimeoutError:
             raise ServiceUnavailable(f"the fleet is held ({self.hold_reasons}) past the request deadline",
                                      headers={"Retry-After": "5"}) from None
+        self._check_turned_away()
+
+    # ---- shutdown --------------------------------------------------------------------------------
+    def close(self, reason: str) -> None:
+        """Admit nothing new: 503 at once (a balancer or client sends it elsewhere). Requests already admitted
+        or queued go on."""
+        self._closed = reason
+
+    def turn_away(self, reason: str) -> None:
+        """The end of the grace period: every queued request and every retry gets 503 (none reached a server)."""
+        self.close(reason)
+        self._turned_away = reason
+        self.hold(reason)  # for good: wait_open leaves its fast path and refuses
+        self._open.set()  # wake the retries waiting for another hold to end: they refuse too
+        while self._waiters:
+            waiter = self._waiters.popleft()
+            if not waiter.done():
+                self.rejected_total += 1
+                waiter.set_exception(ServiceUnavailable(reason, headers={"Retry-After": "1"}))
+
+    def _check_turned_away(self) -> None:
+        if self._turned_away is not None:
+            raise ServiceUnavailable(self._turned_away, headers={"Retry-After": "1"})
 
     # ---- slots -----------------------------------------------------------------------------------
     def _can_enter(self) -> bool:
@@ -79,6 +108,9 @@ class Admission:
                 waiter.set_result(None)
 
     async def _enter(self) -> None:
+        if self._closed is not None:
+            self.rejected_total += 1
+            raise ServiceUnavailable(self._closed, headers={"Retry-After": "1"})
         if not self._waiters and self._can_enter():
             self.active += 1
             return
@@ -128,6 +160,7 @@ class Admission:
     def state(self) -> dict:
         return {
             "open": self.is_open,
+            "closed": self._closed,
             "holds": sorted(self._holds),
             "active": self.active,
             "waiting": self.waiting,

@@ -636,6 +636,24 @@ class Conversions:
         self.registry.move(worker, role, port, WorkerState.ACTIVE, "reinstated by an operator")
         return f"{worker.url} reinstated as {role}" + (f" (bootstrap port {port})" if port is not None else "")
 
+    # ---- shutdown ------------------------------------------------------------------------------------
+    def roll_back_unswitched(self) -> list[Conversion]:
+        """Cancel the conversions still emptying their worker (drain or abort step): the server has not been
+        asked to switch, so its worker simply goes back to its pool. Those switching or verifying go on: the
+        server finishes a switch it has started either way, and the flow records where it ended."""
+        cancelled = []
+        for conversion in self.running():
+            task = self._tasks.get(conversion.id)
+            if conversion.state in ("drain", "abort") and task is not None and not task.done():
+                task.cancel()
+                cancelled.append(conversion)
+        return cancelled
+
+    async def wait_all(self) -> None:
+        """Until no conversion runs."""
+        while running := self.running():
+            await asyncio.gather(*(c.wait() for c in running))
+
     async def close(self) -> None:
         tasks = list(self._tasks.values())
         for task in tasks:

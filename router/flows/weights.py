@@ -153,6 +153,10 @@ class WeightFlow:
         # Role conversions running now (set by the app): an operation waits for them after closing admission
         # (which keeps new ones from starting), so no server switches role under a fleet-wide operation.
         self.conversions_running: Callable[[], list] = lambda: []
+        # Why no new operation may start now (the router is shutting down), or None (set by the app).
+        self.refusing: Callable[[], str | None] = lambda: None
+        self._op_task: asyncio.Task | None = None  # the running operation's task
+        self._rolling_back = False
         registry.subscribe(self._on_registry_event)
 
     # ---- lifecycle ---------------------------------------------------------------------------------
@@ -193,13 +197,19 @@ class WeightFlow:
                 and (w.state is not WorkerState.FAILED or w.id in self.left_out)]
 
     # ---- running one operation at a time, immune to the caller going away ---------------------------
-    async def run(self, kind: str, options: dict, body: Callable[[Operation], Awaitable[tuple[int, dict]]]
-                  ) -> tuple[int, dict]:
+    async def run(self, kind: str, options: dict, body: Callable[[Operation], Awaitable[tuple[int, dict]]],
+                  *, shutting_down: bool = False) -> tuple[int, dict]:
         """Run an operation as an owned task: a client that disconnects does not cancel a fleet update
-        half-way. Operations run one at a time; a caller waits for its turn up to the update deadline."""
-        return await asyncio.shield(self.spawn(self._run(kind, options, body)))
+        half-way. Operations run one at a time; a caller waits for its turn up to the update deadline.
+        `shutting_down`: the shutdown's own operation, which runs while others are refused."""
+        return await asyncio.shield(self.spawn(self._run(kind, options, body, shutting_down)))
 
-    async def _run(self, kind, options, body) -> tuple[int, dict]:
+    def _refuse_while_shutting_down(self, shutting_down: bool) -> None:
+        if not shutting_down and (refusal := self.refusing()) is not None:
+            raise ServiceUnavailable(f"{refusal}: no fleet operation starts now")
+
+    async def _run(self, kind, options, body, shutting_down: bool = False) -> tuple[int, dict]:
+        self._refuse_while_shutting_down(shutting_down)
         op = Operation(f"op{next(self._ids)}", kind, options)
         try:
             async with asyncio.timeout(self.config.weight_update_timeout_secs):
@@ -208,11 +218,24 @@ class WeightFlow:
             busy = self.current.to_dict() if self.current else None
             raise Conflict(f"another fleet operation is still running after "
                            f"{self.config.weight_update_timeout_secs:g} s", current=busy) from None
+        try:
+            self._refuse_while_shutting_down(shutting_down)  # it waited for its turn: check again
+        except ServiceUnavailable:
+            self._lock.release()
+            raise
         self.current = op
+        self._op_task = asyncio.current_task()
         status, answer = 500, {}
         try:
             status, answer = await body(op)
             return status, answer
+        except asyncio.CancelledError:
+            if not self._rolling_back:
+                raise
+            # Cancelled by the shutdown before any server changed: the caller gets an answer that says so.
+            message = f"{self.refusing() or 'the router is shutting down'}: {kind} rolled back, nothing was changed"
+            status, answer = 503, {"success": False, "message": message}
+            raise ServiceUnavailable(message) from None
         except RouterError as error:
             status, answer = error.status, {"success": False, "message": error.message}
             raise
@@ -223,6 +246,8 @@ class WeightFlow:
         finally:
             op.finish(status, str(answer.get("message", "")))
             self.current = None
+            self._op_task = None
+            self._rolling_back = False
             self.history.append(op)
             for observe in self.observers:
                 observe(op)
@@ -691,6 +716,44 @@ class WeightFlow:
                                        for w in (a.prefill, a.decode)))
             await asyncio.sleep(min(delay, max(deadline - now, 0)))
             delay = min(delay * 2, 0.1)
+
+    # ---- shutdown ------------------------------------------------------------------------------------
+    async def wait_current(self) -> None:
+        """Until no operation runs (one waiting for its turn is refused once shutdown began)."""
+        while (task := self._op_task) is not None and not task.done():
+            await asyncio.wait((task,))
+
+    def roll_back_current(self) -> Operation | None:
+        """Cancel the running operation if it is a weight update that has not reached its `update` step (it
+        only held and emptied the fleet: its hold is released and nothing changed on any server); return it.
+        One past that point is left to finish within its own deadlines, never cut half-way."""
+        op, task = self.current, self._op_task
+        if op is None or task is None or task.done() or op.kind not in UPDATE_KINDS \
+                or any(step.name == "update" for step in op.steps):
+            return None
+        self._rolling_back = True
+        task.cancel()
+        return op
+
+    async def release_pause(self) -> tuple[int, dict] | None:
+        """Shutdown: a pause the router put on the fleet is ended with continue_generation, so that no server
+        stays paused with no router to continue it (None when the fleet is not paused)."""
+        if self.paused is None:
+            return None
+        return await self.run("continue_generation", {"reason": "shutdown"}, lambda op: self._resume(op, {}),
+                              shutting_down=True)
+
+    async def abort_requests(self, requests: list[LiveRequest], deadline: float) -> list[LiveRequest]:
+        """Abort these requests (already marked) on both of their servers, by rid; return those still running
+        at `deadline` (monotonic)."""
+        sends = [self._abort_rids(w, r.rids) for r in requests if r.rids for w in (r.prefill, r.decode)]
+        if sends:
+            try:
+                async with asyncio.timeout(max(deadline - time.monotonic(), 0.0)):
+                    await asyncio.gather(*sends)
+            except TimeoutError:
+                pass
+        return await self._wait_ended(requests, deadline)
 
     async def fleet_version_now(self) -> FleetVersion:
         return await read_fleet_weight_version(self.registry, self.upstream, self.targets())

@@ -20,7 +20,9 @@ from router.control.discovery import Discovery
 from router.control.upstream import Upstream
 from router.core.config import DISCOVER, RouterConfig
 from router.core.errors import error_middleware
-from router.core.keys import ADMISSION, CONFIG, DISCOVERY, PROXY, REGISTRY, SESSION, TASKS, TRAFFIC, UPSTREAM
+from router.core.keys import (ADMISSION, CONFIG, DISCOVERY, LIFECYCLE, PROXY, REGISTRY, SESSION, TASKS, TRAFFIC,
+                              UPSTREAM)
+from router.core.lifecycle import Lifecycle
 from router.core.registry import Registry, Role, WorkerState
 from router.core.request_shape import GENERATE_ROUTES
 from router.dataplane.admission import Admission
@@ -83,6 +85,7 @@ def create_app(config: RouterConfig, *, registry: Registry | None = None) -> web
     app[CONFIG] = config
     app[REGISTRY] = registry if registry is not None else Registry()
     app[TASKS] = BackgroundTasks()
+    app[LIFECYCLE] = Lifecycle()
     app[ADMISSION] = Admission(config.admission)
     app.cleanup_ctx.append(_session_ctx)
     app.cleanup_ctx.append(_workers_ctx)

@@ -103,6 +103,10 @@ SETTING_FLAGS: list[Flag] = [
     flag("--weight-update-retry-aborted",
          help="re-send requests a weight update aborted before their first token (default: abort answer)"),
     flag("--no-inject-rid", path="inject_rid", help="do not add a router-made rid to requests without one"),
+    # process
+    flag("--shutdown-grace-secs",
+         help="SIGTERM/SIGINT: stop accepting, let requests finish, abort what is left and exit 0 within this "
+              "many seconds (a second signal aborts at once, a third exits at once)"),
 ]
 FLAGS = SETTING_FLAGS + POLICY_FLAGS
 

@@ -5,6 +5,11 @@ Under load an iteration takes milliseconds, so a burst of new clients (a load te
 reconnecting after a restart) waits in the accept queue: 256 connections at once took 2-3 s to be
 accepted at ~2,500 requests/s. Here the listening socket is polled by the loop, and each time it is
 readable every pending connection (up to the backlog) is accepted and handed to aiohttp.
+
+Signals: SIGTERM and SIGINT ask for a graceful stop. The listening sockets close at once (connections already
+open are served on), then the app's `wind_down` runs (`router/server/shutdown.py`: the grace period), then
+aiohttp closes the connections and the app. A second signal asks the wind-down to hurry; a third exits at
+once (status 1).
 """
 
 from __future__ import annotations
@@ -13,8 +18,10 @@ import asyncio
 import errno
 import gc
 import logging
+import os
+import signal
 import socket
-from typing import Callable
+from typing import Awaitable, Callable
 
 from aiohttp import web
 
@@ -23,6 +30,39 @@ logger = logging.getLogger(__name__)
 # Out of descriptors or memory: stop accepting for a moment instead of spinning on a readable socket.
 RESOURCE_ERRORS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
 RESOURCE_PAUSE_S = 1.0
+
+
+class StopSignals:
+    """SIGTERM/SIGINT: the first asks for a graceful stop (`requested`), the second to hurry (`hurry`: abort
+    what is left now), the third exits at once."""
+
+    __slots__ = ("received", "requested", "hurry")
+
+    def __init__(self) -> None:
+        self.received: list[str] = []
+        self.requested = asyncio.Event()
+        self.hurry = asyncio.Event()
+
+    @property
+    def first(self) -> str | None:
+        return self.received[0] if self.received else None
+
+    def install(self, loop: asyncio.AbstractEventLoop) -> None:
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(signum, self.receive, signal.Signals(signum).name)
+
+    def receive(self, name: str) -> None:
+        self.received.append(name)
+        if len(self.received) == 1:
+            logger.info("%s: shutting down gracefully (%s again: abort what is left now)", name, name)
+            self.requested.set()
+        elif len(self.received) == 2:
+            logger.warning("%s again: aborting what is left now (a third signal exits at once)", name)
+            self.hurry.set()
+        else:
+            logger.error("%s a third time: exiting at once, without answering what is left", name)
+            logging.shutdown()
+            os._exit(1)
 
 
 class EagerAcceptSite(web.BaseSite):
@@ -81,6 +121,10 @@ class EagerAcceptSite(web.BaseSite):
         self._close_listeners()
         await super().stop()
 
+    def stop_listening(self) -> None:
+        """Close the listening sockets (new connections are refused); open connections are served on."""
+        self._close_listeners()
+
     def _close_listeners(self) -> None:
         for handle in self._paused.values():
             handle.cancel()
@@ -123,12 +167,18 @@ class EagerAcceptSite(web.BaseSite):
 
 
 def run(app: web.Application, *, host: str, port: int, loop: asyncio.AbstractEventLoop, backlog: int,
-        shutdown_timeout: float, announce: Callable[[str], None]) -> None:
-    """`web.run_app`'s job (signals, graceful shutdown, cancelling what is left) with EagerAcceptSite."""
+        shutdown_timeout: float, announce: Callable[[str], None],
+        wind_down: Callable[[StopSignals], Awaitable[None]] | None = None) -> None:
+    """`web.run_app`'s job (signals, graceful shutdown, cancelling what is left) with EagerAcceptSite.
+
+    On SIGTERM/SIGINT: stop listening, `await wind_down(signals)`, then close: handlers still running get
+    `shutdown_timeout` seconds before they are cancelled."""
     runner = web.AppRunner(app, handler_cancellation=True,  # a client that disconnects cancels its handler
                            access_log=None, shutdown_timeout=shutdown_timeout)
+    signals = StopSignals()
 
     async def serve() -> None:
+        signals.install(asyncio.get_running_loop())
         await runner.setup()
         try:
             site = EagerAcceptSite(runner, host, port, backlog=backlog)
@@ -138,8 +188,10 @@ def run(app: web.Application, *, host: str, port: int, loop: asyncio.AbstractEve
             # passes (they took up to 45 ms, a p99 spike, with ~70k start-up objects to scan each time).
             gc.collect()
             gc.freeze()
-            while True:
-                await asyncio.sleep(3600)
+            await signals.requested.wait()
+            site.stop_listening()
+            if wind_down is not None:
+                await wind_down(signals)
         finally:
             await runner.cleanup()
 
