@@ -25,9 +25,9 @@ from .deploy_support import (DOCS, MANIFESTS, ROOT, container, find, flag_values
 # The oldest Kubernetes the manifests claim to work on (every field they use exists there), and the newest
 # the schema package knows.
 KUBERNETES_VERSIONS = ("1.27", kubernetes_validate.latest_version())
-# Flags of features being built now (replicas over etcd, graceful shutdown): checked like any other flag
+# Flags of features being built now (replicas over etcd): checked like any other flag
 # once `pd-router --help` lists them; until then their own test skips and says so.
-PENDING_FLAGS = {"--etcd-endpoints", "--cluster-name", "--shutdown-grace-secs"}
+PENDING_FLAGS = {"--etcd-endpoints", "--cluster-name"}
 ROUTER_KEY_ENV = {"PD_ROUTER_ADMIN_API_KEY", "PD_ROUTER_API_KEY", "PD_ROUTER_WORKER_API_KEY"}
 
 
