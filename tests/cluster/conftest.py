@@ -1,4 +1,4 @@
-"""Fixtures for tests against a real etcd: a fresh one-member etcd per test.
+"""Fixtures for tests against a real etcd: a fresh one-member etcd per test, and a client of it.
 
 The etcd runs in its own process group on free loopback ports with a temporary data directory; teardown
 kills the group and removes the directory whatever the test did (stopped, killed or restarted it).
@@ -11,6 +11,7 @@ import sys
 
 import pytest
 
+from router.cluster.etcd import EtcdClient
 from router.cluster.etcd_process import EtcdProcess, find_etcd_binary
 
 
@@ -36,3 +37,8 @@ async def etcd():
     finally:
         await process.close()
 
+
+@pytest.fixture
+async def etcd_client(etcd):
+    async with EtcdClient(etcd.endpoints, timeout=5.0) as client:
+        yield client
