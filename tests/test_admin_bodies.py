@@ -11,7 +11,8 @@ from router.api.control_bodies import (AbortRequest, BeginUpdate, ContinueGenera
 from router.api.conversion_bodies import ConvertPdRole, ConvertWorker, PdRoleSwitch
 from router.core.errors import BadRequest
 from router.core.registry import Role
-from router.flows.conversion import CONVERT_PD_ROLE, DrainMode
+from router.flows.conversion_record import DrainMode
+from router.flows.role_switch import CONVERT_PD_ROLE
 
 UPDATE_COMMON = {"abort_all_requests": True, "weight_version": "v2", "load_format": None, "flush_cache": False,
                  "torch_empty_cache": True}

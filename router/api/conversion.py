@@ -27,7 +27,8 @@ from router.api.workers import find_worker
 from router.core.errors import BadRequest, NotFound, RouterError, json_response
 from router.core.keys import ADMISSION, CONFIG, LIFECYCLE, METRICS, REGISTRY, TASKS, UPSTREAM
 from router.core.registry import Worker
-from router.flows.conversion import Conversion, Conversions, Plan
+from router.flows.conversion import Conversions
+from router.flows.conversion_record import Conversion, Plan
 
 CONVERSIONS = web.AppKey("conversions", Conversions)
 

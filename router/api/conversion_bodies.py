@@ -12,7 +12,8 @@ from pydantic import Field, model_validator
 from router.api.bodies import (Body, Flag, JsonObject, NonNegativeNumber, Port, PositiveIntegers, PositiveNumber,
                                WorkerUrl, one_of)
 from router.core.registry import Role
-from router.flows.conversion import CONVERT_PD_ROLE, SERVER_OPTIONS, DrainMode, Plan
+from router.flows.conversion_record import DrainMode, Plan
+from router.flows.role_switch import CONVERT_PD_ROLE, SERVER_OPTIONS
 
 # Enums are read from their JSON values (`strict=False` lets "drain" be DrainMode.DRAIN; nothing else passes).
 DrainModeField = Annotated[DrainMode, Field(strict=False, description=one_of(m.value for m in DrainMode))]

@@ -14,178 +14,37 @@ requests when `retry_aborted` is on). The worker joins the other pool only after
 been read back and its bootstrap port learnt: a switch that answered success without changing the role is
 a failure.
 
-Two server APIs: SGLang 0.5.23's `/pd_role_switch` (refuses while not idle, with `safe_to_restore` telling
-whether the server is unchanged; `safe_to_restore` is false on success, so it is read only on failure) and
-the earlier design's `/convert_pd_role` (reports the bootstrap port a new prefill listens on).
+This module is the state machine; the calls to the server (its two switch APIs, reading its role back) are
+in `role_switch.py`, the plan and the record in `conversion_record.py`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
-import enum
 import itertools
 import logging
 import time
-from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable
 
 from router.control.health import agreed_weight_version, rejoin_refusal
-from router.control.upstream import Reply, Upstream, bootstrap_port_of, live_role_of, weight_version_of
+from router.control.upstream import Upstream, bootstrap_port_of, weight_version_of
 from router.core.errors import BadGateway, Conflict
 from router.core.registry import Registry, Role, Worker, WorkerState
-from router.flows.fleet import ABORT_REPEAT_SECS
-from router.flows.steps import Step
+from router.flows.conversion_record import Conversion, ConversionOutcome, DrainMode, Plan
+from router.flows.fleet import ABORT_REPEAT_SECS, INFO_TIMEOUT, POLL_FIRST, POLL_MAX
+from router.flows.role_switch import RoleSwitch
+from router.flows.steps import Step, StepFailed, run_step
 
 logger = logging.getLogger(__name__)
 
-PD_ROLE_SWITCH = "pd_role_switch"
-CONVERT_PD_ROLE = "convert_pd_role"
-SWITCH_APIS = (PD_ROLE_SWITCH, CONVERT_PD_ROLE)  # probing order when the server did not say
-
-# 0.5.23 refuses a switch to decode without it. 0 skips the server's CUDA-graph headroom check; a failed
-# capture only degrades decode to eager mode, so 0 is the value that lets a switch proceed everywhere.
-DEFAULT_DECODE_CUDA_GRAPH_MEMORY_GB = 0.0
 VERIFY_TIMEOUT_SECS = 15.0
 HISTORY_SIZE = 100
-INFO_TIMEOUT = 5.0
 HEALTH_TIMEOUT = 25.0  # 0.5.23's /health runs a 1-token generation and waits up to 20 s for progress
-POLL_FIRST, POLL_MAX = 0.01, 0.2
-SWITCH_RETRY_FIRST, SWITCH_RETRY_MAX = 0.1, 2.0
-
-# Server options the router knows, and the APIs that take each (server_patches' /convert_pd_role passes the
-# CUDA-graph ones on to the in-place switch). Others go in `server_options`, sent verbatim.
-BOTH_APIS = frozenset(SWITCH_APIS)
-SERVER_OPTIONS: dict[str, frozenset[str]] = {
-    "decode_cuda_graph_bs": BOTH_APIS,
-    "decode_cuda_graph_memory_gb": BOTH_APIS,
-    "bootstrap_port": frozenset({CONVERT_PD_ROLE}),
-    "disable_radix_cache": frozenset({CONVERT_PD_ROLE}),
-    "disable_cuda_graph": frozenset({CONVERT_PD_ROLE}),
-}
-
-
-class DrainMode(str, enum.Enum):
-    DRAIN = "drain"  # stop routing; wait for in-flight requests to finish
-    ABORT = "abort"  # stop routing; abort everything on the worker; wait until it is idle
-
-    def __str__(self) -> str:
-        return self.value
-
-
-class ConversionOutcome(str, enum.Enum):
-    CONVERTED = "converted"  # active in the new pool
-    RESTORED = "restored"  # failed safely: active again in the old pool
-    FAILED = "failed"  # left unsafe: worker state `failed`
-    REFUSED = "refused"  # never started (busy, last routable worker of its pool, not active)
-    CANCELLED = "cancelled"  # the router shut down mid-flow
-
-    def __str__(self) -> str:
-        return self.value
-
-
-@dataclass(frozen=True, slots=True)
-class Plan:
-    """What an operator asked for (validated by the API layer)."""
-
-    mode: DrainMode = DrainMode.DRAIN
-    new_role: Role | None = None  # None: the opposite of the worker's role
-    empty_timeout_s: float | None = None  # drain/abort deadline; None: the router's drain_timeout_secs
-    switch_timeout_s: float | None = None  # None: the router's switch_timeout_secs
-    verify_timeout_s: float | None = None
-    server_options: dict = field(default_factory=dict)  # known options (SERVER_OPTIONS), routed by API
-    raw_server_options: dict = field(default_factory=dict)  # sent verbatim to whichever API the server has
-    # The server API to try first: the router's /convert_pd_role asks for the server's own /convert_pd_role
-    # (which takes the design's options) where it exists; None: the API learnt from the server.
-    api: str | None = None
-
-
-@dataclass(eq=False, slots=True)
-class Conversion:
-    id: str
-    worker_id: str
-    worker_url: str
-    old_role: Role
-    new_role: Role
-    mode: DrainMode
-    started_at: float = field(default_factory=time.time)
-    t0: float = field(default_factory=time.monotonic)
-    state: str = "starting"  # the step running now, or "done"
-    outcome: ConversionOutcome | None = None
-    message: str = ""
-    status: int = 0  # the HTTP status that reports the outcome
-    api: str | None = None
-    bootstrap_port: int | None = None
-    server_switch_s: float | None = None  # the answering switch call, timed by the router
-    duration_s: float | None = None
-    notes: list[str] = field(default_factory=list)
-    steps: list[Step] = field(default_factory=list)
-    done: asyncio.Event = field(default_factory=asyncio.Event)
-
-    @property
-    def running(self) -> bool:
-        return self.outcome is None
-
-    @property
-    def success(self) -> bool:
-        return self.outcome is ConversionOutcome.CONVERTED
-
-    def step_time(self, *names: str) -> float:
-        return sum(s.duration_s or 0.0 for s in self.steps if s.name in names)
-
-    def finish(self, outcome: ConversionOutcome, message: str, status: int) -> None:
-        self.outcome, self.message, self.status = outcome, message, status
-        self.state = "done"
-        self.duration_s = time.monotonic() - self.t0
-        self.done.set()
-
-    async def wait(self) -> "Conversion":
-        await self.done.wait()
-        return self
-
-    def to_dict(self) -> dict:
-        empty_s = self.step_time("drain", "abort")
-        overhead = None
-        if self.duration_s is not None:
-            overhead = max(self.duration_s - empty_s - (self.server_switch_s or 0.0), 0.0)
-        return {
-            "id": self.id, "worker_id": self.worker_id, "worker_url": self.worker_url,
-            "old_role": self.old_role.value, "new_role": self.new_role.value, "mode": self.mode.value,
-            "state": self.state, "outcome": None if self.outcome is None else self.outcome.value,
-            "success": self.success, "message": self.message, "status": self.status, "api": self.api,
-            "bootstrap_port": self.bootstrap_port, "started_at": self.started_at,
-            "duration_s": None if self.duration_s is None else round(self.duration_s, 6),
-            # where the time went: emptying the worker, the server's own switch, and the rest (router-side)
-            "empty_s": round(empty_s, 6),
-            "server_switch_s": None if self.server_switch_s is None else round(self.server_switch_s, 6),
-            "overhead_s": None if overhead is None else round(overhead, 6),
-            "notes": list(self.notes),
-            "steps": [{"step": s.name, **s.to_dict()} for s in self.steps],  # "step": the API's first key
-        }
-
-
-class StepFailed(Exception):
-    """A step could not complete. `safe`: True → the server is unchanged (back to the old pool); False → the
-    server may be broken (`failed`); None → unknown: decided by reading the live role back."""
-
-    def __init__(self, message: str, *, safe: bool | None, status: int = 502):
-        super().__init__(message)
-        self.message = message
-        self.safe = safe
-        self.status = status
-
-
-class _Unsupported(Exception):
-    """The server does not have this switch API (404/405): nothing happened."""
 
 
 def _positive(value: float | None, default: float) -> float:
     return value if value is not None and value > 0 else default
-
-
-def _not_idle(message: str) -> bool:
-    text = message.lower()
-    return "not idle" in text or "drain all requests" in text
 
 
 class Conversions:
@@ -197,6 +56,7 @@ class Conversions:
                  fleet_busy: Callable[[], str | None] = lambda: None) -> None:
         self.registry = registry
         self.upstream = upstream
+        self.server = RoleSwitch(registry, upstream)  # the calls to the server being converted
         self.spawn = spawn
         self.drain_timeout_s = drain_timeout_s
         self.switch_timeout_s = switch_timeout_s
@@ -317,7 +177,7 @@ class Conversions:
                 switch_called = True
                 answer = await self._step(
                     conversion, "switch", _positive(plan.switch_timeout_s, self.switch_timeout_s),
-                    lambda s: self._switch(conversion, worker, plan, s),
+                    lambda s: self.server.switch(conversion, worker, plan, s),
                     on_timeout=lambda s: StepFailed(f"the server did not switch within {s.deadline_s:g} s "
                                                     f"({s.message or 'no answer'})", safe=None, status=504))
             except StepFailed as failure:
@@ -329,8 +189,9 @@ class Conversions:
             seen: dict = {}
             try:
                 port = await self._step(
-                    conversion, "verify", verify_timeout, lambda s: self._verify(conversion, worker, answer, s, seen),
-                    on_timeout=lambda s: self._verify_timeout(conversion, s, seen))
+                    conversion, "verify", verify_timeout,
+                    lambda s: self.server.verify(conversion, worker, answer, s, seen),
+                    on_timeout=lambda s: self.server.verify_timeout(conversion, s, seen))
             except StepFailed as failure:
                 await self._recover(conversion, worker, failure, may_resume=False)
                 return
@@ -354,23 +215,10 @@ class Conversions:
         conversion.steps.append(step)
         conversion.state = name
         try:
-            async with asyncio.timeout(deadline_s):
-                result = await body(step)
-        except TimeoutError:
-            failure = on_timeout(step)
-            step.end("timeout", failure.message)
-            self._log_step(conversion, step)
-            raise failure from None
-        except StepFailed as failure:
-            step.end("failed", failure.message)
-            self._log_step(conversion, step)
-            raise
-        except asyncio.CancelledError:
-            step.end("cancelled", "the router is shutting down")
-            raise
-        step.end("ok")
-        self._log_step(conversion, step)
-        return result
+            return await run_step(step, body, on_timeout)
+        finally:
+            if step.outcome in ("ok", "failed", "timeout"):  # not a shutdown, nor a bug (logged by _run)
+                self._log_step(conversion, step)
 
     @staticmethod
     def _log_step(conversion: Conversion, step: Step) -> None:
@@ -430,83 +278,6 @@ class Conversions:
             detail = f"{worker.inflight} requests still in flight on the router"
         return StepFailed(f"{what} deadline ({step.deadline_s:g} s) exceeded: {detail}", safe=True, status=504)
 
-    # ---- the switch --------------------------------------------------------------------------------
-    async def _switch(self, conversion: Conversion, worker: Worker, plan: Plan, step: Step) -> dict:
-        # The plan's API, then the one learnt from /server_info; a 404 there still tries the other one.
-        apis = tuple(dict.fromkeys([a for a in (plan.api, worker.switch_api) if a] + list(SWITCH_APIS)))
-        unsupported: list[str] = []
-        for api in apis:
-            try:
-                answer = await self._switch_with(api, conversion, worker, plan, step)
-            except _Unsupported:
-                unsupported.append(api)
-                continue
-            conversion.api = api
-            if worker.switch_api is None or worker.switch_api in unsupported:  # learnt by probing
-                self.registry.update_info(worker, switch_api=api)
-            return answer
-        raise StepFailed(f"the server has no role-switch API (neither {' nor '.join('/' + a for a in apis)} "
-                         f"exists): start it with --enable-pd-role-switch", safe=True)
-
-    def _switch_body(self, api: str, conversion: Conversion, worker: Worker, plan: Plan) -> dict:
-        options = {k: v for k, v in plan.server_options.items() if api in SERVER_OPTIONS.get(k, ())}
-        ignored = sorted(k for k in plan.server_options if api not in SERVER_OPTIONS.get(k, ()))
-        if ignored:
-            note = f"ignored options that /{api} does not take: {', '.join(ignored)}"
-            if note not in conversion.notes:
-                conversion.notes.append(note)
-        if api == PD_ROLE_SWITCH:
-            body = {"new_role": conversion.new_role.value, **options, **plan.raw_server_options}
-        else:
-            # `check_idle` is left to its default (true: refuse when busy): the router has emptied the server
-            # already, and retries a "not idle" refusal until the step's deadline.
-            body = {"server_url": worker.url, **options, **plan.raw_server_options}
-        if conversion.new_role is Role.DECODE:
-            body.setdefault("decode_cuda_graph_memory_gb", DEFAULT_DECODE_CUDA_GRAPH_MEMORY_GB)
-        return body
-
-    async def _switch_with(self, api: str, conversion: Conversion, worker: Worker, plan: Plan, step: Step) -> dict:
-        body = self._switch_body(api, conversion, worker, plan)
-        deadline = step.t0 + step.deadline_s
-        delay = SWITCH_RETRY_FIRST
-        while True:
-            started = time.monotonic()
-            # The step's own deadline ends a call that outlives it (as a timeout); the call's is a backstop.
-            reply = await self.upstream.post(worker.url, "/" + api, body,
-                                             timeout=max(deadline - started, 0.0) + 1.0)
-            conversion.server_switch_s = time.monotonic() - started
-            step.attempts += 1
-            if reply.status in (404, 405):
-                raise _Unsupported(api)
-            if reply.success():
-                step.message = f"/{api}: {reply.message() or 'ok'}"
-                return reply.data if isinstance(reply.data, dict) else {}
-            message = reply.message()
-            if reply.status == 0:
-                # Refused connections mean nothing reached the server; a timeout or a cut answer may have.
-                reached = not reply.text.startswith("ClientConnector")
-                raise StepFailed(f"/{api} got no answer: {message}", safe=None if reached else True)
-            data = reply.data if isinstance(reply.data, dict) else {}
-            safe = data.get("safe_to_restore")
-            if _not_idle(message) and safe is not False:
-                # Transient (0.5.23: e.g. a decode holding KV of an aborted request for up to 30 s).
-                step.message = f"/{api} refused, will retry: {message}"
-                await asyncio.sleep(min(delay, max(deadline - time.monotonic(), 0)))
-                delay = min(delay * 2, SWITCH_RETRY_MAX)
-                continue
-            if safe is True or reply.status == 422:
-                raise StepFailed(f"/{api} refused ({reply.status}): {message}", safe=True)
-            if safe is False:
-                raise StepFailed(f"/{api} failed and the server is not safe to route to ({reply.status}): "
-                                 f"{message}", safe=False)
-            raise StepFailed(f"/{api} failed ({reply.status}): {message}", safe=None)
-
-    async def _live_role(self, worker: Worker) -> tuple[str | None, Reply | None]:
-        model, server = await asyncio.gather(self.upstream.model_info(worker.url, timeout=INFO_TIMEOUT),
-                                             self.upstream.server_info(worker.url, timeout=INFO_TIMEOUT))
-        role = live_role_of(model.data if model.ok else None, server.data if server.ok else None)
-        return role, server if server.ok else None
-
     async def _recover(self, conversion: Conversion, worker: Worker, failure: StepFailed, *,
                        may_resume: bool) -> bool:
         """After a failed step: True if the server did switch after all (go on verifying), else end the flow,
@@ -514,7 +285,7 @@ class Conversions:
         safe, message = failure.safe, failure.message
         if safe is None:
             # Unknown: nothing changed only if the server still reports its old role and is healthy.
-            live, _ = await self._live_role(worker)
+            live, _ = await self.server.live_role(worker)
             if may_resume and live == conversion.new_role.value:
                 conversion.notes.append(f"{message}; but the server reports role {live}: verifying")
                 logger.warning("conversion %s: %s, yet the server reports the new role", conversion.id, message)
@@ -530,41 +301,6 @@ class Conversions:
                 message += f"; the server reports role {live or 'nothing'}"
         self._end_failed(conversion, worker, StepFailed(message, safe=safe, status=failure.status), safe)
         return False
-
-    # ---- verification and activation ---------------------------------------------------------------
-    async def _verify(self, conversion: Conversion, worker: Worker, answer: dict, step: Step, seen: dict) -> int | None:
-        delay = POLL_FIRST
-        while True:
-            step.attempts += 1
-            live, server = await self._live_role(worker)
-            seen["live"] = live
-            if live == conversion.new_role.value:
-                break
-            step.message = f"the server reports role {live or 'unknown'}"
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, POLL_MAX)
-        if conversion.new_role is Role.DECODE:
-            step.message = "role decode confirmed"
-            return None
-        port = answer.get("bootstrap_port")
-        source = f"/{conversion.api}'s answer"
-        if not isinstance(port, int) or isinstance(port, bool):
-            port, source = bootstrap_port_of(server.data if server is not None else None), "/server_info"
-        if port is None:
-            step.message = ("role prefill confirmed; the server reports no bootstrap port: routing with "
-                            "bootstrap_port null (decode servers use their own default)")
-            logger.warning("conversion %s: %s", conversion.id, step.message)
-        else:
-            step.message = f"role prefill confirmed; bootstrap port {port} (from {source})"
-        return port
-
-    def _verify_timeout(self, conversion: Conversion, step: Step, seen: dict) -> StepFailed:
-        live = seen.get("live")
-        if live == conversion.old_role.value:  # nothing changed, if it is healthy: _recover checks
-            return StepFailed(f"the switch answered success but the server still reports role {live} after "
-                              f"{step.deadline_s:g} s", safe=None, status=502)
-        return StepFailed(f"the server's role could not be confirmed within {step.deadline_s:g} s "
-                          f"(it reports {live or 'nothing'})", safe=False, status=504)
 
     def _activate(self, conversion: Conversion, worker: Worker, port: int | None) -> None:
         conversion.bootstrap_port = port
@@ -610,7 +346,7 @@ class Conversions:
         """Put a `failed` worker back into routing in the role its server reports now, once it is healthy."""
         if worker.state is not WorkerState.FAILED:
             raise Conflict(f"worker {worker.id} is {worker.state}, not failed: nothing to reinstate")
-        (live, server), health = await asyncio.gather(self._live_role(worker),
+        (live, server), health = await asyncio.gather(self.server.live_role(worker),
                                                       self.upstream.health(worker.url, timeout=timeout))
         if live not in (Role.PREFILL.value, Role.DECODE.value):
             raise BadGateway(f"cannot reinstate {worker.url}: it reports no prefill/decode role "

@@ -17,7 +17,7 @@ from router.core.registry import Registry, Worker
 logger = logging.getLogger(__name__)
 
 INFO_TIMEOUT = 5.0
-POLL_FIRST, POLL_MAX = 0.01, 0.25
+POLL_FIRST, POLL_MAX = 0.01, 0.2  # polling a server until it is idle or switched: first and longest wait
 # How long a server may stay busy after the router aborted its requests before the router aborts again. SGLang
 # answers an abort at once and aborts later (0.01 s on a real server), and a leg already on the wire can reach
 # the server after the abort: only a second abort ends that request. One value for every flow that aborts (a

@@ -33,7 +33,8 @@ from policies.rebalance import (
 from router.core.errors import Conflict
 from router.core.registry import Registry, Role, Worker, WorkerState
 from router.core.records import RequestRecord
-from router.flows.conversion import Conversions, DrainMode, Plan
+from router.flows.conversion import Conversions
+from router.flows.conversion_record import DrainMode, Plan
 
 logger = logging.getLogger(__name__)
 

@@ -1,4 +1,5 @@
-"""The step record of every multi-step flow (a role conversion, a fleet-wide operation).
+"""The step record of every multi-step flow (a role conversion, a fleet-wide operation), and how a flow runs
+one step under its deadline.
 
 A flow records each step it takes, in order, with its deadline, how long it took, how it ended and why;
 the admin API shows these records (`GET /admin/conversions/{id}`, `GET /weight_updates/{id}`).
@@ -6,8 +7,12 @@ the admin API shows these records (`GET /admin/conversions/{id}`, `GET /weight_u
 
 from __future__ import annotations
 
+import asyncio
 import time
 from dataclasses import dataclass, field
+from typing import Awaitable, Callable, TypeVar
+
+T = TypeVar("T")
 
 
 @dataclass(eq=False, slots=True)
@@ -37,3 +42,36 @@ class Step:
                 "deadline_s": self.deadline_s,
                 "duration_s": None if self.duration_s is None else round(self.duration_s, 6),
                 "message": self.message, "attempts": self.attempts, "details": dict(self.details)}
+
+
+class StepFailed(Exception):
+    """A step could not complete. `safe`: True → what it acted on is unchanged (the flow can go back to where
+    it started); False → it may be broken; None → unknown (the flow finds out). `status`: the HTTP status
+    that reports the failure."""
+
+    def __init__(self, message: str, *, safe: bool | None, status: int = 502):
+        super().__init__(message)
+        self.message = message
+        self.safe = safe
+        self.status = status
+
+
+async def run_step(step: Step, body: Callable[[Step], Awaitable[T]],
+                   on_timeout: Callable[[Step], StepFailed]) -> T:
+    """Run `body` within the step's deadline and end the step: ok; timeout (raising on_timeout's failure);
+    failed (the body's StepFailed, raised again); cancelled (the router is shutting down)."""
+    try:
+        async with asyncio.timeout(step.deadline_s):
+            result = await body(step)
+    except TimeoutError:
+        failure = on_timeout(step)
+        step.end("timeout", failure.message)
+        raise failure from None
+    except StepFailed as failure:
+        step.end("failed", failure.message)
+        raise
+    except asyncio.CancelledError:
+        step.end("cancelled", "the router is shutting down")
+        raise
+    step.end("ok")
+    return result
