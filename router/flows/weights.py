@@ -1,5 +1,9 @@
 """Fleet-wide pause, abort, memory release and weight updates, each one synchronous call.
 
+This module is what each operation does; `operations.py` runs them one at a time and keeps their records,
+`membership.py` keeps the fleet on one weight version (who is left out, and their way back), and
+`request_aborts.py` serves `/abort_request`.
+
 A weight update, step by step (each step has a deadline and is recorded with its outcome):
 
     hold      new requests wait in the router's bounded queue (503 + Retry-After when it is full)
@@ -24,20 +28,17 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import itertools
 import logging
 import time
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
 from typing import Awaitable, Callable
 
 from router.control.upstream import Upstream, fan_out
 from router.core.config import RouterConfig
-from router.core.errors import Conflict, RouterError, ServiceUnavailable
+from router.core.errors import Conflict, ServiceUnavailable
 from router.core.registry import Registry, Worker, WorkerState
 from router.core.traffic import AbortAction, LiveRequest, RequestPathControl
 from router.flows.fleet import (
-    ABORT_REPEAT_SECS,
     INFO_TIMEOUT,
     FleetVersion,
     WorkerResult,
@@ -48,7 +49,9 @@ from router.flows.fleet import (
     summary,
     wait_quiet,
 )
-from router.flows.steps import Step
+from router.flows.membership import FleetMembership, LeftOut
+from router.flows.operations import Operation, OperationRunner
+from router.flows.request_aborts import RequestAborts
 
 logger = logging.getLogger(__name__)
 
@@ -64,69 +67,8 @@ ATOMIC_KINDS = frozenset({DISK, VERSION})
 ALL_MEMORY_TAGS = frozenset({"kv_cache", "weights", "cuda_graph"})  # SGLang's GPU_MEMORY_ALL_TYPES
 PAUSE_HOLD = "pause_generation"
 MEMORY_HOLD = "release_memory_occupation"
-HISTORY_SIZE = 50
 CACHE_NOT_FLUSHED = "cache was not flushed"
 SESSION_ALREADY_OPEN = "already open"
-
-
-@dataclass(slots=True)
-class Operation:
-    """One fleet-wide operation (update, pause, continue, memory release/resume): its visible state."""
-
-    id: str
-    kind: str
-    options: dict
-    started_at: float = field(default_factory=time.time)
-    started: float = field(default_factory=time.monotonic)
-    state: str = "running"  # running | succeeded | failed
-    steps: list[Step] = field(default_factory=list)
-    status: int = 0
-    message: str = ""
-    hold_s: float | None = None  # how long new requests were held
-    quiesce_s: float | None = None  # from the call to a quiet fleet
-    aborted_requests: int = 0
-    held_requests: int = 0
-    weight_version: str | None = None
-    workers: list[dict] = field(default_factory=list)
-    duration_s: float | None = None
-
-    def step(self, name: str, deadline_s: float | None = None) -> Step:
-        step = Step(name, deadline_s)
-        self.steps.append(step)
-        return step
-
-    @property
-    def current_step(self) -> str | None:
-        running = [s.name for s in self.steps if s.running]
-        return running[-1] if running else None
-
-    def finish(self, status: int, message: str) -> None:
-        self.status = status
-        self.message = message
-        self.state = "succeeded" if status == 200 else "failed"
-        self.duration_s = time.monotonic() - self.started
-        for step in self.steps:
-            if step.running:
-                step.end("failed", "interrupted")
-
-    def to_dict(self) -> dict:
-        return {"id": self.id, "kind": self.kind, "state": self.state, "step": self.current_step,
-                "options": self.options, "started_at": self.started_at, "duration_s": _round(self.duration_s),
-                "status": self.status, "message": self.message, "hold_s": _round(self.hold_s),
-                "quiesce_s": _round(self.quiesce_s), "aborted_requests": self.aborted_requests,
-                "held_requests": self.held_requests, "weight_version": self.weight_version,
-                "steps": [s.to_dict() for s in self.steps], "workers": self.workers}
-
-
-@dataclass(slots=True)
-class LeftOut:
-    kind: str  # weights | paused | memory: which call can bring the server back
-    reason: str
-    since: float = field(default_factory=time.time)
-
-
-def _round(value: float | None) -> float | None:
-    return None if value is None else round(value, 4)
 
 
 class WeightFlow:
@@ -136,39 +78,60 @@ class WeightFlow:
         self.registry = registry
         self.upstream = upstream
         self.traffic = traffic  # the request path: admission's hold and the router's live requests
-        self.spawn = spawn
-        self.fleet_version: str | None = None  # set by the first update (or adopted from an agreeing fleet)
-        self.left_out: dict[str, LeftOut] = {}
+        self.operations = OperationRunner(config.weight_update_timeout_secs, spawn)
+        self.membership = FleetMembership(registry, upstream, self.operations.lock, config.health.interval_secs,
+                                          spawn)
+        self.aborts = RequestAborts(traffic, upstream, self.targets, config.abort_timeout_secs)
         self.paused: str | None = None  # the pause mode while the router holds the fleet paused
         self.released_tags: set[str] = set()
         self.session_open = False  # a begin_weight_update session opened through the router
-        self.current: Operation | None = None
-        self.history: collections.deque[Operation] = collections.deque(maxlen=HISTORY_SIZE)
-        self._lock = asyncio.Lock()
-        self._ids = itertools.count(1)
         self._no_session_api: set[str] = set()  # workers whose server has no begin/end_weight_update
-        self.observers: list[Callable[[Operation], None]] = []  # told of every finished operation (metrics)
-        self._wake = asyncio.Event()
-        self._reconciler: asyncio.Task | None = None
         # Role conversions running now (set by the app): an operation waits for them after closing admission
         # (which keeps new ones from starting), so no server switches role under a fleet-wide operation.
         self.conversions_running: Callable[[], list] = lambda: []
-        # Why no new operation may start now (the router is shutting down), or None (set by the app).
-        self.refusing: Callable[[], str | None] = lambda: None
-        self._op_task: asyncio.Task | None = None  # the running operation's task
-        self._rolling_back = False
         registry.subscribe(self._on_registry_event)
 
     # ---- lifecycle ---------------------------------------------------------------------------------
     def start(self) -> None:
-        self._reconciler = self.spawn(self._reconcile_loop())
+        self.membership.start()
 
     async def close(self) -> None:
-        if self._reconciler is not None:
-            self._reconciler.cancel()
-            await asyncio.gather(self._reconciler, return_exceptions=True)
+        await self.membership.close()
+
+    def _on_registry_event(self, event: str, worker: Worker, details: dict) -> None:
+        if event == "removed":
+            self._no_session_api.discard(worker.id)
 
     # ---- state -------------------------------------------------------------------------------------
+    @property
+    def fleet_version(self) -> str | None:
+        return self.membership.fleet_version
+
+    @property
+    def left_out(self) -> dict[str, LeftOut]:
+        return self.membership.left_out
+
+    @property
+    def current(self) -> Operation | None:
+        return self.operations.current
+
+    @property
+    def history(self) -> collections.deque[Operation]:
+        return self.operations.history
+
+    @property
+    def observers(self) -> list[Callable[[Operation], None]]:
+        return self.operations.observers
+
+    @property
+    def refusing(self) -> Callable[[], str | None]:
+        """Why no new operation may start now (the router is shutting down), or None (set by the app)."""
+        return self.operations.refusing
+
+    @refusing.setter
+    def refusing(self, refusal: Callable[[], str | None]) -> None:
+        self.operations.refusing = refusal
+
     def state(self) -> dict:
         last = self.history[-1] if self.history else None
         return {
@@ -177,17 +140,20 @@ class WeightFlow:
             "memory_released": sorted(self.released_tags),
             "session_open": self.session_open,
             "admission": self.traffic.admission_state(),
-            "left_out": [{"id": wid, "url": w.url if (w := self.registry.find(wid)) else None, "kind": lo.kind,
-                          "reason": lo.reason, "since": lo.since} for wid, lo in self.left_out.items()],
+            "left_out": self.membership.rows(),
             "current": self.current.to_dict() if self.current else None,
             "last": last.to_dict() if last else None,
             "history": [op.to_dict() for op in reversed(self.history)],
         }
 
     def find(self, op_id: str) -> Operation | None:
-        if self.current is not None and self.current.id == op_id:
-            return self.current
-        return next((op for op in self.history if op.id == op_id), None)
+        return self.operations.find(op_id)
+
+    async def reconcile(self) -> dict:
+        return await self.membership.reconcile()
+
+    async def abort(self, *, rid: str | None, abort_all: bool) -> tuple[int, dict | None]:
+        return await self.aborts.abort(rid=rid, abort_all=abort_all)
 
     def targets(self) -> list[Worker]:
         """Servers a fleet-wide call goes to: every known server but pending ones (not reachable yet) and
@@ -195,65 +161,6 @@ class WeightFlow:
         return [w for w in self.registry.workers()
                 if w.state is not WorkerState.PENDING
                 and (w.state is not WorkerState.FAILED or w.id in self.left_out)]
-
-    # ---- running one operation at a time, immune to the caller going away ---------------------------
-    async def run(self, kind: str, options: dict, body: Callable[[Operation], Awaitable[tuple[int, dict]]],
-                  *, shutting_down: bool = False) -> tuple[int, dict]:
-        """Run an operation as an owned task: a client that disconnects does not cancel a fleet update
-        half-way. Operations run one at a time; a caller waits for its turn up to the update deadline.
-        `shutting_down`: the shutdown's own operation, which runs while others are refused."""
-        return await asyncio.shield(self.spawn(self._run(kind, options, body, shutting_down)))
-
-    def _refuse_while_shutting_down(self, shutting_down: bool) -> None:
-        if not shutting_down and (refusal := self.refusing()) is not None:
-            raise ServiceUnavailable(f"{refusal}: no fleet operation starts now")
-
-    async def _run(self, kind, options, body, shutting_down: bool = False) -> tuple[int, dict]:
-        self._refuse_while_shutting_down(shutting_down)
-        op = Operation(f"op{next(self._ids)}", kind, options)
-        try:
-            async with asyncio.timeout(self.config.weight_update_timeout_secs):
-                await self._lock.acquire()
-        except TimeoutError:
-            busy = self.current.to_dict() if self.current else None
-            raise Conflict(f"another fleet operation is still running after "
-                           f"{self.config.weight_update_timeout_secs:g} s", current=busy) from None
-        try:
-            self._refuse_while_shutting_down(shutting_down)  # it waited for its turn: check again
-        except ServiceUnavailable:
-            self._lock.release()
-            raise
-        self.current = op
-        self._op_task = asyncio.current_task()
-        status, answer = 500, {}
-        try:
-            status, answer = await body(op)
-            return status, answer
-        except asyncio.CancelledError:
-            if not self._rolling_back:
-                raise
-            # Cancelled by the shutdown before any server changed: the caller gets an answer that says so.
-            message = f"{self.refusing() or 'the router is shutting down'}: {kind} rolled back, nothing was changed"
-            status, answer = 503, {"success": False, "message": message}
-            raise ServiceUnavailable(message) from None
-        except RouterError as error:
-            status, answer = error.status, {"success": False, "message": error.message}
-            raise
-        except Exception as exc:  # recorded, then the error middleware answers 500
-            status, answer = 500, {"success": False, "message": f"{type(exc).__name__}: {exc}"}
-            logger.exception("fleet operation %s (%s) failed", op.id, kind)
-            raise
-        finally:
-            op.finish(status, str(answer.get("message", "")))
-            self.current = None
-            self._op_task = None
-            self._rolling_back = False
-            self.history.append(op)
-            for observe in self.observers:
-                observe(op)
-            self._lock.release()
-            logger.info("fleet operation %s %s: %s in %.3f s (%s)", op.id, kind, op.state, op.duration_s,
-                        op.message[:300])
 
     @asynccontextmanager
     async def _holding(self, op: Operation, reason: str, *, keep: bool = False):
@@ -324,7 +231,7 @@ class WeightFlow:
     async def update(self, kind: str, body: dict, *, abort: bool, retry: bool) -> tuple[int, dict]:
         target = body.get("new_version") if kind == VERSION else body.get("weight_version")
         options = {"abort_all_requests": abort, "retry_aborted": retry, "weight_version": target}
-        return await self.run(kind, options, lambda op: self._update(op, kind, body, target, abort, retry))
+        return await self.operations.run(kind, options, lambda op: self._update(op, kind, body, target, abort, retry))
 
     async def _update(self, op: Operation, kind: str, body: dict, target: str | None, abort: bool,
                       retry: bool) -> tuple[int, dict]:
@@ -422,12 +329,12 @@ class WeightFlow:
                                    f"fleet's {fleet!r}.").strip()
             if result.success:
                 served += 1
-                self._rejoin(worker, f"weights: updated to {version!r}", kinds=("weights",))
+                self.membership.rejoin(worker, f"weights: updated to {version!r}", kinds=("weights",))
             else:
-                self._leave_out(worker, "weights", f"{kind} failed: {result.message}"[:500])
+                self.membership.leave_out(worker, "weights", f"{kind} failed: {result.message}"[:500])
             result.extra["routable"] = worker.routable
         if served and fleet is not None:
-            self.fleet_version = fleet
+            self.membership.fleet_version = fleet
         message = summary(results, kind)
         failed = len(results) - served
         if failed:
@@ -435,109 +342,11 @@ class WeightFlow:
                         f"{self.fleet_version!r}.")
         return message
 
-    # ---- leaving routing and coming back ------------------------------------------------------------
-    def _leave_out(self, worker: Worker, kind: str, reason: str) -> None:
-        if self.registry.find(worker.id) is not worker:
-            return
-        held = self.left_out.get(worker.id)
-        if held is not None and held.kind != kind and kind == "weights":
-            kind = held.kind  # still paused / without its memory: only that call can bring it back
-        self.left_out[worker.id] = LeftOut(kind, reason)
-        self.registry.set_state(worker, WorkerState.FAILED, f"left out by {kind}: {reason}")
-
-    def _rejoin(self, worker: Worker, reason: str, kinds: tuple[str, ...]) -> bool:
-        left = self.left_out.get(worker.id)
-        if left is None or left.kind not in kinds:
-            return False
-        del self.left_out[worker.id]
-        if self.registry.find(worker.id) is worker and worker.state is WorkerState.FAILED:
-            self.registry.set_state(worker, WorkerState.ACTIVE, reason)
-        return True
-
-    async def _rejoin_if_current(self, worker: Worker, reason: str, kind: str) -> None:
-        """A server left out by `kind` that is fixed now: back in routing if it serves the fleet's version,
-        else still out, for its weights."""
-        left = self.left_out.get(worker.id)
-        if left is None or left.kind != kind:
-            return
-        version = await live_weight_version(self.upstream, worker)
-        if self.fleet_version is not None and version != self.fleet_version:
-            left.kind = "weights"
-            left.reason = f"serves weight_version {version!r}, the fleet serves {self.fleet_version!r}"
-            return
-        self._rejoin(worker, reason, kinds=(kind,))
-
-    def _on_registry_event(self, event: str, worker: Worker, details: dict) -> None:
-        if event == "removed":
-            self.left_out.pop(worker.id, None)
-            self._no_session_api.discard(worker.id)
-        elif event == "state" and details.get("old") == WorkerState.FAILED.value \
-                and details.get("new") != WorkerState.FAILED.value and worker.id in self.left_out:
-            self.left_out.pop(worker.id)  # an operator put it back (reinstate): no longer ours to hold out
-            self._wake.set()
-        elif event == "added" or (event == "state" and details.get("new") == WorkerState.ACTIVE.value) \
-                or (event == "info" and "weight_version" in details):
-            self._wake.set()
-
-    async def _reconcile_loop(self) -> None:
-        interval = max(self.config.health.interval_secs, 0.5)
-        while True:
-            try:  # asyncio.timeout, not wait_for: 3.11's wait_for can swallow a cancel racing a wake-up
-                async with asyncio.timeout(interval):
-                    await self._wake.wait()
-            except TimeoutError:
-                pass
-            self._wake.clear()
-            if self._lock.locked():
-                continue
-            try:
-                async with self._lock:
-                    await self._reconcile()
-            except Exception:  # keep reconciling; the next round may succeed
-                logger.exception("weight version reconciliation failed")
-
-    async def reconcile(self) -> dict:
-        async with self._lock:
-            return await self._reconcile()
-
-    async def _reconcile(self) -> dict:
-        """Bring back servers left out for their weights once they serve the fleet's version; keep out
-        active servers (new ones, typically) that serve another one."""
-        if self.fleet_version is None:
-            adopted = await read_fleet_weight_version(self.registry, self.upstream,
-                                                 [w for w in self.registry.workers() if w.routable])
-            if adopted.consistent and adopted.version is not None:
-                self.fleet_version = adopted.version
-            return {"fleet_weight_version": self.fleet_version, "rejoined": [], "left_out": []}
-        fleet = self.fleet_version
-        out = [w for w in self.registry.workers()
-               if (lo := self.left_out.get(w.id)) is not None and lo.kind == "weights"]
-        suspects = [w for w in self.registry.workers()
-                    if w.state is WorkerState.ACTIVE and w.id not in self.left_out and w.weight_version != fleet]
-        checked = out + suspects
-        versions = await asyncio.gather(*(live_weight_version(self.upstream, w) for w in checked))
-        rejoined, kept_out = [], []
-        for worker, version in zip(checked, versions):
-            if self.registry.find(worker.id) is not worker or self.fleet_version != fleet:
-                continue
-            if version is not None and version != worker.weight_version:
-                self.registry.update_info(worker, weight_version=version)
-            if worker in out and version == fleet:
-                self._rejoin(worker, f"weights: serves the fleet's version {fleet!r}", kinds=("weights",))
-                rejoined.append(worker.url)
-            elif worker in suspects and version is not None and version != fleet \
-                    and worker.state is WorkerState.ACTIVE:
-                self._leave_out(worker, "weights", f"serves weight_version {version!r}, the fleet serves {fleet!r}")
-                kept_out.append(worker.url)
-        if rejoined or kept_out:
-            logger.info("weight reconciliation: rejoined %s, left out %s", rejoined, kept_out)
-        return {"fleet_weight_version": fleet, "rejoined": rejoined, "left_out": kept_out}
-
     # ---- pause / continue ----------------------------------------------------------------------------
     async def pause(self, body: dict, *, retry: bool) -> tuple[int, dict]:
         mode = body.get("mode", "abort")
-        return await self.run("pause_generation", {"mode": mode, "retry_aborted": retry},
-                              lambda op: self._pause(op, body, mode, retry))
+        return await self.operations.run("pause_generation", {"mode": mode, "retry_aborted": retry},
+                                         lambda op: self._pause(op, body, mode, retry))
 
     async def _pause(self, op: Operation, body: dict, mode: str, retry: bool) -> tuple[int, dict]:
         self.traffic.hold(PAUSE_HOLD)  # kept until continue_generation
@@ -567,7 +376,7 @@ class WeightFlow:
                         "workers": op.workers}
 
     async def resume(self, body: dict) -> tuple[int, dict]:
-        return await self.run("continue_generation", {}, lambda op: self._resume(op, body))
+        return await self.operations.run("continue_generation", {}, lambda op: self._resume(op, body))
 
     async def _restore(self, op: Operation, step_name: str, call: str, body: dict, timeout: float,
                        kind: str) -> list:
@@ -578,9 +387,9 @@ class WeightFlow:
         step.end("ok" if all(o.success for o in results) else "failed", summary(results, call))
         for result in results:
             if result.success:
-                await self._rejoin_if_current(result.worker, f"{call} succeeded", kind)
+                await self.membership.rejoin_if_current(result.worker, f"{call} succeeded", kind)
             else:  # it cannot serve (still paused, memory not back, or unreachable)
-                self._leave_out(result.worker, kind, f"{call} failed: {result.message}")
+                self.membership.leave_out(result.worker, kind, f"{call} failed: {result.message}")
         return results
 
     async def _resume(self, op: Operation, body: dict) -> tuple[int, dict]:
@@ -599,8 +408,9 @@ class WeightFlow:
 
     # ---- memory release / resume -------------------------------------------------------------------
     async def release_memory(self, body: dict, *, abort: bool, retry: bool) -> tuple[int, dict]:
-        return await self.run("release_memory_occupation", {"tags": body.get("tags"), "abort_all_requests": abort},
-                              lambda op: self._release_memory(op, body, abort, retry))
+        options = {"tags": body.get("tags"), "abort_all_requests": abort}
+        return await self.operations.run("release_memory_occupation", options,
+                                         lambda op: self._release_memory(op, body, abort, retry))
 
     async def _release_memory(self, op: Operation, body: dict, abort: bool, retry: bool) -> tuple[int, dict]:
         held_already = bool(self.released_tags)
@@ -623,8 +433,8 @@ class WeightFlow:
                                memory_released=sorted(self.released_tags))
 
     async def resume_memory(self, body: dict) -> tuple[int, dict]:
-        return await self.run("resume_memory_occupation", {"tags": body.get("tags")},
-                              lambda op: self._resume_memory(op, body))
+        return await self.operations.run("resume_memory_occupation", {"tags": body.get("tags")},
+                                         lambda op: self._resume_memory(op, body))
 
     async def _resume_memory(self, op: Operation, body: dict) -> tuple[int, dict]:
         results = await self._restore(op, "resume", "resume_memory_occupation", body,
@@ -664,96 +474,29 @@ class WeightFlow:
         return status, {"success": status == 200, "message": message, "num_paused_requests": 0,
                         "workers": workers, **extra}
 
-    # ---- abort ---------------------------------------------------------------------------------------
-    async def abort(self, *, rid: str | None, abort_all: bool) -> tuple[int, dict | None]:
-        """Abort one request (on the two servers that hold it) or all; return once the router's aborted
-        requests have ended (SGLang's own abort returns at once and aborts later)."""
-        deadline = time.monotonic() + self.config.abort_timeout_secs
-        if abort_all:
-            aborted = self.traffic.mark_all(AbortAction.ANSWER)
-            results = await fan_out(self.targets(), lambda w: self._abort_call(w, {"abort_all": True}))
-        else:
-            found = self.traffic.mark_rid(rid, AbortAction.ANSWER)
-            if found is None:  # not routed by this router now: every server may know it
-                results = await fan_out(self.targets(), lambda w: self._abort_call(w, {"rid": rid}))
-                aborted = []
-            else:
-                request, rids = found
-                aborted = [request]
-                results = await fan_out((request.prefill, request.decode), lambda w: self._abort_rids(w, rids))
-        pending = await self._wait_ended(aborted, deadline)
-        if not all(o.success for o in results):
-            return 502, {"success": False, "message": summary(results, "abort_request"),
-                         "workers": [o.to_dict() for o in results]}
-        if pending:
-            return 504, {"success": False, "message": f"{len(pending)} aborted request(s) still running after "
-                                                      f"{self.config.abort_timeout_secs:g} s",
-                         "workers": [o.to_dict() for o in results]}
-        return 200, None  # SGLang's answer: 200, empty body
-
-    async def _abort_call(self, worker: Worker, body: dict) -> WorkerResult:
-        reply = await self.upstream.post(worker.url, "/abort_request", body, timeout=INFO_TIMEOUT)
-        return WorkerResult.of(worker, reply)
-
-    async def _abort_rids(self, worker: Worker, rids: list[str]) -> WorkerResult:
-        results = [await self._abort_call(worker, {"rid": rid}) for rid in rids]
-        return next((o for o in results if not o.success), results[0]) if results else \
-            WorkerResult(worker, True, 200, "nothing to abort")
-
-    async def _wait_ended(self, requests: list[LiveRequest], deadline: float) -> list[LiveRequest]:
-        """Wait for aborted requests to end; abort again by rid those still there (a leg can reach its
-        server after the abort did)."""
-        last_abort = time.monotonic()
-        delay = 0.005
-        while True:
-            pending = self.traffic.still_live(requests)
-            now = time.monotonic()
-            if not pending or now >= deadline:
-                return pending
-            if now - last_abort >= ABORT_REPEAT_SECS:
-                last_abort = now
-                await asyncio.gather(*(self._abort_rids(w, a.rids) for a in pending if a.rids
-                                       for w in (a.prefill, a.decode)))
-            await asyncio.sleep(min(delay, max(deadline - now, 0)))
-            delay = min(delay * 2, 0.1)
-
     # ---- shutdown ------------------------------------------------------------------------------------
     async def wait_current(self) -> None:
-        """Until no operation runs (one waiting for its turn is refused once shutdown began)."""
-        while (task := self._op_task) is not None and not task.done():
-            await asyncio.wait((task,))
+        await self.operations.wait_current()
 
     def roll_back_current(self) -> Operation | None:
         """Cancel the running operation if it is a weight update that has not reached its `update` step (it
         only held and emptied the fleet: its hold is released and nothing changed on any server); return it.
         One past that point is left to finish within its own deadlines, never cut half-way."""
-        op, task = self.current, self._op_task
-        if op is None or task is None or task.done() or op.kind not in UPDATE_KINDS \
-                or any(step.name == "update" for step in op.steps):
+        op = self.current
+        if op is None or op.kind not in UPDATE_KINDS or any(step.name == "update" for step in op.steps):
             return None
-        self._rolling_back = True
-        task.cancel()
-        return op
+        return self.operations.roll_back()
 
     async def release_pause(self) -> tuple[int, dict] | None:
         """Shutdown: a pause the router put on the fleet is ended with continue_generation, so that no server
         stays paused with no router to continue it (None when the fleet is not paused)."""
         if self.paused is None:
             return None
-        return await self.run("continue_generation", {"reason": "shutdown"}, lambda op: self._resume(op, {}),
-                              shutting_down=True)
+        return await self.operations.run("continue_generation", {"reason": "shutdown"},
+                                         lambda op: self._resume(op, {}), shutting_down=True)
 
     async def abort_requests(self, requests: list[LiveRequest], deadline: float) -> list[LiveRequest]:
-        """Abort these requests (already marked) on both of their servers, by rid; return those still running
-        at `deadline` (monotonic)."""
-        sends = [self._abort_rids(w, r.rids) for r in requests if r.rids for w in (r.prefill, r.decode)]
-        if sends:
-            try:
-                async with asyncio.timeout(max(deadline - time.monotonic(), 0.0)):
-                    await asyncio.gather(*sends)
-            except TimeoutError:
-                pass
-        return await self._wait_ended(requests, deadline)
+        return await self.aborts.abort_requests(requests, deadline)
 
     async def fleet_version_now(self) -> FleetVersion:
         return await read_fleet_weight_version(self.registry, self.upstream, self.targets())

@@ -1,0 +1,170 @@
+"""Fleet-wide operations (weight update, pause, continue, memory release/resume): the record of each, with
+its steps, and the runner that runs them one at a time, as owned tasks, keeping the last ones."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import itertools
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Awaitable, Callable
+
+from router.core.errors import Conflict, RouterError, ServiceUnavailable
+from router.flows.steps import Step
+
+logger = logging.getLogger(__name__)
+
+HISTORY_SIZE = 50
+
+
+@dataclass(slots=True)
+class Operation:
+    """One fleet-wide operation (update, pause, continue, memory release/resume): its visible state."""
+
+    id: str
+    kind: str
+    options: dict
+    started_at: float = field(default_factory=time.time)
+    started: float = field(default_factory=time.monotonic)
+    state: str = "running"  # running | succeeded | failed
+    steps: list[Step] = field(default_factory=list)
+    status: int = 0
+    message: str = ""
+    hold_s: float | None = None  # how long new requests were held
+    quiesce_s: float | None = None  # from the call to a quiet fleet
+    aborted_requests: int = 0
+    held_requests: int = 0
+    weight_version: str | None = None
+    workers: list[dict] = field(default_factory=list)
+    duration_s: float | None = None
+
+    def step(self, name: str, deadline_s: float | None = None) -> Step:
+        step = Step(name, deadline_s)
+        self.steps.append(step)
+        return step
+
+    @property
+    def current_step(self) -> str | None:
+        running = [s.name for s in self.steps if s.running]
+        return running[-1] if running else None
+
+    def finish(self, status: int, message: str) -> None:
+        self.status = status
+        self.message = message
+        self.state = "succeeded" if status == 200 else "failed"
+        self.duration_s = time.monotonic() - self.started
+        for step in self.steps:
+            if step.running:
+                step.end("failed", "interrupted")
+
+    def to_dict(self) -> dict:
+        return {"id": self.id, "kind": self.kind, "state": self.state, "step": self.current_step,
+                "options": self.options, "started_at": self.started_at, "duration_s": _round(self.duration_s),
+                "status": self.status, "message": self.message, "hold_s": _round(self.hold_s),
+                "quiesce_s": _round(self.quiesce_s), "aborted_requests": self.aborted_requests,
+                "held_requests": self.held_requests, "weight_version": self.weight_version,
+                "steps": [s.to_dict() for s in self.steps], "workers": self.workers}
+
+
+def _round(value: float | None) -> float | None:
+    return None if value is None else round(value, 4)
+
+
+Body = Callable[[Operation], Awaitable[tuple[int, dict]]]  # runs the operation: (HTTP status, answer)
+
+
+class OperationRunner:
+    """One operation at a time; a caller waits for its turn up to `timeout_s`, then gets 409."""
+
+    def __init__(self, timeout_s: float, spawn: Callable[[Awaitable], asyncio.Task]) -> None:
+        self.timeout_s = timeout_s
+        self.spawn = spawn
+        self.current: Operation | None = None
+        self.history: collections.deque[Operation] = collections.deque(maxlen=HISTORY_SIZE)
+        self.observers: list[Callable[[Operation], None]] = []  # told of every finished operation (metrics)
+        # Held while an operation runs; whatever must not change the fleet under one (the reconciler) takes it.
+        self.lock = asyncio.Lock()
+        self._ids = itertools.count(1)
+        # Why no new operation may start now (the router is shutting down), or None (set by the app).
+        self.refusing: Callable[[], str | None] = lambda: None
+        self._task: asyncio.Task | None = None  # the running operation's task
+        self._rolling_back = False
+
+    def find(self, op_id: str) -> Operation | None:
+        if self.current is not None and self.current.id == op_id:
+            return self.current
+        return next((op for op in self.history if op.id == op_id), None)
+
+    async def run(self, kind: str, options: dict, body: Body, *, shutting_down: bool = False) -> tuple[int, dict]:
+        """Run an operation as an owned task: a client that disconnects does not cancel a fleet update
+        half-way. `shutting_down`: the shutdown's own operation, which runs while others are refused."""
+        return await asyncio.shield(self.spawn(self._run(kind, options, body, shutting_down)))
+
+    # ---- shutdown ------------------------------------------------------------------------------------
+    async def wait_current(self) -> None:
+        """Until no operation runs (one waiting for its turn is refused once shutdown began)."""
+        while (task := self._task) is not None and not task.done():
+            await asyncio.wait((task,))
+
+    def roll_back(self) -> Operation | None:
+        """Cancel the running operation (the caller knows nothing changed on the servers yet); its caller
+        gets 503 saying it was rolled back. Returns it, or None when none runs."""
+        op, task = self.current, self._task
+        if op is None or task is None or task.done():
+            return None
+        self._rolling_back = True
+        task.cancel()
+        return op
+
+    def _refuse_while_shutting_down(self, shutting_down: bool) -> None:
+        if not shutting_down and (refusal := self.refusing()) is not None:
+            raise ServiceUnavailable(f"{refusal}: no fleet operation starts now")
+
+    async def _run(self, kind: str, options: dict, body: Body, shutting_down: bool) -> tuple[int, dict]:
+        self._refuse_while_shutting_down(shutting_down)
+        op = Operation(f"op{next(self._ids)}", kind, options)
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                await self.lock.acquire()
+        except TimeoutError:
+            busy = self.current.to_dict() if self.current else None
+            raise Conflict(f"another fleet operation is still running after {self.timeout_s:g} s",
+                           current=busy) from None
+        try:
+            self._refuse_while_shutting_down(shutting_down)  # it waited for its turn: check again
+        except ServiceUnavailable:
+            self.lock.release()
+            raise
+        self.current = op
+        self._task = asyncio.current_task()
+        status, answer = 500, {}
+        try:
+            status, answer = await body(op)
+            return status, answer
+        except asyncio.CancelledError:
+            if not self._rolling_back:
+                raise
+            # Cancelled by the shutdown before any server changed: the caller gets an answer that says so.
+            message = f"{self.refusing() or 'the router is shutting down'}: {kind} rolled back, nothing was changed"
+            status, answer = 503, {"success": False, "message": message}
+            raise ServiceUnavailable(message) from None
+        except RouterError as error:
+            status, answer = error.status, {"success": False, "message": error.message}
+            raise
+        except Exception as exc:  # recorded, then the error middleware answers 500
+            status, answer = 500, {"success": False, "message": f"{type(exc).__name__}: {exc}"}
+            logger.exception("fleet operation %s (%s) failed", op.id, kind)
+            raise
+        finally:
+            op.finish(status, str(answer.get("message", "")))
+            self.current = None
+            self._task = None
+            self._rolling_back = False
+            self.history.append(op)
+            for observe in self.observers:
+                observe(op)
+            self.lock.release()
+            logger.info("fleet operation %s %s: %s in %.3f s (%s)", op.id, kind, op.state, op.duration_s,
+                        op.message[:300])

@@ -1,0 +1,87 @@
+"""`/abort_request` for the fleet: abort one request on the two servers that hold it, or every request on
+every server, and answer once the router's aborted requests have ended."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Callable
+
+from router.control.upstream import Upstream, fan_out
+from router.core.registry import Worker
+from router.core.traffic import AbortAction, LiveRequest, RequestPathControl
+from router.flows.fleet import ABORT_REPEAT_SECS, INFO_TIMEOUT, WorkerResult, summary
+
+
+class RequestAborts:
+    def __init__(self, traffic: RequestPathControl, upstream: Upstream, targets: Callable[[], list[Worker]],
+                 timeout_s: float) -> None:
+        self.traffic = traffic
+        self.upstream = upstream
+        self.targets = targets  # the servers an abort of everything (or of an unknown rid) goes to
+        self.timeout_s = timeout_s
+
+    async def abort(self, *, rid: str | None, abort_all: bool) -> tuple[int, dict | None]:
+        """Abort one request (on the two servers that hold it) or all; return once the router's aborted
+        requests have ended (SGLang's own abort returns at once and aborts later). The request path answers
+        each with SGLang's abort answer."""
+        deadline = time.monotonic() + self.timeout_s
+        if abort_all:
+            aborted = self.traffic.mark_all(AbortAction.ANSWER)
+            results = await fan_out(self.targets(), lambda w: self._abort_call(w, {"abort_all": True}))
+        else:
+            found = self.traffic.mark_rid(rid, AbortAction.ANSWER)
+            if found is None:  # not routed by this router now: every server may know it
+                results = await fan_out(self.targets(), lambda w: self._abort_call(w, {"rid": rid}))
+                aborted = []
+            else:
+                request, rids = found
+                aborted = [request]
+                results = await fan_out((request.prefill, request.decode), lambda w: self._abort_rids(w, rids))
+        pending = await self._wait_ended(aborted, deadline)
+        if not all(o.success for o in results):
+            return 502, {"success": False, "message": summary(results, "abort_request"),
+                         "workers": [o.to_dict() for o in results]}
+        if pending:
+            return 504, {"success": False, "message": f"{len(pending)} aborted request(s) still running after "
+                                                      f"{self.timeout_s:g} s",
+                         "workers": [o.to_dict() for o in results]}
+        return 200, None  # SGLang's answer: 200, empty body
+
+    async def abort_requests(self, requests: list[LiveRequest], deadline: float) -> list[LiveRequest]:
+        """Abort these requests (already marked) on both of their servers, by rid; return those still running
+        at `deadline` (monotonic). The shutdown's last step."""
+        sends = [self._abort_rids(w, r.rids) for r in requests if r.rids for w in (r.prefill, r.decode)]
+        if sends:
+            try:
+                async with asyncio.timeout(max(deadline - time.monotonic(), 0.0)):
+                    await asyncio.gather(*sends)
+            except TimeoutError:
+                pass
+        return await self._wait_ended(requests, deadline)
+
+    async def _abort_call(self, worker: Worker, body: dict) -> WorkerResult:
+        reply = await self.upstream.post(worker.url, "/abort_request", body, timeout=INFO_TIMEOUT)
+        return WorkerResult.of(worker, reply)
+
+    async def _abort_rids(self, worker: Worker, rids: list[str]) -> WorkerResult:
+        results = [await self._abort_call(worker, {"rid": rid}) for rid in rids]
+        return next((o for o in results if not o.success), results[0]) if results else \
+            WorkerResult(worker, True, 200, "nothing to abort")
+
+    async def _wait_ended(self, requests: list[LiveRequest], deadline: float) -> list[LiveRequest]:
+        """Wait for aborted requests to end; abort again by rid those still there (a leg can reach its
+        server after the abort did)."""
+        last_abort = time.monotonic()
+        delay = 0.005
+        while True:
+            pending = self.traffic.still_live(requests)
+            now = time.monotonic()
+            if not pending or now >= deadline:
+                return pending
+            if now - last_abort >= ABORT_REPEAT_SECS:
+                last_abort = now
+                await asyncio.gather(*(self._abort_rids(w, a.rids) for a in pending if a.rids
+                                       for w in (a.prefill, a.decode)))
+            await asyncio.sleep(min(delay, max(deadline - now, 0)))
+            delay = min(delay * 2, 0.1)
