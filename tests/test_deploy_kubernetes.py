@@ -136,7 +136,8 @@ def test_grace_period_outlasts_the_pre_stop_wait_and_the_router_shutdown_grace()
     pre_stop = router_container()["lifecycle"]["preStop"]["exec"]["command"]
     assert pre_stop[0] == "sleep"
     assert spec["terminationGracePeriodSeconds"] > float(pre_stop[1]) + shutdown_grace
-    assert shutdown_grace >= 30, "the router's default shutdown grace; lower it on purpose, not by accident"
+    assert shutdown_grace >= build_parser().get_default("shutdown_grace_secs"), \
+        "below the router's default shutdown grace: lower it on purpose, not by accident"
 
 
 def test_keys_come_from_the_secret_under_the_names_the_router_reads():
