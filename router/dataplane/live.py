@@ -1,9 +1,10 @@
 """The live requests of the router: every attempt in flight, indexed by rid.
 
 The request path adds an attempt once its pair and rids are chosen and removes it when the attempt ends;
-the control API reads it to abort one request on exactly the two servers that hold it, or to mark every
-request on a set of servers before the router aborts them (so the request path can tell a router-made
-abort from a failure, and knows whether to re-send or to answer with the abort).
+the flows read and mark it through `RequestPathControl` (dataplane/traffic.py): to abort one request on
+exactly the two servers that hold it, or to mark every request on a set of servers before the router aborts
+them (so the request path can tell a router-made abort from a failure, and knows whether to re-send or to
+answer with the abort).
 """
 
 from __future__ import annotations
@@ -15,9 +16,6 @@ from router.core.traffic import AbortAction
 if TYPE_CHECKING:
     from router.core.registry import Worker
     from router.dataplane.attempt import Attempt
-
-# The request path's short names for AbortAction's members (what to do with an attempt the router aborted).
-RETRY, ANSWER = AbortAction.RETRY, AbortAction.ANSWER
 
 
 class LiveRequests:
@@ -78,7 +76,7 @@ class LiveRequests:
         """Tell the request path what to do when these attempts come back aborted (ANSWER wins over RETRY)."""
         count = 0
         for attempt in attempts:
-            if attempt.abort_action is None or action == ANSWER:
+            if attempt.abort_action is None or action is AbortAction.ANSWER:
                 attempt.abort_action = action
             count += 1
         return count
