@@ -12,7 +12,8 @@ and the generation key no longer opens them, while generation still needs exactl
 key does not open it). With no key at all everything is open, as with mini_lb. Constant-time compares.
 
 Control calls that carry a body must send a JSON object: anything else is 400 before the handler runs
-(the parsed body is kept under `JSON_BODY` so handlers do not parse it twice).
+(the parsed body is kept under `JSON_BODY` so handlers do not parse it twice), and one over
+`--max-admin-payload-size` (1 MiB) is 413 before it is read whole (generation keeps `--max-payload-size`).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from typing import Iterable
 from aiohttp import web
 
 from router.core.config import RouterConfig
-from router.core.errors import Unauthorized, parse_json_object
+from router.core.errors import PayloadTooLarge, Unauthorized, parse_json_object
 from router.core.request_shape import GENERATE_ROUTES
 
 
@@ -91,11 +92,38 @@ def key_matches(token: bytes | None, keys: Iterable[bytes]) -> bool:
     return matched and token is not None
 
 
-async def checked_json_body(request: web.Request) -> dict | None:
-    """A control call's body: None when empty, a dict when a JSON object, else 400."""
+# Admin routes whose bodies are big by nature (serialized tensors): the generation bound applies to them.
+LARGE_ADMIN_BODIES = frozenset({"/update_weights_from_tensor"})
+
+
+async def read_bounded(request: web.Request, limit: int, flag: str) -> bytes:
+    """The body, or 413 as soon as it is known to be over `limit` bytes (from Content-Length before reading
+    anything, else while reading), so an oversized body is never buffered whole."""
+    if request.content_length is not None and request.content_length > limit:
+        raise _too_large(request, limit, flag)
+    chunks, size = [], 0
+    async for chunk in request.content.iter_any():
+        size += len(chunk)
+        if size > limit:
+            raise _too_large(request, limit, flag)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _too_large(request: web.Request, limit: int, flag: str) -> PayloadTooLarge:
+    return PayloadTooLarge(f"{request.method} {request.path}: the body is over {limit} bytes ({flag})", limit=limit)
+
+
+async def checked_json_body(request: web.Request, config: RouterConfig) -> dict | None:
+    """A control call's body: None when empty, a dict when a JSON object, else 400; 413 when over its bound."""
     if not request.body_exists:
         return None
-    raw = await request.read()
+    limits = config.admission
+    if request.match_info.route.resource.canonical in LARGE_ADMIN_BODIES \
+            or limits.max_payload_size <= limits.max_admin_payload_size:  # the app's bound is the tighter one
+        raw = await read_bounded(request, limits.max_payload_size, "--max-payload-size")
+    else:
+        raw = await read_bounded(request, limits.max_admin_payload_size, "--max-admin-payload-size")
     return parse_json_object(raw) if raw.strip() else None
 
 
@@ -119,7 +147,7 @@ def make_access_middleware(config: RouterConfig):
             raise Unauthorized(f"{request.method} {request.path} needs {what}: 'Authorization: Bearer KEY'",
                                headers={"WWW-Authenticate": "Bearer"})
         if access is Access.ADMIN:
-            body = await checked_json_body(request)
+            body = await checked_json_body(request, config)
             if body is not None:
                 request[JSON_BODY] = body
         return await handler(request)

@@ -109,7 +109,7 @@ BROADCAST_BODIES: dict[str, type[ControlBody]] = {
 
 # ---- generation and memory ---------------------------------------------------------------------------------
 class AbortRequest(ControlBody):
-    rid: Text = None  # a prefix of request ids
+    rid: Text = None  # one request (or the parent of its rid_N sequences); unknown ones go to every server
     abort_all: Flag = False
 
 

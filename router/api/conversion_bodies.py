@@ -7,13 +7,13 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from router.api.bodies import (Body, Flag, JsonObject, NonNegativeNumber, Port, PositiveIntegers, PositiveNumber,
                                WorkerUrl, one_of)
 from router.core.registry import Role
 from router.flows.conversion_record import DrainMode, Plan
-from router.flows.role_switch import CONVERT_PD_ROLE, SERVER_OPTIONS
+from router.flows.role_switch import CONVERT_PD_ROLE, ROUTER_SWITCH_FIELDS, SERVER_OPTIONS
 
 # Enums are read from their JSON values (`strict=False` lets "drain" be DrainMode.DRAIN; nothing else passes).
 DrainModeField = Annotated[DrainMode, Field(strict=False, description=one_of(m.value for m in DrainMode))]
@@ -29,6 +29,15 @@ class ConversionBody(Body):
     bootstrap_port: Port = None
     disable_radix_cache: Flag = None
     disable_cuda_graph: Flag = None
+
+    @field_validator("server_options")
+    @classmethod
+    def _router_fields_are_the_routers(cls, options: dict | None) -> dict | None:
+        owned = sorted(ROUTER_SWITCH_FIELDS.intersection(options or ()))
+        if owned:
+            raise ValueError(f"{', '.join(owned)} may not be given here: the router sets "
+                             f"{'it' if len(owned) == 1 else 'them'} from the conversion's plan")
+        return options
 
     @model_validator(mode="before")
     @classmethod

@@ -4,6 +4,7 @@ with the servers' statuses taken into account (mini_lb ignores them)."""
 from __future__ import annotations
 
 from typing import Iterable
+from urllib.parse import urlencode
 
 from aiohttp import web
 
@@ -71,7 +72,8 @@ async def health_generate(app: web.Application) -> tuple[dict, int]:
 
 async def flush_cache(request: web.Request) -> web.Response:
     registry, upstream = request.app[REGISTRY], request.app[UPSTREAM]
-    query = f"?timeout={request.query['timeout']}" if "timeout" in request.query else ""
+    # Encoded again: the decoded value could carry `&`, `#`, ... and so other parameters of the client's own.
+    query = "?" + urlencode({"timeout": request.query["timeout"]}) if "timeout" in request.query else ""
     workers = reachable_workers(registry)
     replies = await fan_out(workers, lambda w: upstream.post(w.url, "/flush_cache" + query, timeout=ADMIN_TIMEOUT))
     outcomes = worker_outcomes(zip(workers, replies))

@@ -93,6 +93,10 @@ class AdmissionConfig:
     queue_size: int = 1024  # requests waiting for a slot or for a fleet-wide hold to end
     queue_timeout_secs: float = 60.0
     max_payload_size: int = 256 * 1024 * 1024
+    # Admin calls' bodies are small JSON objects: a lower bound keeps an anonymous caller (admin routes are open
+    # without a key) from making the router buffer and parse 256 MiB. /update_weights_from_tensor, whose body
+    # carries serialized tensors, keeps max_payload_size.
+    max_admin_payload_size: int = 1024 * 1024
 
 
 @dataclass(frozen=True, slots=True)
@@ -189,6 +193,8 @@ class RouterConfig:
                     found.append(f"{type(group).__name__}.{f.name} must not be negative")
         if self.admission.max_payload_size < 1:
             found.append("--max-payload-size must be at least 1")
+        if self.admission.max_admin_payload_size < 1:
+            found.append("--max-admin-payload-size must be at least 1")
         for group in (self.policy_params, self.load_monitor, self.rebalance):
             found.extend(group.problems())
         return found

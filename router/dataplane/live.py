@@ -54,22 +54,16 @@ class LiveRequests:
         return [a for a in self._attempts if a.prefill in wanted or a.decode in wanted]
 
     def by_rid(self, rid: str) -> tuple["Attempt", list[str]] | None:
-        """The attempt that knows `rid`, and the rids to abort on its servers: the rid itself and, for a
-        parent rid, the `rid_i` of its sequences (SGLang 0.5.23 aborts by exact rid). Falls back to a
-        prefix match (older servers matched rids as prefixes)."""
+        """The attempt that `rid` names, and the rids to abort on its servers (SGLang 0.5.23 aborts by exact
+        rid): the rid itself with its sequences `rid_N` (a batch, n>1), or, for a parent rid the attempt does
+        not carry itself, those sequences. Never a mere prefix: `/abort_request {"rid": "a"}` from anyone
+        must not abort whichever request's rid starts with "a"."""
         attempt = self._by_rid.get(rid)
         if attempt is None:
-            for known, candidate in self._by_rid.items():
-                if known.startswith(rid):
-                    attempt = candidate
-                    break
+            attempt = self._by_rid.get(rid + "_0")  # SGLang numbers sequences from 0
             if attempt is None:
                 return None
-        child = rid + "_"
-        rids = [r for r in attempt.rids if r == rid or r.startswith(child)]
-        if not rids:  # prefix match: every rid of the attempt under that prefix
-            rids = [r for r in attempt.rids if r.startswith(rid)]
-        return attempt, rids
+        return attempt, [r for r in attempt.rids if r == rid or _is_sequence_of(r, rid)]
 
     @staticmethod
     def mark(attempts: Iterable["Attempt"], action: AbortAction) -> int:
@@ -80,3 +74,8 @@ class LiveRequests:
                 attempt.abort_action = action
             count += 1
         return count
+
+
+def _is_sequence_of(rid: str, parent: str) -> bool:
+    """`parent_N`: how SGLang names the sequences of a batch or of n>1."""
+    return rid.startswith(parent) and rid[len(parent):len(parent) + 1] == "_" and rid[len(parent) + 1:].isdigit()

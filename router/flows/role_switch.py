@@ -40,6 +40,8 @@ SERVER_OPTIONS: dict[str, frozenset[str]] = {
     "disable_radix_cache": frozenset({CONVERT_PD_ROLE}),
     "disable_cuda_graph": frozenset({CONVERT_PD_ROLE}),
 }
+# Fields of the switch call that the router sets from its plan: a client's `server_options` may not name them.
+ROUTER_SWITCH_FIELDS = frozenset({"new_role", "server_url"})
 
 
 class _Unsupported(Exception):
@@ -84,11 +86,12 @@ class RoleSwitch:
             if note not in conversion.notes:
                 conversion.notes.append(note)
         if api == PD_ROLE_SWITCH:
-            body = {"new_role": conversion.new_role.value, **options, **plan.raw_server_options}
+            # The router's own fields last: nothing the client sent overrides the plan.
+            body = {**options, **plan.raw_server_options, "new_role": conversion.new_role.value}
         else:
             # `check_idle` is left to its default (true: refuse when busy): the router has emptied the server
             # already, and retries a "not idle" refusal until the step's deadline.
-            body = {"server_url": worker.url, **options, **plan.raw_server_options}
+            body = {**options, **plan.raw_server_options, "server_url": worker.url}
         if conversion.new_role is Role.DECODE:
             body.setdefault("decode_cuda_graph_memory_gb", DEFAULT_DECODE_CUDA_GRAPH_MEMORY_GB)
         return body

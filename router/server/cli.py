@@ -94,6 +94,8 @@ SETTING_FLAGS: list[Flag] = [
     flag("--queue-size", path="admission.queue_size"),
     flag("--queue-timeout-secs", path="admission.queue_timeout_secs"),
     flag("--max-payload-size", path="admission.max_payload_size", help="bytes"),
+    flag("--max-admin-payload-size", path="admission.max_admin_payload_size",
+         help="bytes; the bound of admin calls' bodies (but /update_weights_from_tensor's: --max-payload-size)"),
     # flows
     flag("--drain-timeout-secs"),
     flag("--switch-timeout-secs"),
