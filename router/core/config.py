@@ -152,6 +152,11 @@ class RouterConfig:
     abort_timeout_secs: float = 30.0
     # Re-send requests a weight update aborted before their first token (else: SGLang's abort answer).
     weight_update_retry_aborted: bool = False
+    # A leg whose server sends nothing for this long in the middle of its answer (after its head: a whole
+    # answer's head comes only when it is ready) is cut, and a prefill leg still open this long after its
+    # decode answered is cut too; 0: never. Longer than SGLang's own waits (PD bootstrap and KV transfer,
+    # 300 s each, one after the other at worst); not counted while the fleet is paused in place.
+    upstream_idle_timeout_secs: float = 900.0
     # Inject a router-made `rid` when the client gave none, so both legs can be aborted by id.
     inject_rid: bool = True
     # SIGTERM/SIGINT: the whole shutdown, from the signal to the exit (Kubernetes' default grace period). Requests
@@ -182,6 +187,8 @@ class RouterConfig:
                      "switch_timeout_secs", "weight_update_timeout_secs", "abort_timeout_secs"):
             if getattr(self, name) <= 0:
                 found.append(f"{name} must be positive")
+        if self.upstream_idle_timeout_secs < 0:
+            found.append("--upstream-idle-timeout-secs must not be negative (0: never)")
         if self.shutdown_grace_secs < 0:
             found.append("--shutdown-grace-secs must not be negative")
         if self.max_connections < 1:

@@ -52,6 +52,14 @@ class RequestPathControl(Protocol):
     def admission_state(self) -> dict:
         """Admission's figures for the admin API (open, holds, active, waiting, bounds, totals)."""
 
+    # ---- the legs' silence ---------------------------------------------------------------------------
+    def hold_silence(self, reason: str) -> None:
+        """The fleet is paused in place for `reason`: answers go silent on purpose, so the upstream idle
+        timeout cuts nothing (and silence so far does not count once every reason is released)."""
+
+    def release_silence(self, reason: str) -> None:
+        """End the expected silence for `reason`."""
+
     # ---- live requests -------------------------------------------------------------------------------
     def count_on(self, workers: Iterable[Worker]) -> int:
         """Requests the router has in flight with a leg on any of these workers."""

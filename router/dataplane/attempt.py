@@ -62,6 +62,10 @@ class Attempt:
     streaming: bool = False  # the client has seen bytes of this attempt: it can no longer be re-sent
     # Set (through `Proxy.live`) when an operator or a flow aborts this attempt.
     abort_action: AbortAction | None = None
+    # A prefill leg still runs after decode answered (`Dispatcher.linger`), and the client's request is over:
+    # the attempt stays live (abortable by rid, counted by the flows) until both are true of it no more.
+    lingering: bool = False
+    ended: bool = False
 
     def router_aborted(self) -> bool:
         return self.abort_action is not None or (self.prefill.abort_epoch, self.decode.abort_epoch) != self.epochs

@@ -26,10 +26,12 @@ from router.core.traffic import AbortAction
 from router.dataplane import sse
 from router.dataplane.aborts import aborted_before_first_token, some_sequence_aborted
 from router.dataplane.attempt import Attempt, Leg, LegFailed, first_done
+from router.dataplane.live import LiveRequests
 from router.dataplane.logprobs import index_prefill_events, merge_answer
 from router.dataplane.relay import ClientGone, relay
 from router.dataplane.sse import RESPONSE_HEADERS
-from router.dataplane.upstream_http import UpstreamError, UpstreamPool, UpstreamProtocolError, UpstreamResponse
+from router.dataplane.upstream_http import (UpstreamError, UpstreamPool, UpstreamProtocolError, UpstreamResponse,
+                                            UpstreamSilent)
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +40,8 @@ logger = logging.getLogger(__name__)
 # pair usually succeeds. 4xx are the request's fault and go back as they are (except timeout / rate limit).
 RETRYABLE_CLIENT_STATUSES = frozenset({408, 429})
 ABORT_TIMEOUT_S = 5.0
+LINGER_LOOKS_PER_TIMEOUT = 4  # how often overdue prefill legs are looked for (at most every 5 s)
+LINGER_LOOK_MAX_S = 5.0
 
 # (worker, verdict) for passive health: True served, False failed by the worker's fault (unreachable, 5xx,
 # stream cut), None no verdict (cancelled, client error, router abort).
@@ -48,7 +52,9 @@ class Dispatcher:
     """Runs attempts on their pairs: `unary` and `stream` return the client's response or raise LegFailed."""
 
     def __init__(self, *, registry: Registry, upstream: UpstreamPool, policies: dict[Role, Policy],
-                 spawn: Callable[[Awaitable], asyncio.Task], abort_headers: bytes, retry_aborted: bool) -> None:
+                 spawn: Callable[[Awaitable], asyncio.Task], abort_headers: bytes, retry_aborted: bool,
+                 live: LiveRequests | None = None, linger_timeout: float | None = None) -> None:
+        """`linger_timeout`: how long a prefill leg may run on after its decode answered (None: no bound)."""
         self.registry = registry
         self.upstream = upstream  # the legs and their aborts
         self.policies = policies
@@ -56,6 +62,10 @@ class Dispatcher:
         self.leg_observers: list[LegObserver] = []
         self._abort_headers = abort_headers
         self._retry_aborted = retry_aborted
+        self._live = live if live is not None else LiveRequests()
+        self._linger_timeout = linger_timeout
+        self._lingering: dict[Leg, tuple[Attempt, float]] = {}  # leg -> (its attempt, its deadline)
+        self._linger_look: asyncio.TimerHandle | None = None
 
     def retry_abort(self, attempt: Attempt) -> bool:
         """Whether a router-aborted attempt is re-sent (else the client gets the abort answer)."""
@@ -132,8 +142,37 @@ class Dispatcher:
             leg.finish(Outcome.ERROR, fault=failure.worker_fault)
         return failure
 
+    # ---- lingering prefill legs ----------------------------------------------------------------------
+    def linger(self, leg: Leg, attempt: Attempt) -> None:
+        """Decode has answered (or begun streaming) while the prefill leg still runs: a background task keeps
+        the leg counted until it ends, and it is cut if it is still open `linger_timeout` later (a prefill
+        whose KV was taken owes only the end of its answer). Deadlines are checked by a periodic look, not a
+        timer per request."""
+        leg.detach()
+        attempt.lingering = True
+        if self._linger_timeout is not None:
+            self._lingering[leg] = (attempt, time.monotonic() + self._linger_timeout)
+            if self._linger_look is None:
+                self._linger_look = asyncio.get_running_loop().call_later(
+                    min(self._linger_timeout / LINGER_LOOKS_PER_TIMEOUT, LINGER_LOOK_MAX_S), self._cut_overdue)
+        self.spawn(self._finish_later(leg, attempt))
+
+    def _cut_overdue(self) -> None:
+        self._linger_look = None
+        now = time.monotonic()
+        for leg, (attempt, deadline) in list(self._lingering.items()):
+            if now >= deadline and not leg.task.done():
+                logger.warning("prefill %s had not ended its answer %g s after its decode answered: cut and "
+                               "aborted (rids %s)", leg.worker.url, self._linger_timeout, attempt.rids)
+                self.abort_on(leg.worker, attempt.rids)
+                leg.task.cancel()  # _finish_later concludes it: an error that counts against the worker
+        if self._lingering:
+            self._linger_look = asyncio.get_running_loop().call_later(
+                min(self._linger_timeout / LINGER_LOOKS_PER_TIMEOUT, LINGER_LOOK_MAX_S), self._cut_overdue)
+
     async def _finish_later(self, leg: Leg, attempt: Attempt) -> None:
-        """A prefill leg still running after decode answered: keep it counted until it ends."""
+        """A prefill leg still running after decode answered: keep it counted (and its attempt live) until it
+        ends."""
         try:
             await first_done((leg.task,))
             self._conclude(leg, attempt)
@@ -142,6 +181,11 @@ class Dispatcher:
             raise
         except Exception:
             leg.finish(Outcome.ERROR, fault=False)
+        finally:
+            self._lingering.pop(leg, None)
+            attempt.lingering = False
+            if attempt.ended:
+                self._live.discard(attempt)
 
     def _post(self, worker: Worker, path: str, attempt: Attempt, headers: bytes) -> Awaitable[UpstreamResponse]:
         return self.upstream.post(worker.url, path, attempt.payload, headers)
@@ -151,6 +195,9 @@ class Dispatcher:
         resp = await self._post(worker, path, attempt, headers)
         try:
             return resp.status, await resp.read(), resp.content_type
+        except UpstreamSilent:
+            self.abort_on(worker, attempt.rids)  # cut for its silence: the server may still hold the request
+            raise
         finally:
             resp.close()
 
@@ -182,8 +229,7 @@ class Dispatcher:
                     merge_answer(orjson.loads(p.task.result()[1]), answer)
                     body = orjson.dumps(answer)
             if p.is_open:
-                p.detach()
-                self.spawn(self._finish_later(p, attempt))
+                self.linger(p, attempt)
             return web.Response(body=body, status=status, content_type=content_type or "application/json")
         except asyncio.CancelledError:
             # The client went away (or the deadline passed): stop both legs on the servers too.
@@ -201,6 +247,9 @@ class Dispatcher:
         resp = await self._post(worker, path, attempt, headers)
         try:
             body = await resp.read()
+        except UpstreamSilent:
+            self.abort_on(worker, attempt.rids)
+            raise
         finally:
             resp.close()
         events = []
@@ -224,6 +273,9 @@ class Dispatcher:
                     opened, resp = resp, None  # ownership passes to the caller
                     return 200, b"", opened.content_type, (opened, events, splitter)
             raise UpstreamProtocolError("decode stream ended before its first event")
+        except UpstreamSilent:
+            self.abort_on(worker, attempt.rids)
+            raise
         finally:
             if resp is not None:
                 resp.close()
@@ -270,14 +322,15 @@ class Dispatcher:
             if p.is_open:
                 # Decode has its KV: the prefill leg holds its worker until its own answer ends, not until
                 # decode's stream does (that would count it as prefill load, and stretch prefill drains).
-                p.detach()
-                self.spawn(self._finish_later(p, attempt))
+                self.linger(p, attempt)
             response = web.StreamResponse(status=200, headers=RESPONSE_HEADERS)
             record.response = response
             await response.prepare(request)
             first_at = time.monotonic()
             record.ttft_s = first_at - record.started
             ok = await relay(response, d_resp, events, splitter, prefill_first, record, first_at)
+            if not ok:  # cut mid-stream (silent, closed early): the server may still hold the request
+                self.abort_on(d.worker, attempt.rids)
             d.finish(Outcome.SUCCESS if ok else Outcome.ERROR)
             return response
         except (asyncio.CancelledError, ClientGone):

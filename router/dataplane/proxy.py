@@ -50,11 +50,13 @@ class Proxy:
         # With a worker key, every call to a worker carries it (the client's own Authorization is for us).
         self._worker_auth = f"Bearer {config.worker_api_key}" if config.worker_api_key else None
         self.admission = admission
+        self.live = live = LiveRequests()  # attempts in flight, by rid (abort endpoint, flows)
         self._dispatcher = dispatcher = Dispatcher(
             registry=registry, upstream=upstream, spawn=spawn,
             policies={Role.PREFILL: prefill_policy, Role.DECODE: decode_policy},
             abort_headers=header_lines({"Authorization": self._worker_auth}) if self._worker_auth else b"",
-            retry_aborted=config.retry.retry_aborted)
+            retry_aborted=config.retry.retry_aborted, live=live,
+            linger_timeout=config.upstream_idle_timeout_secs or None)
         # The dispatcher's own dict and list, under the names the app and the policy runtime use.
         self.policies = dispatcher.policies
         self.leg_observers = dispatcher.leg_observers
@@ -62,7 +64,6 @@ class Proxy:
         self._unary = dispatcher.unary
         self._stream = dispatcher.stream
         self.request_observers: list[RequestObserver] = []
-        self.live = LiveRequests()  # attempts in flight, by rid (abort endpoint, flows)
         self._needs_text = prefill_policy.needs_text or decode_policy.needs_text
         self._timeout = config.request_timeout_secs
         self._retry = config.retry
@@ -185,7 +186,10 @@ class Proxy:
                 record.error = failure.reason
                 return failure.response()
             finally:
-                self.live.discard(attempt)
+                if attempt.lingering:
+                    attempt.ended = True  # its prefill leg, still running, takes it out of `live` when it ends
+                else:
+                    self.live.discard(attempt)
 
     # ---- eviction: giving up on a worker for requests that can still go elsewhere -------------------
     def evict(self, worker: Worker, reason: str) -> int:

@@ -9,16 +9,18 @@ from router.core.registry import Worker
 from router.core.traffic import AbortAction, LiveRequest
 from router.dataplane.admission import Admission
 from router.dataplane.live import LiveRequests
+from router.dataplane.upstream_http import UpstreamPool
 
 
 class DataplaneControl:
     """Implements RequestPathControl. Not on the hot path: only fleet-wide operations call it."""
 
-    __slots__ = ("_admission", "_live")
+    __slots__ = ("_admission", "_live", "_legs")
 
-    def __init__(self, admission: Admission, live: LiveRequests) -> None:
+    def __init__(self, admission: Admission, live: LiveRequests, legs: UpstreamPool | None = None) -> None:
         self._admission = admission
         self._live = live
+        self._legs = legs
 
     # ---- admission ---------------------------------------------------------------------------------
     def hold(self, reason: str) -> None:
@@ -33,6 +35,15 @@ class DataplaneControl:
 
     def admission_state(self) -> dict:
         return self._admission.state()
+
+    # ---- the legs' silence -------------------------------------------------------------------------
+    def hold_silence(self, reason: str) -> None:
+        if self._legs is not None:
+            self._legs.hold_silence(reason)
+
+    def release_silence(self, reason: str) -> None:
+        if self._legs is not None:
+            self._legs.release_silence(reason)
 
     # ---- live requests -----------------------------------------------------------------------------
     def count_on(self, workers: Iterable[Worker]) -> int:

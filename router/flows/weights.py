@@ -352,6 +352,7 @@ class WeightFlow:
         self.traffic.hold(PAUSE_HOLD)  # kept until continue_generation
         op.step("hold").end("ok", "admission closed until continue_generation")
         self.paused = mode
+        self.traffic.hold_silence(PAUSE_HOLD)  # paused answers go silent: the legs' idle timeout waits
         workers = self.targets()
         if mode == "abort":
             op.aborted_requests = self._mark_aborted(workers, retry)
@@ -398,6 +399,7 @@ class WeightFlow:
         for result in results:
             result.extra["routable"] = result.worker.routable
         self.paused = None
+        self.traffic.release_silence(PAUSE_HOLD)
         self.traffic.release(PAUSE_HOLD)
         op.step("release").end("ok", "admission open")
         op.workers = [o.to_dict() for o in results]

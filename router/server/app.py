@@ -116,7 +116,8 @@ async def _session_ctx(app: web.Application):
     session = make_session(config)
     app[SESSION] = session
     app[UPSTREAM] = Upstream(session, api_key=config.worker_api_key)
-    legs = UpstreamPool(max_connections=config.max_connections, connect_timeout=config.connect_timeout_secs)
+    legs = UpstreamPool(max_connections=config.max_connections, connect_timeout=config.connect_timeout_secs,
+                        silence_timeout=config.upstream_idle_timeout_secs)
     app[PROXY] = Proxy(
         config=config,
         registry=app[REGISTRY],
@@ -126,7 +127,7 @@ async def _session_ctx(app: web.Application):
         admission=app[ADMISSION],
         spawn=app[TASKS].spawn,
     )
-    app[TRAFFIC] = DataplaneControl(app[ADMISSION], app[PROXY].live)
+    app[TRAFFIC] = DataplaneControl(app[ADMISSION], app[PROXY].live, legs)
     yield
     await app[TASKS].close()
     await legs.close()

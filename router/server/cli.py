@@ -68,6 +68,9 @@ SETTING_FLAGS: list[Flag] = [
     flag("--worker-startup-timeout-secs",
          help="how long start-up waits to learn prefill bootstrap ports before serving"),
     flag("--connect-timeout-secs"),
+    flag("--upstream-idle-timeout-secs",
+         help="cut a leg whose server sends nothing for this long mid-answer (not while the fleet is paused in "
+              "place), and a prefill leg still open this long after decode answered; 0: never"),
     flag("--max-connections", help="upstream connection pool size"),
     # health and circuit breaker (sgl-router names)
     flag("--health-check-interval-secs", path="health.interval_secs"),

@@ -6,7 +6,8 @@ the proxy needs costs ~10 µs (`python -m bench.client_cost`), and every request
 
 What it does, and no more: POST a body; the status and content type; the whole body, or its pieces as they
 arrive (SSE); Content-Length, chunked and read-until-close framing; keep-alive reuse with a bound on the
-connections in use; a connect timeout. Rules that keep a pool sound:
+connections in use; a connect timeout; a silence watch that cuts an answer whose server stopped sending
+mid-way (`silence_timeout`, suspended while the fleet is paused on purpose). Rules that keep a pool sound:
 - a connection goes back to its pool only once its response has been read to its end with keep-alive; an
   error, a cancellation, garbage after the message or a response closed early closes it instead;
 - a request on a reused connection that the server closed before answering (it timed out the idle
@@ -22,7 +23,8 @@ from router.dataplane.upstream_http.response import (
     UpstreamError,
     UpstreamProtocolError,
     UpstreamResponse,
+    UpstreamSilent,
 )
 
 __all__ = ["UpstreamConnectError", "UpstreamError", "UpstreamPool", "UpstreamProtocolError", "UpstreamResponse",
-           "header_lines"]
+           "UpstreamSilent", "header_lines"]

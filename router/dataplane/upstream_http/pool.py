@@ -1,5 +1,6 @@
 """The legs' keep-alive connections: one pool of idle connections per upstream server, a bound on those in
-use, connecting (with a timeout), reusing, sweeping the idle ones, closing."""
+use, connecting (with a timeout), reusing, sweeping the idle ones, watching the busy ones for silence,
+closing."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from router.dataplane.upstream_http.response import (
     StaleConnection,
     UpstreamConnectError,
     UpstreamResponse,
+    UpstreamSilent,
     exchange,
 )
 
@@ -22,6 +24,10 @@ IDLE_SWEEP_S = 5.0
 # A connection idle this long is not reused: SGLang's uvicorn closes idle connections after 5 s
 # (SGLANG_TIMEOUT_KEEP_ALIVE), and reusing one just as the server closes it is the stale-connection race.
 IDLE_TIMEOUT_S = 4.0
+# The silence watch looks at every answer in progress this many times per timeout (at most every 5 s): an
+# answer is cut after between one timeout and one look more of silence.
+SILENCE_LOOKS_PER_TIMEOUT = 4
+SILENCE_LOOK_MAX_S = 5.0
 
 
 class _Connection(asyncio.Protocol):
@@ -119,7 +125,9 @@ class UpstreamPool:
 
     def __init__(self, *, max_connections: int = 8192, connect_timeout: float | None = 10.0,
                  idle_timeout: float = IDLE_TIMEOUT_S, max_body_size: int = MAX_BODY_SIZE,
-                 ssl_context: ssl_module.SSLContext | None = None) -> None:
+                 ssl_context: ssl_module.SSLContext | None = None, silence_timeout: float | None = None) -> None:
+        """`silence_timeout`: cut an answer (its reader gets `UpstreamSilent`) once its server has sent
+        nothing for this long after the answer's head; None or 0: never."""
         self.loop = asyncio.get_running_loop()
         self.max_connections = max_connections
         self.connect_timeout = connect_timeout
@@ -134,6 +142,14 @@ class UpstreamPool:
         self._closed = False
         self.connects_total = 0  # fresh connections made (tests and diagnostics: keep-alive works)
         self.stale_retries_total = 0
+        self.silence_timeout = silence_timeout or None
+        self.silence_cuts_total = 0
+        self.silence_looks_total = 0  # looks taken (tests wait on it instead of on the clock)
+        self._silence_holds: set[str] = set()  # why silence is expected now (the fleet paused in place)
+        self._silence_look: asyncio.TimerHandle | None = None
+        if self.silence_timeout is not None:
+            self._look_every = min(self.silence_timeout / SILENCE_LOOKS_PER_TIMEOUT, SILENCE_LOOK_MAX_S)
+            self._silence_look = self.loop.call_later(self._look_every, self._look_for_silence)
 
     @property
     def in_use(self) -> int:
@@ -263,12 +279,41 @@ class UpstreamPool:
         if remaining and not self._closed:
             self._sweeper = self.loop.call_later(IDLE_SWEEP_S, self._sweep)
 
+    # ---- silence ---------------------------------------------------------------------------------------
+    def hold_silence(self, reason: str) -> None:
+        """Silence is expected for `reason` (the fleet is paused in place): nothing is cut, and silence so
+        far does not count once the last reason is released."""
+        self._silence_holds.add(reason)
+
+    def release_silence(self, reason: str) -> None:
+        self._silence_holds.discard(reason)
+
+    def _look_for_silence(self) -> None:
+        self.silence_looks_total += 1
+        now = time.monotonic()
+        held = bool(self._silence_holds)
+        for conn in list(self._connections):
+            response = conn.response
+            if response is None:
+                continue
+            if held:
+                response.restart_silence()
+            elif response.silent_for(now) >= self.silence_timeout:
+                self.silence_cuts_total += 1
+                response.cut(UpstreamSilent(f"the server sent nothing for {self.silence_timeout:g} s in the "
+                                            f"middle of its answer"))
+        if not self._closed:
+            self._silence_look = self.loop.call_later(self._look_every, self._look_for_silence)
+
     async def close(self) -> None:
         """Close every connection (in use ones too) and wait until their transports are gone."""
         self._closed = True
         if self._sweeper is not None:
             self._sweeper.cancel()
             self._sweeper = None
+        if self._silence_look is not None:
+            self._silence_look.cancel()
+            self._silence_look = None
         for endpoint in self._endpoints.values():
             endpoint.idle.clear()
         connections = list(self._connections)

@@ -37,6 +37,10 @@ class UpstreamProtocolError(UpstreamError):
     """The answer is not HTTP/1.x we can read: garbled, oversized, or cut before its end."""
 
 
+class UpstreamSilent(UpstreamError):
+    """The server stopped sending in the middle of its answer: the pool's silence watch cut the exchange."""
+
+
 class StaleConnection(UpstreamError):
     """A reused connection closed before any byte of the answer: the request may be sent again."""
 
@@ -82,7 +86,7 @@ class UpstreamResponse:
 
     __slots__ = ("status", "content_type", "_head", "_lower", "_conn", "_pool", "_framing", "_remaining",
                  "_chunks", "_buffered", "_done", "_error", "_waiter", "_got_bytes", "_head_in", "_keep_alive",
-                 "_slot", "_cbuf", "_cstate", "_clean_end", "_paused", "_reused", "__weakref__")
+                 "_slot", "_cbuf", "_cstate", "_clean_end", "_paused", "_reused", "_quiet_since", "__weakref__")
 
     def __init__(self, conn: _Carrier, pool: _Pool) -> None:
         self.status = 0
@@ -97,7 +101,10 @@ class UpstreamResponse:
         self._done = False  # the whole body is in (or the exchange failed)
         self._error: UpstreamError | None = None
         self._waiter: asyncio.Future | None = None
+        # Bytes came: before the head, since the request was sent (a stale connection sent none); after it,
+        # since the pool's silence watch last looked (so the hot path pays nothing more for the watch).
         self._got_bytes = False
+        self._quiet_since = 0.0  # when the silence watch last saw bytes come (0: not looked yet)
         self._head_in = False
         self._keep_alive = True
         self._slot = True  # holds one of the pool's in-use slots until it ends
@@ -181,6 +188,27 @@ class UpstreamResponse:
             self._done = True
             self._error = UpstreamError("response closed before its end")
         self._release_slot()
+
+    # ---- the pool's silence watch ------------------------------------------------------------------------
+    def silent_for(self, now: float) -> float:
+        """How long the answer has been silent at `now` (monotonic), as seen by periodic looks: 0 before its
+        head (a whole answer's head comes when it is ready), after its end, when bytes came since the last
+        look, or while reading is paused because its reader is behind (that silence is ours)."""
+        if not self._head_in or self._done:
+            return 0.0
+        if self._got_bytes or self._paused or not self._quiet_since:
+            self._got_bytes = False
+            self._quiet_since = now
+            return 0.0
+        return now - self._quiet_since
+
+    def restart_silence(self) -> None:
+        """Silence until now does not count (the fleet was paused on purpose)."""
+        self._quiet_since = 0.0
+
+    def cut(self, error: UpstreamError) -> None:
+        """End the exchange with `error` (its reader gets it) and close its connection."""
+        self._abandon(error)
 
     # ---- protocol side (its connection calls feed() and connection_lost()) -----------------------------
     async def _wait(self) -> None:
