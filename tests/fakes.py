@@ -51,6 +51,7 @@ class FakeWorker:
         self.convert_bootstrap_port = 9500  # the port a decode converted by /convert_pd_role reports
         self.bootstrap_port = bootstrap_port
         self.weight_version = weight_version
+        self.ready_status: int | None = 200  # GET /ready (0.5.23: 503 while paused); None: no such route
         self.behaviour = Behaviour()
         # Launch arguments added to /server_info (top level and internal state, as SGLang reports them), e.g.
         # the keys a real server shows there, and to /model_info and /v1/models (which a later server could
@@ -76,13 +77,14 @@ class FakeWorker:
         self.linked_prefills: list["FakeWorker"] = []
 
     # ---- lifecycle -------------------------------------------------------------------------------
-    async def start(self) -> "FakeWorker":
+    async def start(self, port: int = 0) -> "FakeWorker":
         app = web.Application(middlewares=[self._count])
         for path in ("/generate", "/v1/completions", "/v1/chat/completions"):
             app.router.add_post(path, self._generate)
         app.router.add_post("/abort_request", self._abort)
         app.router.add_get("/health", self._health)
         app.router.add_get("/health_generate", self._ok)
+        app.router.add_get("/ready", self._ready)
         app.router.add_post("/flush_cache", self._flush)
         app.router.add_get("/server_info", self._server_info)
         app.router.add_get("/get_server_info", self._server_info)
@@ -96,7 +98,7 @@ class FakeWorker:
             app.router.add_post("/convert_pd_role", self._switch)
         self._runner = web.AppRunner(app, handler_cancellation=True)
         await self._runner.setup()
-        site = web.TCPSite(self._runner, "127.0.0.1", 0)
+        site = web.TCPSite(self._runner, "127.0.0.1", port)
         await site.start()
         port = site._server.sockets[0].getsockname()[1]
         self.url = f"http://127.0.0.1:{port}"
@@ -204,6 +206,9 @@ class FakeWorker:
 
     async def _ok(self, request: web.Request) -> web.Response:
         return web.Response(status=200)
+
+    async def _ready(self, request: web.Request) -> web.Response:
+        return web.Response(status=404 if self.ready_status is None else self.ready_status)
 
     async def _flush(self, request: web.Request) -> web.Response:
         if self.in_handler:

@@ -42,7 +42,7 @@ async def test_unreachable_prefill_stays_pending_until_it_answers(fake_fleet, ma
 
 
 async def test_workers_crud(fake_fleet, make_router):
-    p, d, p2 = await fake_fleet(2, 1)
+    p, p2, d = await fake_fleet(2, 1)
     client = await make_router([p], [d])
     resp = await client.post("/workers", json={"url": p2.url, "worker_type": "prefill", "bootstrap_port": 7001})
     assert resp.status == 200, await resp.text()
@@ -80,7 +80,7 @@ async def test_legacy_add_remove_list(fake_fleet, make_router):
 
 
 async def test_register_mini_lb(fake_fleet, make_router):
-    p, d, p2, d2 = await fake_fleet(2, 2)
+    p, p2, d, d2 = await fake_fleet(2, 2)
     client = await make_router([p], [d])
     resp = await client.post("/register", json={"mode": "prefill", "registry_url": p2.url, "bootstrap_port": 8100})
     assert resp.status == 200

@@ -4,13 +4,12 @@ call."""
 
 from __future__ import annotations
 
-import asyncio
 from urllib.parse import unquote
 
 from aiohttp import web
 
 from router.api.bodies import read_json_object
-from router.control.upstream import live_role_of
+from router.control.discovery import read_live_state, rejoin_check
 from router.core.config import DISCOVER, validate_port, validate_worker_url
 from router.core.errors import BadRequest, Conflict, NotFound, json_response
 from router.core.keys import DISCOVERY, REGISTRY, UPSTREAM
@@ -49,29 +48,45 @@ def checked_url(value: object) -> str:
     return value.rstrip("/")
 
 
-async def register_worker(app: web.Application, url: str, role: Role | None, port) -> Worker:
-    """Add a worker (role asked from the server when not given); prefill ports learnt when not given."""
-    registry, upstream = app[REGISTRY], app[UPSTREAM]
+async def register_worker(app: web.Application, url: str, role: Role | None, port, *, source: str) -> Worker:
+    """Add a worker, pending until its server has been read (live role, bootstrap port, weights, readiness;
+    waited for up to REGISTER_SETTLE_SECS): a live role other than `role` puts it in its live role's pool."""
+    registry, upstream, discovery = app[REGISTRY], app[UPSTREAM], app[DISCOVERY]
     if registry.find(url) is not None:
         raise Conflict(f"worker {url} is already registered")
     if role is None:
-        reply = await upstream.model_info(url, timeout=5)
-        live = live_role_of(reply.data) if reply.ok else None
-        if live not in ("prefill", "decode"):
+        live = await read_live_state(upstream, url)
+        if live.role is None:
             raise BadRequest(f"worker_type is required: {url} did not report a prefill or decode role",
                              param="worker_type")
-        role = Role(live)
+        role = live.role
+    given = port is not DISCOVER and role is Role.PREFILL
     try:
-        if role is Role.PREFILL and port is DISCOVER:
-            worker = registry.add(url, role, None, state=WorkerState.PENDING, reason="learning its bootstrap port")
-            task = app[DISCOVERY].watch(worker)
-            await asyncio.wait({task}, timeout=REGISTER_SETTLE_SECS)
-        else:
-            worker = registry.add(url, role, None if role is Role.DECODE or port is DISCOVER else port)
-            app[DISCOVERY].spawn(app[DISCOVERY].learn(worker))
+        worker = discovery.register(url, role, port if given else None, port_given=given or role is Role.DECODE,
+                                    source=source)
     except DuplicateWorker as exc:
         raise Conflict(str(exc)) from None
+    await discovery.settle(worker, REGISTER_SETTLE_SECS)
     return worker
+
+
+async def reregister_worker(app: web.Application, worker: Worker, role: Role, port: int | None) -> None:
+    """A known server registers again (mini_lb's /register, e.g. after it restarted): the checks of an
+    operator's reinstate (live role as registered, /health, not paused, the fleet's weights), then routed."""
+    registry = app[REGISTRY]
+    if worker.state in BUSY_STATES:
+        raise Conflict(f"worker {worker.url} is {worker.state}: wait for that operation to end",
+                       worker_id=worker.id, state=worker.state.value)
+    revision = worker.revision
+    await rejoin_check(registry, app[UPSTREAM], worker, what="re-register", role=role)
+    if registry.find(worker.id) is not worker or worker.revision != revision:
+        raise Conflict(f"worker {worker.id} changed while it was being checked", worker_id=worker.id)
+    if worker.role is not role:
+        registry.move(worker, role, port, WorkerState.ACTIVE, f"re-registered as {role}")
+        return
+    registry.update_info(worker, bootstrap_port=port)
+    if worker.state is not WorkerState.ACTIVE:
+        registry.set_state(worker, WorkerState.ACTIVE, "re-registered")
 
 
 def unregister_worker(app: web.Application, worker: Worker) -> None:
@@ -114,7 +129,7 @@ async def add_worker_json(request: web.Request) -> web.Response:
     url = checked_url(body.get("url"))
     role = parse_role(body.get("worker_type", body.get("role")))
     port = parse_port(body["bootstrap_port"]) if body.get("bootstrap_port") is not None else DISCOVER
-    worker = await register_worker(request.app, url, role, port)
+    worker = await register_worker(request.app, url, role, port, source="POST /workers")
     return json_response({"success": True, "message": f"Successfully added worker: {url}",
                           "worker_id": worker.id, "url": url, "worker": worker.to_dict()})
 
@@ -130,7 +145,7 @@ async def add_worker_legacy(request: web.Request) -> web.Response:
     url = checked_url(request.query.get("url"))
     role = parse_role(request.query.get("worker_type", request.query.get("role")))
     port = parse_port(request.query["bootstrap_port"]) if "bootstrap_port" in request.query else DISCOVER
-    worker = await register_worker(request.app, url, role, port)
+    worker = await register_worker(request.app, url, role, port, source="POST /add_worker")
     return json_response({"success": True, "message": f"Successfully added worker: {url}",
                           "worker_id": worker.id})
 
@@ -166,17 +181,11 @@ async def register(request: web.Request) -> web.Response:
     if mode == "decode" and port is not None:
         raise BadRequest("Bootstrap port should not be set for decode server", param="bootstrap_port")
     role = Role(mode)
-    registry = request.app[REGISTRY]
-    existing = registry.find(url)
+    existing = request.app[REGISTRY].find(url)
     if existing is not None:
-        if existing.role is role:
-            # A server that restarted re-registers: take its (possibly new) port.
-            registry.update_info(existing, bootstrap_port=port)
-            if existing.state is WorkerState.FAILED:
-                registry.set_state(existing, WorkerState.ACTIVE, "re-registered")
-            return json_response({"success": True, "message": f"{mode} server {url} re-registered"})
-        unregister_worker(request.app, existing)
-    await register_worker(request.app, url, role, port)
+        await reregister_worker(request.app, existing, role, port)
+        return json_response({"success": True, "message": f"{mode} server {url} re-registered"})
+    await register_worker(request.app, url, role, port, source=f"POST /register mode={mode}")
     return json_response({"success": True, "message": f"registered {mode} server {url}"})
 
 

@@ -1,23 +1,115 @@
-"""Learning what the router needs from a server before routing to it.
+"""The servers are the truth about themselves: reading each server's live state into the registry.
 
-A prefill registered without a bootstrap port stays `pending` until its `/server_info` answers: then it
-gets `disaggregation_bootstrap_port` (or, if the server is reachable but does not say, null with a warning:
-decode will then use its own default port, as with mini_lb). Unreachable servers are retried until they
-answer or are removed. Every worker's switch API, version and weight version are learnt on the way.
+A worker is registered `pending` (not routed) until its server has been read: its live role (0.5.23's
+`/model_info` `disaggregation_mode`; `/server_info` `internal_states[0]` for the conversion API, whose top
+level keeps the launch role), its live bootstrap port, its weight version, and its readiness (0.5.23's
+`/ready`: 503 while paused). Then (`apply`):
+- a live role other than the registration's puts it in the pool of its live role, with its live bootstrap
+  port, and a warning naming the flag and the server (a router restarted after a conversion still has the
+  old roles on its command line);
+- a server that is not ready is held out (`paused`) until `/ready` answers 200 (`watch_held`) or
+  continue_generation reaches it;
+- a server on another weight version than the fleet's is held out (`weights`) until it serves the fleet's;
+- an unreachable server stays pending and is read again every `retry_interval` until it answers or is removed.
+At start-up (`start_up`) every server is read before the router serves (bounded); the fleet's weight version
+is then chosen from what they report (`routability.choose_fleet_version`), before any of them is routed.
+The same reading runs when a worker is registered through the API and when it comes back from being unhealthy
+(`refresh`), and `rejoin_check` is the check a known worker passes to be routed again (reinstate, /register).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from dataclasses import dataclass
 from typing import Awaitable, Callable
 
-from router.control.upstream import Upstream, bootstrap_port_of, switch_api_of, weight_version_of
+from router.control.upstream import (
+    Upstream,
+    bootstrap_port_of,
+    live_role_of,
+    switch_api_of,
+    weight_version_of,
+)
+from router.core.errors import BadGateway, Conflict
 from router.core.registry import Registry, Role, Worker, WorkerState
+from router.core.routability import HoldKind, choose_fleet_version, rejoin_refusal
 
 logger = logging.getLogger(__name__)
 
 INFO_TIMEOUT = 5.0
+HEALTH_TIMEOUT = 25.0  # 0.5.23's /health runs a 1-token generation and waits up to 20 s for progress
+NOT_READY = "not ready: /ready answers 503 (paused, starting or unhealthy)"
+# States in which what the server says may move the worker to another pool (no flow owns it).
+OWN_STATES = frozenset({WorkerState.PENDING, WorkerState.ACTIVE})
+
+
+@dataclass(frozen=True, slots=True)
+class LiveState:
+    """What a server says about itself now."""
+
+    reachable: bool
+    role: Role | None = None  # None: the server does not say (the registration's role stands)
+    bootstrap_port: int | None = None
+    weight_version: str | None = None
+    ready: bool | None = None  # None: no /ready (before 0.5.23)
+    switch_api: str | None = None
+    server_version: str | None = None
+    problem: str = ""  # why it could not be read
+
+    def facts(self) -> dict:
+        """The registry's worker fields this reading knows."""
+        facts: dict = {}
+        if self.switch_api is not None:
+            facts["switch_api"] = self.switch_api
+        if self.weight_version is not None:
+            facts["weight_version"] = self.weight_version
+        if self.server_version is not None:
+            facts["server_version"] = self.server_version
+        return facts
+
+
+async def read_live_state(upstream: Upstream, url: str, timeout: float = INFO_TIMEOUT) -> LiveState:
+    model, server, ready = await asyncio.gather(upstream.model_info(url, timeout=timeout),
+                                                upstream.server_info(url, timeout=timeout),
+                                                upstream.ready(url, timeout=timeout))
+    if model.status == 0 and server.status == 0:
+        return LiveState(False, problem=server.text or model.text)
+    model_info = model.data if model.ok else None
+    server_info = server.data if server.ok else None
+    live = live_role_of(model_info, server_info)
+    version = server_info.get("version") if isinstance(server_info, dict) else None
+    return LiveState(
+        reachable=True,
+        role=Role(live) if live in (Role.PREFILL.value, Role.DECODE.value) else None,
+        bootstrap_port=bootstrap_port_of(server_info),
+        weight_version=weight_version_of(server_info, model_info),
+        ready=ready,
+        switch_api=switch_api_of(server_info),
+        server_version=version if isinstance(version, str) else None,
+    )
+
+
+async def rejoin_check(registry: Registry, upstream: Upstream, worker: Worker, *, what: str,
+                       role: Role | None = None, timeout: float = HEALTH_TIMEOUT) -> LiveState:
+    """What a known worker must pass to be routed again (an operator's reinstate, a server's /register):
+    it reports a prefill/decode role (`role`, when the caller names one), answers /health, is not paused, and
+    carries the fleet's weights. Raises BadGateway (the server cannot tell or is unhealthy) or Conflict."""
+    live, health = await asyncio.gather(read_live_state(upstream, worker.url),
+                                        upstream.health(worker.url, timeout=timeout))
+    prefix = f"cannot {what} {worker.url}"
+    if live.role is None:
+        raise BadGateway(f"{prefix}: it reports no prefill/decode role "
+                         f"({live.problem or 'live role unknown'})")
+    if role is not None and live.role is not role:
+        raise Conflict(f"{prefix} as {role}: the server's live role is {live.role}", live_role=live.role.value)
+    if not health.ok:
+        raise BadGateway(f"{prefix}: /health answered {health.status or 'nothing'} {health.message()}")
+    if live.ready is False:
+        raise Conflict(f"{prefix}: it is {NOT_READY}")
+    if (refusal := rejoin_refusal(live.weight_version, registry.fleet_version)) is not None:
+        raise Conflict(f"{prefix}: {refusal}", fleet_weight_version=registry.fleet_version)
+    return live
 
 
 class Discovery:
@@ -28,63 +120,161 @@ class Discovery:
         self.spawn = spawn
         self.retry_interval = max(retry_interval, 0.2)
         self._tasks: dict[str, asyncio.Task] = {}
+        self._port_given: set[str] = set()  # workers whose registration named a bootstrap port
+        self._held_watch: asyncio.Task | None = None
+        registry.subscribe(self._on_registry_event)
+
+    def _on_registry_event(self, event: str, worker: Worker | None, details: dict) -> None:
+        if event == "removed" and worker is not None:
+            self._port_given.discard(worker.id)
+            task = self._tasks.pop(worker.id, None)
+            if task is not None:
+                task.cancel()
+
+    # ---- registration ------------------------------------------------------------------------------
+    def register(self, url: str, role: Role, port: int | None, *, port_given: bool, source: str) -> Worker:
+        """Add a worker, pending until its server has been read."""
+        worker = self.registry.add(url, role, port, state=WorkerState.PENDING, reason="reading its live state",
+                                   source=source)
+        if port_given:
+            self._port_given.add(worker.id)
+        return worker
 
     def watch(self, worker: Worker) -> asyncio.Task:
-        """Resolve a pending worker in the background (until reachable, removed, or closed)."""
+        """Read a pending worker in the background (until it answers, is removed, or discovery closes)."""
         task = self._tasks.get(worker.id)
         if task is None or task.done():
             task = self.spawn(self._resolve(worker))
             self._tasks[worker.id] = task
         return task
 
-    async def settle(self, timeout: float) -> None:
-        """Wait (bounded) for the pending workers known now, so start-up serves with their ports."""
-        tasks = [t for t in self._tasks.values() if not t.done()]
-        if tasks:
-            done, pending = await asyncio.wait(tasks, timeout=timeout)
-            for worker in self.registry.workers():
-                if worker.state is WorkerState.PENDING:
-                    logger.warning("worker %s is not reachable yet; it joins its pool when it answers", worker.url)
+    async def start_up(self, timeout: float) -> None:
+        """Read every pending server (bounded by `timeout`), choose the fleet's weight version from what they
+        report, then let them in. Those not read by then keep being read in the background."""
+        pending = [w for w in self.registry.workers() if w.state is WorkerState.PENDING]
+        reads = {w: asyncio.ensure_future(read_live_state(self.upstream, w.url, min(timeout, INFO_TIMEOUT)))
+                 for w in pending}
+        if reads:
+            await asyncio.wait(reads.values(), timeout=max(timeout, 0.01))
+        read: dict[Worker, LiveState] = {}
+        for worker, task in reads.items():
+            if task.done() and not task.cancelled() and task.exception() is None and task.result().reachable:
+                read[worker] = task.result()
+            else:
+                task.cancel()
+        if self.registry.fleet_version is None:
+            chosen = choose_fleet_version((live.role or w.role, live.weight_version) for w, live in read.items())
+            versions = sorted({str(live.weight_version) for live in read.values() if live.weight_version})
+            if chosen is not None:
+                self.registry.set_fleet_version(chosen, f"read from the servers at start-up (they report "
+                                                        f"{', '.join(versions)})")
+            if len(versions) > 1:
+                logger.warning("the servers disagree on the weight version (%s): the fleet serves %r; servers "
+                               "on another version are held out until they serve it", ", ".join(versions), chosen)
+        for worker, live in read.items():
+            self.apply(worker, live)
+        for worker in pending:
+            if worker not in read and self.registry.find(worker.id) is worker:
+                logger.warning("worker %s (%s) is not reachable yet; it stays pending (not routed) and joins its "
+                               "pool when it answers", worker.url, worker.source or worker.role)
+                self.watch(worker)
+        self._held_watch = self.spawn(self._watch_held())
 
-    async def learn(self, worker: Worker) -> bool:
-        """Refresh what we know about a worker from its /server_info; False if unreachable."""
+    async def settle(self, worker: Worker, timeout: float) -> None:
+        """Wait (bounded) for a pending worker's first reading (an API registration answers after it)."""
+        await asyncio.wait({self.watch(worker)}, timeout=timeout)
+
+    async def refresh(self, worker: Worker) -> bool:
+        """Read a known worker's live state again and apply it; False if unreachable."""
         revision = worker.revision
-        reply = await self.upstream.server_info(worker.url, timeout=INFO_TIMEOUT)
-        if reply.status == 0:
+        live = await read_live_state(self.upstream, worker.url)
+        if not live.reachable:
             return False
-        if self.registry.find(worker.id) is not worker:
-            return True  # removed meanwhile
         if worker.revision != revision and worker.state is not WorkerState.PENDING:
-            return True  # changed meanwhile (update, switch): this answer may be stale
-        info = reply.data if reply.ok else None
-        facts: dict = {}
-        if (api := switch_api_of(info)) is not None:
-            facts["switch_api"] = api
-        if (version := weight_version_of(info)) is not None:
-            facts["weight_version"] = version
-        if isinstance(info, dict) and isinstance(info.get("version"), str):
-            facts["server_version"] = info["version"]
-        if worker.state is WorkerState.PENDING and worker.revision == revision:
-            port = bootstrap_port_of(info)
-            if worker.role is Role.PREFILL and port is None:
-                logger.warning("prefill %s did not report its bootstrap port (%s); routing with bootstrap_port "
-                               "null: decode servers will use their own default", worker.url,
-                               f"HTTP {reply.status}" if not reply.ok else "no disaggregation_bootstrap_port")
-            facts["bootstrap_port"] = port if worker.role is Role.PREFILL else worker.bootstrap_port
-            self.registry.update_info(worker, **facts)
-            self.registry.set_state(worker, WorkerState.ACTIVE, "bootstrap port learnt")
-        else:
-            self.registry.update_info(worker, **facts)
+            return True  # changed meanwhile (a flow, an update): this answer may be stale
+        self.apply(worker, live)
         return True
 
+    # ---- applying what a server said ---------------------------------------------------------------
+    def apply(self, worker: Worker, live: LiveState) -> None:
+        registry = self.registry
+        if registry.find(worker.id) is not worker:
+            return  # removed meanwhile
+        registry.update_info(worker, **live.facts())
+        held = worker.state is WorkerState.FAILED and worker.hold is not None
+        if worker.state not in OWN_STATES and not held:
+            return  # a flow owns it (converting, draining), or an operator must act (failed, unsafe)
+        if registry.fleet_version is None and live.weight_version is not None:
+            routed = [(w.role, w.weight_version) for w in registry.workers() if w.routable]
+            registry.set_fleet_version(choose_fleet_version([*routed, (live.role or worker.role, live.weight_version)]),
+                                       f"the first version reported ({worker.url})")
+        pending = worker.state is WorkerState.PENDING
+        role = live.role or worker.role
+        moved = role is not worker.role and not held
+        if moved:
+            port = self._live_port(worker, role, live)
+            logger.warning("%s %s is now %s (live role): routing it as %s%s", worker.source or "registered as",
+                           worker.url, role, role, f" with bootstrap port {port}" if role is Role.PREFILL else "")
+            registry.move(worker, role, port, worker.state, f"live role {role} (registered as {worker.role})")
+        if not pending:
+            self._judge_holds(worker, live)
+            return
+        if role is Role.PREFILL and not moved:
+            if worker.id not in self._port_given:
+                registry.update_info(worker, bootstrap_port=self._live_port(worker, role, live))
+            elif live.bootstrap_port not in (None, worker.bootstrap_port):
+                logger.warning("prefill %s: registered with bootstrap port %s, the server reports %s; routing "
+                               "with %s as registered", worker.url, worker.bootstrap_port, live.bootstrap_port,
+                               worker.bootstrap_port)
+        if (hold := self._hold_for(live)) is not None:
+            registry.hold_out(worker, *hold)
+        else:
+            registry.set_state(worker, WorkerState.ACTIVE, "live state read" + (f": live role {role}" if moved else ""))
+
+    def _hold_for(self, live: LiveState) -> tuple[HoldKind, str] | None:
+        """Why a server that answered must still not be routed: paused (not ready), or other weights."""
+        if live.ready is False:
+            return HoldKind.PAUSED, NOT_READY
+        fleet = self.registry.fleet_version
+        if rejoin_refusal(live.weight_version, fleet) is not None:
+            return HoldKind.WEIGHTS, f"serves weight_version {live.weight_version!r}, the fleet serves {fleet!r}"
+        return None
+
+    def _judge_holds(self, worker: Worker, live: LiveState) -> None:
+        """A known worker read again: held out if paused or on other weights; a pause hold ends once the
+        server is ready (its weights are judged then)."""
+        hold = worker.hold
+        if hold is not None and hold.kind is HoldKind.PAUSED and live.ready is True:
+            self.registry.end_hold(worker, [HoldKind.PAUSED], "ready again (/ready answers 200)")
+        if worker.hold is None and worker.state is WorkerState.ACTIVE and (found := self._hold_for(live)) is not None:
+            self.registry.hold_out(worker, *found)
+
+    def _live_port(self, worker: Worker, role: Role, live: LiveState) -> int | None:
+        if role is Role.DECODE:
+            return None
+        if live.bootstrap_port is None:
+            logger.warning("prefill %s did not report its bootstrap port; routing with bootstrap_port null: "
+                           "decode servers will use their own default", worker.url)
+        return live.bootstrap_port
+
+    # ---- background reading ------------------------------------------------------------------------
     async def _resolve(self, worker: Worker) -> None:
         while self.registry.find(worker.id) is worker and worker.state is WorkerState.PENDING:
-            if await self.learn(worker):
+            live = await read_live_state(self.upstream, worker.url)
+            if live.reachable:
+                self.apply(worker, live)
                 return
             await asyncio.sleep(self.retry_interval)
 
+    async def _watch_held(self) -> None:
+        """Servers held out as paused are read again until `/ready` answers 200 (not paused any more)."""
+        while True:
+            await asyncio.sleep(self.retry_interval)
+            await asyncio.gather(*(self.refresh(w) for w in self.registry.held(HoldKind.PAUSED)))
+
     async def close(self) -> None:
-        for task in self._tasks.values():
+        tasks = [*self._tasks.values(), *([self._held_watch] if self._held_watch is not None else [])]
+        for task in tasks:
             task.cancel()
-        await asyncio.gather(*self._tasks.values(), return_exceptions=True)
+        await asyncio.gather(*tasks, return_exceptions=True)
         self._tasks.clear()

@@ -12,8 +12,12 @@ transition (tests/test_health_rules.py); `HealthMonitor` only applies them:
   `success_threshold` served legs close it, while one fault re-opens it.
 - a worker its probes declare down has the requests still waiting on it (no byte sent to their clients)
   re-routed at once (`Proxy.evict`), instead of waiting for the request deadline;
-- the worker is routable by health while its probes pass, its breaker is not open, and (when it rejoins)
-  its weight version matches the fleet's: `registry.set_health` keeps the request path an O(1) read.
+- the monitor's verdict (probes pass, breaker not open) goes to `registry.set_health`; the registry judges
+  routability from it with the rest (state, weight version against the fleet's, holds). A worker coming back
+  from being unhealthy has its live state read again first (`refresh`: role, bootstrap port, weight version,
+  readiness), since it may have been restarted, converted or updated while away.
+- servers held out as paused are not probed: a paused 0.5.23 server's /health waits for a generation that
+  cannot run, then marks the server unhealthy.
 """
 
 from __future__ import annotations
@@ -24,13 +28,14 @@ import logging
 import time
 from collections import Counter
 from dataclasses import dataclass
-from typing import Callable
+from typing import Awaitable, Callable
 
-from router.control.upstream import Upstream, weight_version_of
+from router.control.upstream import Upstream
 from router.core.config import BreakerConfig, HealthConfig
 from router.core.errors import json_response
-from router.core.keys import ADMISSION, CONFIG, HEALTH, PROXY, REGISTRY, UPSTREAM
+from router.core.keys import ADMISSION, CONFIG, DISCOVERY, HEALTH, PROXY, REGISTRY, UPSTREAM
 from router.core.registry import Registry, Worker, WorkerState
+from router.core.routability import HoldKind, rejoin_refusal  # noqa: F401 (rejoin_refusal: importable here too)
 
 logger = logging.getLogger(__name__)
 
@@ -38,7 +43,6 @@ logger = logging.getLogger(__name__)
 # business, and a probe would only see a server in transition. (Fleet-wide operations hold admission, and no
 # probe runs while the fleet is held.)
 UNPROBED_STATES = frozenset({WorkerState.PENDING, WorkerState.CONVERTING, WorkerState.VERIFYING})
-INFO_TIMEOUT = 5.0
 
 
 # ---- pure rules ------------------------------------------------------------------------------------------
@@ -119,13 +123,6 @@ def agreed_weight_version(versions: list[str | None]) -> str | None:
     return next(iter(known)) if len(known) == 1 else None
 
 
-def rejoin_refusal(version: str | None, fleet_version: str | None) -> str | None:
-    """Why a worker coming back may not rejoin yet: its weights differ from the fleet's (None: it may)."""
-    if fleet_version is None or version is None or version == fleet_version:
-        return None
-    return f"weight version {version!r} differs from the fleet's {fleet_version!r}"
-
-
 def health_verdict(probe: ProbeState, breaker: BreakerState, refusal: str | None) -> tuple[bool, str]:
     """Routable by health, and why not."""
     if not probe.healthy:
@@ -141,20 +138,25 @@ def health_verdict(probe: ProbeState, breaker: BreakerState, refusal: str | None
 class WorkerHealth:
     """The monitor's per-worker record (mutable; the rules above produce its states)."""
 
-    __slots__ = ("worker", "probe", "breaker", "refusal", "epoch", "probe_task", "timer", "probes",
+    __slots__ = ("worker", "probe", "breaker", "epoch", "probe_task", "timer", "probes",
                  "stale_probes", "breaker_opened")
 
     def __init__(self, worker: Worker) -> None:
         self.worker = worker
         self.probe = ProbeState()
         self.breaker = CLOSED
-        self.refusal: str | None = None
         self.epoch = 0  # bumped on reset, so that in-flight probes of the old life are discarded
         self.probe_task: asyncio.Task | None = None
         self.timer: asyncio.TimerHandle | None = None
         self.probes = 0
         self.stale_probes = 0
         self.breaker_opened = 0
+
+    @property
+    def refusal(self) -> str | None:
+        """Why the registry refuses a worker its probes find healthy (its weights differ from the fleet's)."""
+        worker = self.worker
+        return worker.health_reason if worker.monitor_healthy and not worker.healthy else None
 
     def to_dict(self) -> dict:
         return {
@@ -179,6 +181,9 @@ class HealthMonitor:
         self.health = health
         self.breaker = breaker
         self.clock = clock
+        # Reads a server's live state again into the registry (Discovery.refresh): a worker coming back from
+        # being unhealthy may have been restarted, converted or updated meanwhile.
+        self.refresh: Callable[[Worker], Awaitable[object]] | None = None
         self._records: dict[str, WorkerHealth] = {}
         self._loop_task: asyncio.Task | None = None
         self._closed = False
@@ -245,7 +250,6 @@ class HealthMonitor:
         record.epoch += 1
         record.probe = ProbeState()
         record.breaker = CLOSED
-        record.refusal = None
         if record.timer is not None:
             record.timer.cancel()
             record.timer = None
@@ -253,7 +257,7 @@ class HealthMonitor:
 
     # ---- applying decisions -----------------------------------------------------------------------------
     def _apply(self, record: WorkerHealth, cause: str = "") -> None:
-        healthy, reason = health_verdict(record.probe, record.breaker, record.refusal)
+        healthy, reason = health_verdict(record.probe, record.breaker, None)
         if cause and not healthy:
             reason = f"{reason} ({cause})"
         self.registry.set_health(record.worker, healthy, reason, breaker=record.breaker.phase.value)
@@ -302,7 +306,9 @@ class HealthMonitor:
 
     # ---- active probes ----------------------------------------------------------------------------------
     def _probe_soon(self, record: WorkerHealth) -> None:
-        if (self._closed or not self.health.enabled or record.worker.state in UNPROBED_STATES or self.is_held()
+        worker = record.worker
+        if (self._closed or not self.health.enabled or worker.state in UNPROBED_STATES or self.is_held()
+                or (worker.hold is not None and worker.hold.kind is HoldKind.PAUSED)
                 or (record.probe_task is not None and not record.probe_task.done())):
             return
         record.probe_task = asyncio.ensure_future(self._probe(record))
@@ -320,13 +326,12 @@ class HealthMonitor:
         if not ok and before.healthy and record.probe.healthy:
             logger.info("worker %s %s: health probe failed (%d/%d): %s", worker.id, worker.url,
                         record.probe.failures, self.health.failure_threshold, reply.message() or reply.status)
-        refusal = record.refusal
-        if record.probe.healthy and (not before.healthy or refusal is not None):
-            record.refusal = await self._rejoin_refusal(worker)
+        if record.probe.healthy and (not before.healthy or record.refusal is not None) and self.refresh is not None:
+            await self.refresh(worker)  # its role, port and weights as the server has them now
             if not self._current(record, epoch, None):
                 record.stale_probes += 1
                 return
-        if record.probe.healthy is not before.healthy or record.refusal != refusal:
+        if record.probe.healthy is not before.healthy:
             cause = "" if ok else (reply.message() or f"HTTP {reply.status}")
             self._apply(record, cause[:200])
             if before.healthy and not record.probe.healthy:
@@ -337,18 +342,6 @@ class HealthMonitor:
         worker = record.worker
         return (not self._closed and record.epoch == epoch and self._records.get(worker.id) is record
                 and (revision is None or worker.revision == revision))
-
-    async def _rejoin_refusal(self, worker: Worker) -> str | None:
-        """A worker coming back must carry the fleet's weights (it may have missed an update while away)."""
-        others = [w.weight_version for w in self.registry.workers() if w is not worker and w.routable]
-        fleet = agreed_weight_version(others)
-        if fleet is None:
-            return None
-        reply = await self.upstream.server_info(worker.url, timeout=min(self.health.timeout_secs, INFO_TIMEOUT))
-        version = weight_version_of(reply.data if reply.ok else None)
-        if version is not None and version != worker.weight_version and self.registry.find(worker.id) is worker:
-            self.registry.update_info(worker, weight_version=version)
-        return rejoin_refusal(version, fleet)
 
     # ---- views ------------------------------------------------------------------------------------------
     def state(self) -> dict:
@@ -369,6 +362,7 @@ async def _health_ctx(app):
     admission = app[ADMISSION]
     monitor = HealthMonitor(app[REGISTRY], app[UPSTREAM], config.health, config.breaker,
                             is_held=lambda: not admission.is_open)
+    monitor.refresh = app[DISCOVERY].refresh
     app[HEALTH] = monitor
     app[PROXY].leg_observers.append(monitor.on_leg)
     monitor.on_down.append(app[PROXY].evict)

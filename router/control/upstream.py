@@ -126,6 +126,12 @@ class Upstream:
     async def health(self, url: str, path: str = "/health", **kw) -> Reply:
         return await self.get(url, path, **kw)
 
+    async def ready(self, url: str, **kw) -> bool | None:
+        """0.5.23's `/ready`: True (200), False (503: paused, starting, unhealthy or shutting down), None when
+        the server has no such endpoint or did not answer (older versions: readiness unknown)."""
+        reply = await self.get(url, "/ready", **kw)
+        return True if reply.ok else False if reply.status == 503 else None
+
     async def load(self, url: str, **kw) -> Load | None:
         """Running and waiting requests summed over DP ranks; None if the server tells nothing."""
         reply = await self.get(url, "/v1/loads", **kw)
@@ -166,10 +172,13 @@ def _pd_queued(rank: dict) -> int:
 
 
 def bootstrap_port_of(server_info: Any) -> int | None:
+    """The live bootstrap port: `internal_states[0]` (the scheduler's), else the launch value."""
     if isinstance(server_info, dict):
-        port = server_info.get("disaggregation_bootstrap_port")
-        if isinstance(port, int) and not isinstance(port, bool):
-            return port
+        states = server_info.get("internal_states")
+        for source in ((states[0] if isinstance(states, list) and states else None), server_info):
+            port = source.get("disaggregation_bootstrap_port") if isinstance(source, dict) else None
+            if isinstance(port, int) and not isinstance(port, bool):
+                return port
     return None
 
 

@@ -9,7 +9,6 @@ registry only applies them. A later multi-replica backend can replace this class
 from __future__ import annotations
 
 import asyncio
-import enum
 import itertools
 import logging
 import time
@@ -17,37 +16,13 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Iterable
 from urllib.parse import urlsplit
 
+from router.core.routability import Hold, HoldKind, judge
+from router.core.states import Role, WorkerState
+
 if TYPE_CHECKING:
     from policies import ServerLoad
 
 logger = logging.getLogger(__name__)
-
-
-class Role(str, enum.Enum):
-    PREFILL = "prefill"
-    DECODE = "decode"
-
-    @property
-    def opposite(self) -> "Role":
-        return Role.DECODE if self is Role.PREFILL else Role.PREFILL
-
-    def __str__(self) -> str:
-        return self.value
-
-
-class WorkerState(str, enum.Enum):
-    PENDING = "pending"  # registered, not yet confirmed reachable (bootstrap port still unknown)
-    ACTIVE = "active"  # routable when healthy
-    DRAINING = "draining"  # no new requests; in-flight ones finish
-    ABORTING = "aborting"  # in-flight requests being aborted
-    CONVERTING = "converting"  # the server is switching role
-    VERIFYING = "verifying"  # checking the live role after a switch
-    # No "paused": a fleet-wide hold (weight update, pause_generation) is the router's, in admission, and
-    # leaves each worker routable, so /health stays ready and requests wait in the queue instead of failing.
-    FAILED = "failed"  # left unsafe by a failed operation: never routed to until an operator acts
-
-    def __str__(self) -> str:
-        return self.value
 
 
 class UnknownWorker(LookupError):
@@ -76,10 +51,17 @@ class Worker:
     bootstrap_port: int | None
     bootstrap_host: str
     state: WorkerState = WorkerState.ACTIVE
-    healthy: bool = True
-    # Set by the health monitor: why the worker is (un)healthy, and its circuit breaker's phase.
+    # The health monitor's verdict (probes and circuit breaker) and why; set through `Registry.set_health`.
+    monitor_healthy: bool = True
+    monitor_reason: str = ""
+    breaker: str = "closed"  # the circuit breaker's phase
+    # Held out of routing by a fleet operation or by what the server said about itself (routability.Hold).
+    hold: Hold | None = None
+    # Judged by the registry after every change (routability.judge); never set elsewhere.
+    healthy: bool = True  # the monitor's verdict and the weight check
     health_reason: str = ""
-    breaker: str = "closed"
+    routable: bool = False
+    unroutable_reason: str = ""
     # Router-side count of requests holding this worker (selection → last byte or client gone).
     inflight: int = 0
     # Bumped on every change of role, port or state, so that stale asynchronous results can be discarded.
@@ -88,6 +70,8 @@ class Worker:
     # Which role-switch API the server speaks ("pd_role_switch", "convert_pd_role"), learnt from it.
     switch_api: str | None = None
     server_version: str | None = None
+    # Where the worker was registered ("--decode", "POST /workers", ...): named when its live role differs.
+    source: str = ""
     state_reason: str = ""
     state_since: float = field(default_factory=time.monotonic)
     added_at: float = field(default_factory=time.time)
@@ -100,10 +84,6 @@ class Worker:
     server_load: ServerLoad | None = None
     _idle: asyncio.Event = field(default_factory=asyncio.Event, repr=False)
 
-    @property
-    def routable(self) -> bool:
-        return self.state is WorkerState.ACTIVE and self.healthy
-
     def to_dict(self) -> dict:
         return {
             "id": self.id,
@@ -113,25 +93,34 @@ class Worker:
             "bootstrap_port": self.bootstrap_port,
             "state": self.state.value,
             "state_reason": self.state_reason,
+            "hold": self.hold.to_dict() if self.hold is not None else None,
             "is_healthy": self.healthy,
             "health_reason": self.health_reason,
             "breaker": self.breaker,
             "routable": self.routable,
+            "unroutable_reason": self.unroutable_reason,
             "inflight": self.inflight,
             "load": self.inflight,
             "revision": self.revision,
             "weight_version": self.weight_version,
             "switch_api": self.switch_api,
+            "source": self.source,
             "requests_total": self.requests_total,
             "failures_total": self.failures_total,
         }
 
 
-Listener = Callable[[str, Worker, dict], None]
+# (event, worker, details); fleet-wide events ("fleet_version") carry worker None.
+Listener = Callable[[str, "Worker | None", dict], None]
 
 
 class Registry:
-    """Workers of both pools, with a cached routable snapshot per role for the request path."""
+    """Workers of both pools, the fleet's weight version, and a cached routable snapshot per role.
+
+    Routability is computed here and nowhere else (`routability.judge` over state, health verdict, breaker,
+    weight version against `fleet_version`, and hold); every change of it emits a `routable` event.
+    Events: added, removed, state, health, moved, info, held, hold_ended, routable, fleet_version.
+    """
 
     def __init__(self) -> None:
         self._workers: dict[str, Worker] = {}
@@ -140,15 +129,25 @@ class Registry:
         self._ids = itertools.count(1)
         self._listeners: list[Listener] = []
         self._changed = asyncio.Event()
+        self._fleet_version: str | None = None
 
     # ---- reads -------------------------------------------------------------------------------------
     def routable(self, role: Role) -> tuple[Worker, ...]:
         return self._routable[role]
 
+    @property
+    def fleet_version(self) -> str | None:
+        """The weight version the fleet serves (None: none known; nobody is held to one)."""
+        return self._fleet_version
+
     def workers(self, role: Role | None = None) -> list[Worker]:
         if role is None:
             return list(self._workers.values())
         return [w for w in self._workers.values() if w.role is role]
+
+    def held(self, kind: HoldKind | str | None = None) -> list[Worker]:
+        """Workers held out of routing (of one kind, or all)."""
+        return [w for w in self._workers.values() if w.hold is not None and (kind is None or w.hold.kind == kind)]
 
     def get(self, key: str) -> Worker:
         """By id, or by URL (with or without a trailing slash)."""
@@ -170,7 +169,7 @@ class Registry:
     def subscribe(self, listener: Listener) -> None:
         self._listeners.append(listener)
 
-    def _emit(self, event: str, worker: Worker, **details) -> None:
+    def _emit(self, event: str, worker: Worker | None, **details) -> None:
         for listener in self._listeners:
             try:
                 listener(event, worker, details)
@@ -187,6 +186,7 @@ class Registry:
         state: WorkerState = WorkerState.ACTIVE,
         healthy: bool = True,
         reason: str = "registered",
+        source: str = "",
     ) -> Worker:
         url = normalize_url(url)
         if url in self._by_url:
@@ -198,15 +198,19 @@ class Registry:
             bootstrap_port=bootstrap_port,
             bootstrap_host=bootstrap_host_of(url),
             state=state,
-            healthy=healthy,
+            monitor_healthy=healthy,
             state_reason=reason,
+            source=source,
         )
         worker._idle.set()
         self._workers[worker.id] = worker
         self._by_url[url] = worker
+        self._judge(worker)
         self._refresh(worker.role)
         logger.info("worker %s %s added as %s (bootstrap port %s, %s)", worker.id, url, role, bootstrap_port, state)
         self._emit("added", worker)
+        if worker.routable:
+            self._emit_routable(worker)
         return worker
 
     def remove(self, worker: Worker) -> None:
@@ -214,53 +218,62 @@ class Registry:
             raise UnknownWorker(worker.id)
         self._by_url.pop(worker.url, None)
         worker.revision += 1
+        was_routable, worker.routable, worker.unroutable_reason = worker.routable, False, "removed"
         self._refresh(worker.role)
         logger.info("worker %s %s removed", worker.id, worker.url)
         self._emit("removed", worker)
+        if was_routable:
+            self._emit_routable(worker)
 
     def set_state(self, worker: Worker, state: WorkerState, reason: str = "") -> None:
         if worker.state is state and worker.state_reason == reason:
             return
         old = worker.state
+        ended = worker.hold if state is not WorkerState.FAILED else None
+        if ended is not None:  # out of `failed` by another hand (an operator's reinstate): the hold is over
+            worker.hold = None
+        self._set_state(worker, state, reason)
+        self._commit(worker, (worker.role,), "state", old=old.value, new=state.value, reason=reason)
+        if ended is not None:
+            self._emit("hold_ended", worker, kind=ended.kind.value, reason=reason)
+
+    def _set_state(self, worker: Worker, state: WorkerState, reason: str) -> None:
+        old = worker.state
         worker.state = state
         worker.state_reason = reason
         worker.state_since = time.monotonic()
         worker.revision += 1
-        self._refresh(worker.role)
         logger.info("worker %s %s: %s -> %s (%s)", worker.id, worker.url, old, state, reason or "-")
-        self._emit("state", worker, old=old.value, new=state.value, reason=reason)
 
     def set_health(self, worker: Worker, healthy: bool, reason: str = "", *, breaker: str | None = None) -> None:
-        """Health is separate from state: probes and the circuit breaker decide it (router/health.py)."""
+        """The health monitor's verdict (router/control/health.py); the registry adds the weight check."""
         breaker_changed = breaker is not None and breaker != worker.breaker
         if breaker_changed:
             worker.breaker = breaker
-        if worker.healthy is healthy:
-            worker.health_reason = reason
-            if breaker_changed:
-                self._emit("health", worker, healthy=healthy, reason=reason, breaker=breaker)
-            return
-        worker.healthy = healthy
-        worker.health_reason = reason
-        self._refresh(worker.role)
-        logger.warning("worker %s %s is now %s (%s)", worker.id, worker.url,
-                       "healthy" if healthy else "unhealthy", reason or "-")
-        self._emit("health", worker, healthy=healthy, reason=reason, breaker=worker.breaker)
+        worker.monitor_healthy = healthy
+        worker.monitor_reason = reason
+        was_healthy = worker.healthy
+        self._commit(worker, (worker.role,))
+        if worker.healthy is was_healthy and breaker_changed:
+            self._emit("health", worker, healthy=worker.healthy, reason=worker.health_reason, breaker=worker.breaker)
 
     def move(self, worker: Worker, role: Role, bootstrap_port: int | None, state: WorkerState, reason: str) -> None:
-        """Put a worker into the other pool (after a verified role switch)."""
+        """Put a worker into the other pool (after a verified role switch, or its live role read)."""
         old_role = worker.role
+        ended = worker.hold if state is not WorkerState.FAILED else None
+        worker.hold = None if ended is not None else worker.hold
         worker.role = role
         worker.bootstrap_port = bootstrap_port
         worker.state = state
         worker.state_reason = reason
         worker.state_since = time.monotonic()
         worker.revision += 1
-        self._refresh(old_role)
-        self._refresh(role)
         logger.info("worker %s %s moved %s -> %s (bootstrap port %s)", worker.id, worker.url, old_role, role,
                     bootstrap_port)
-        self._emit("moved", worker, old_role=old_role.value, new_role=role.value, bootstrap_port=bootstrap_port)
+        self._commit(worker, (old_role, role), "moved", old_role=old_role.value, new_role=role.value,
+                     bootstrap_port=bootstrap_port)
+        if ended is not None:
+            self._emit("hold_ended", worker, kind=ended.kind.value, reason=reason)
 
     def update_info(self, worker: Worker, **fields) -> None:
         """Facts learnt from the server (bootstrap port, weight version, switch API, version)."""
@@ -270,12 +283,97 @@ class Registry:
         for key, value in changed.items():
             setattr(worker, key, value)
         worker.revision += 1
-        self._refresh(worker.role)
-        self._emit("info", worker, **changed)
+        self._commit(worker, (worker.role,), "info", **changed)
+
+    def hold_out(self, worker: Worker, kind: HoldKind | str, reason: str) -> None:
+        """Hold a worker out of routing (state `failed`, the hold's kind naming what brings it back)."""
+        hold = Hold(HoldKind(kind), reason)
+        held = worker.hold
+        if held is not None and (held.kind, held.reason) == (hold.kind, reason) and worker.state is WorkerState.FAILED:
+            return
+        old, state_reason = worker.state, f"left out by {hold.kind}: {reason}"
+        worker.hold = hold
+        self._set_state(worker, WorkerState.FAILED, state_reason)
+        self._commit(worker, (worker.role,), "state", old=old.value, new=WorkerState.FAILED.value, reason=state_reason)
+        self._emit("held", worker, kind=hold.kind.value, reason=reason)
+
+    def end_hold(self, worker: Worker, kinds: Iterable[HoldKind | str], reason: str) -> bool:
+        """End a hold of one of `kinds`: the worker is active again (still judged: health, weights)."""
+        hold = worker.hold
+        if hold is None or hold.kind not in {HoldKind(k) for k in kinds}:
+            return False
+        worker.hold = None
+        old = worker.state
+        if old is WorkerState.FAILED:
+            self._set_state(worker, WorkerState.ACTIVE, reason)
+            self._commit(worker, (worker.role,), "state", old=old.value, new=WorkerState.ACTIVE.value, reason=reason)
+        else:
+            self._commit(worker, (worker.role,))
+        self._emit("hold_ended", worker, kind=hold.kind.value, reason=reason)
+        return True
+
+    def set_fleet_version(self, version: str | None, reason: str, *,
+                          worker_versions: dict[Worker, str] | None = None) -> None:
+        """The weight version the fleet serves: a worker on another one is not routed. `worker_versions`:
+        the servers' versions read with it (an update's), applied in the same step, so that nobody is
+        judged against the old fleet version or with its old weights in between."""
+        changed = {w: v for w, v in (worker_versions or {}).items()
+                   if self._workers.get(w.id) is w and w.weight_version != v}
+        if version == self._fleet_version and not changed:
+            return
+        old, self._fleet_version = self._fleet_version, version
+        if old != version:
+            logger.info("fleet weight version %r -> %r (%s)", old, version, reason)
+        before = {w.id: (w.healthy, w.routable) for w in self._workers.values()}
+        for worker, weight_version in changed.items():
+            worker.weight_version = weight_version
+            worker.revision += 1
+        for worker in self._workers.values():
+            self._judge(worker)
+        self._refresh(Role.PREFILL)
+        self._refresh(Role.DECODE)
+        if old != version:
+            self._emit("fleet_version", None, old=old, new=version, reason=reason)
+        for worker, weight_version in changed.items():
+            self._emit("info", worker, weight_version=weight_version)
+        for worker in list(self._workers.values()):
+            healthy, routable = before[worker.id]
+            self._announce(worker, healthy, routable)
 
     def mark_aborted(self, workers: Iterable[Worker]) -> None:
         for worker in workers:
             worker.abort_epoch += 1
+
+    # ---- judging -----------------------------------------------------------------------------------
+    def _judge(self, worker: Worker) -> None:
+        verdict = judge(worker.state, worker.monitor_healthy, worker.monitor_reason, worker.breaker,
+                        worker.weight_version, self._fleet_version, worker.hold)
+        worker.healthy, worker.health_reason = verdict.healthy, verdict.health_reason
+        worker.routable, worker.unroutable_reason = verdict.routable, verdict.reason
+
+    def _commit(self, worker: Worker, roles: tuple[Role, ...], event: str | None = None, **details) -> None:
+        """Judge the worker again, refresh the pools' snapshots, then tell the listeners what changed."""
+        healthy, routable = worker.healthy, worker.routable
+        if self._workers.get(worker.id) is worker:
+            self._judge(worker)
+        for role in dict.fromkeys(roles):
+            self._refresh(role)
+        if event is not None:
+            self._emit(event, worker, **details)
+        self._announce(worker, healthy, routable)
+
+    def _announce(self, worker: Worker, healthy: bool, routable: bool) -> None:
+        if worker.healthy is not healthy:
+            logger.warning("worker %s %s is now %s (%s)", worker.id, worker.url,
+                           "healthy" if worker.healthy else "unhealthy", worker.health_reason or "-")
+            self._emit("health", worker, healthy=worker.healthy, reason=worker.health_reason, breaker=worker.breaker)
+        if worker.routable is not routable:
+            self._emit_routable(worker)
+
+    def _emit_routable(self, worker: Worker) -> None:
+        logger.info("worker %s %s (%s) is %s", worker.id, worker.url, worker.role,
+                    "routable" if worker.routable else f"not routable: {worker.unroutable_reason}")
+        self._emit("routable", worker, routable=worker.routable, reason=worker.unroutable_reason)
 
     # ---- in-flight accounting (hot path) -----------------------------------------------------------
     def acquire(self, worker: Worker) -> None:

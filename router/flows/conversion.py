@@ -27,9 +27,9 @@ import logging
 import time
 from typing import Any, Awaitable, Callable
 
-from router.control.health import agreed_weight_version, rejoin_refusal
-from router.control.upstream import Upstream, bootstrap_port_of, weight_version_of
-from router.core.errors import BadGateway, Conflict
+from router.control.discovery import rejoin_check
+from router.control.upstream import Upstream
+from router.core.errors import Conflict
 from router.core.registry import Registry, Role, Worker, WorkerState
 from router.flows.conversion_record import Conversion, ConversionOutcome, DrainMode, Plan
 from router.flows.fleet import ABORT_REPEAT_SECS, INFO_TIMEOUT, POLL_FIRST, POLL_MAX
@@ -343,30 +343,19 @@ class Conversions:
 
     # ---- operator actions ----------------------------------------------------------------------------
     async def reinstate(self, worker: Worker, timeout: float = 30.0) -> str:
-        """Put a `failed` worker back into routing in the role its server reports now, once it is healthy."""
+        """Put a `failed` worker back into routing in the role its server reports now, once it is healthy,
+        ready and on the fleet's weights (`discovery.rejoin_check`: never a silent mix of weights)."""
         if worker.state is not WorkerState.FAILED:
             raise Conflict(f"worker {worker.id} is {worker.state}, not failed: nothing to reinstate")
-        (live, server), health = await asyncio.gather(self.server.live_role(worker),
-                                                      self.upstream.health(worker.url, timeout=timeout))
-        if live not in (Role.PREFILL.value, Role.DECODE.value):
-            raise BadGateway(f"cannot reinstate {worker.url}: it reports no prefill/decode role "
-                             f"(live role {live or 'unknown'})")
-        if not health.ok:
-            raise BadGateway(f"cannot reinstate {worker.url}: /health answered {health.status or 'nothing'} "
-                             f"{health.message()}")
+        live = await rejoin_check(self.registry, self.upstream, worker, what="reinstate", timeout=timeout)
         if worker.state is not WorkerState.FAILED or self.registry.find(worker.id) is not worker:
             raise Conflict(f"worker {worker.id} changed while it was being checked")
-        # Never a silent mix of weights: it must carry the version the routable fleet agrees on.
-        version = weight_version_of(server.data if server is not None else None)
-        fleet = agreed_weight_version([w.weight_version for w in self.registry.workers() if w.routable])
-        if (refusal := rejoin_refusal(version, fleet)) is not None:
-            raise Conflict(f"cannot reinstate {worker.url}: {refusal}")
-        if version is not None:
-            self.registry.update_info(worker, weight_version=version)
-        role = Role(live)
+        if live.weight_version is not None:
+            self.registry.update_info(worker, weight_version=live.weight_version)
+        role = live.role
         port = None
         if role is Role.PREFILL:
-            port = bootstrap_port_of(server.data if server is not None else None)
+            port = live.bootstrap_port
             if port is None and worker.role is Role.PREFILL:
                 port = worker.bootstrap_port
         self.registry.move(worker, role, port, WorkerState.ACTIVE, "reinstated by an operator")

@@ -120,10 +120,11 @@ async def read_fleet_weight_version(registry: Registry, upstream: Upstream, work
     versions = await asyncio.gather(*(live_weight_version(upstream, w, timeout) for w in workers))
     rows = []
     for worker, version in zip(workers, versions):
+        routed = worker.routable  # as it was served: a version read now takes a stray server out at once
         if version is not None and version != worker.weight_version and registry.find(worker.id) is worker:
             registry.update_info(worker, weight_version=version)
         rows.append({"url": worker.url, "role": worker.role.value, "weight_version": version,
-                     "state": worker.state.value, "routable": worker.routable})
+                     "state": worker.state.value, "routable": routed})
     served = {row["weight_version"] for row in rows if row["routable"]}
     if not served:  # nothing routable: the fleet's version is whatever the servers agree on, if they do
         served = {row["weight_version"] for row in rows}

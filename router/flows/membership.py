@@ -1,27 +1,24 @@
 """The fleet serves one weight version: which one, the servers left out of routing and why, and their way
 back (a later update that reaches them, the call that left them out succeeding, or the reconciler finding
-them fixed). New servers that report another version are kept out the same way."""
+them fixed). New servers that report another version are kept out the same way.
+
+Both live in the registry, the one source of truth for routability: the fleet's version
+(`Registry.fleet_version`: the registry routes no server on another one) and the servers held out
+(`Registry.hold_out`, kind `weights`, `paused` or `memory`: what brings them back). This module decides when
+to hold a server out and when to let it back; it keeps no list of its own."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import time
-from dataclasses import dataclass, field
 from typing import Awaitable, Callable
 
 from router.control.upstream import Upstream
 from router.core.registry import Registry, Worker, WorkerState
-from router.flows.fleet import live_weight_version, read_fleet_weight_version
+from router.core.routability import Hold, HoldKind
+from router.flows.fleet import INFO_TIMEOUT, live_weight_version, read_fleet_weight_version
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(slots=True)
-class LeftOut:
-    kind: str  # weights | paused | memory: which call can bring the server back
-    reason: str
-    since: float = field(default_factory=time.time)
 
 
 class FleetMembership:
@@ -32,8 +29,6 @@ class FleetMembership:
         self.lock = lock  # the operations' lock: the reconciler never runs under a fleet operation
         self.interval_s = interval_s  # how often the reconciler looks without being woken
         self.spawn = spawn
-        self.fleet_version: str | None = None  # set by the first update (or adopted from an agreeing fleet)
-        self.left_out: dict[str, LeftOut] = {}  # by worker id
         self._wake = asyncio.Event()
         self._reconciler: asyncio.Task | None = None
         registry.subscribe(self._on_registry_event)
@@ -46,52 +41,55 @@ class FleetMembership:
             self._reconciler.cancel()
             await asyncio.gather(self._reconciler, return_exceptions=True)
 
+    @property
+    def fleet_version(self) -> str | None:
+        """The registry's: read from the servers at start-up, set by every update that reached a server."""
+        return self.registry.fleet_version
+
+    @property
+    def left_out(self) -> dict[str, Hold]:
+        """Servers held out of routing, by worker id (a view of the registry's holds)."""
+        return {w.id: w.hold for w in self.registry.held()}
+
     def rows(self) -> list[dict]:
-        return [{"id": wid, "url": w.url if (w := self.registry.find(wid)) else None, "kind": lo.kind,
-                 "reason": lo.reason, "since": lo.since} for wid, lo in self.left_out.items()]
+        return [{"id": w.id, "url": w.url, "kind": w.hold.kind.value, "reason": w.hold.reason,
+                 "since": w.hold.since} for w in self.registry.held()]
 
     # ---- leaving routing and coming back ------------------------------------------------------------
-    def leave_out(self, worker: Worker, kind: str, reason: str) -> None:
-        """Take the server out of routing (state `failed`) until the call of `kind` brings it back."""
+    def leave_out(self, worker: Worker, kind: HoldKind, reason: str) -> None:
+        """Hold the server out of routing (state `failed`) until the call of `kind` brings it back."""
         if self.registry.find(worker.id) is not worker:
             return
-        held = self.left_out.get(worker.id)
-        if held is not None and held.kind != kind and kind == "weights":
+        held = worker.hold
+        if held is not None and held.kind is not kind and kind is HoldKind.WEIGHTS:
             kind = held.kind  # still paused / without its memory: only that call can bring it back
-        self.left_out[worker.id] = LeftOut(kind, reason)
-        self.registry.set_state(worker, WorkerState.FAILED, f"left out by {kind}: {reason}")
+        self.registry.hold_out(worker, kind, reason)
 
-    def rejoin(self, worker: Worker, reason: str, kinds: tuple[str, ...]) -> bool:
-        """Back into routing, if it was left out by one of `kinds`."""
-        left = self.left_out.get(worker.id)
-        if left is None or left.kind not in kinds:
-            return False
-        del self.left_out[worker.id]
-        if self.registry.find(worker.id) is worker and worker.state is WorkerState.FAILED:
-            self.registry.set_state(worker, WorkerState.ACTIVE, reason)
-        return True
+    def rejoin(self, worker: Worker, reason: str, kinds: tuple[HoldKind, ...]) -> bool:
+        """Back into routing, if it was held out by one of `kinds`."""
+        return self.registry.find(worker.id) is worker and self.registry.end_hold(worker, kinds, reason)
 
-    async def rejoin_if_current(self, worker: Worker, reason: str, kind: str) -> None:
-        """A server left out by `kind` that is fixed now: back in routing if it serves the fleet's version,
-        else still out, for its weights."""
-        left = self.left_out.get(worker.id)
-        if left is None or left.kind != kind:
+    async def rejoin_if_current(self, worker: Worker, reason: str, kind: HoldKind) -> None:
+        """A server held out by `kind` that is fixed now: back in routing if it serves the fleet's version
+        (and, after a pause, says it is ready), else still out: for its weights, or as paused."""
+        if worker.hold is None or worker.hold.kind is not kind:
             return
-        version = await live_weight_version(self.upstream, worker)
+        version, ready = await asyncio.gather(live_weight_version(self.upstream, worker),
+                                              self.upstream.ready(worker.url, timeout=INFO_TIMEOUT))
+        if worker.hold is None or worker.hold.kind is not kind or self.registry.find(worker.id) is not worker:
+            return
         if self.fleet_version is not None and version != self.fleet_version:
-            left.kind = "weights"
-            left.reason = f"serves weight_version {version!r}, the fleet serves {self.fleet_version!r}"
+            self.registry.hold_out(worker, HoldKind.WEIGHTS,
+                                   f"serves weight_version {version!r}, the fleet serves {self.fleet_version!r}")
+            return
+        if kind is HoldKind.PAUSED and ready is False:
+            self.registry.hold_out(worker, kind, f"{reason}, but /ready still answers 503")
             return
         self.rejoin(worker, reason, kinds=(kind,))
 
-    def _on_registry_event(self, event: str, worker: Worker, details: dict) -> None:
-        if event == "removed":
-            self.left_out.pop(worker.id, None)
-        elif event == "state" and details.get("old") == WorkerState.FAILED.value \
-                and details.get("new") != WorkerState.FAILED.value and worker.id in self.left_out:
-            self.left_out.pop(worker.id)  # an operator put it back (reinstate): no longer ours to hold out
-            self._wake.set()
-        elif event == "added" or (event == "state" and details.get("new") == WorkerState.ACTIVE.value) \
+    def _on_registry_event(self, event: str, worker: Worker | None, details: dict) -> None:
+        if event in ("added", "hold_ended", "fleet_version") \
+                or (event == "state" and details.get("new") == WorkerState.ACTIVE.value) \
                 or (event == "info" and "weight_version" in details):
             self._wake.set()
 
@@ -123,14 +121,13 @@ class FleetMembership:
         if self.fleet_version is None:
             adopted = await read_fleet_weight_version(self.registry, self.upstream,
                                                       [w for w in self.registry.workers() if w.routable])
-            if adopted.consistent and adopted.version is not None:
-                self.fleet_version = adopted.version
+            if adopted.consistent and adopted.version is not None and self.fleet_version is None:
+                self.registry.set_fleet_version(adopted.version, "the routable servers agree on it")
             return {"fleet_weight_version": self.fleet_version, "rejoined": [], "left_out": []}
         fleet = self.fleet_version
-        out = [w for w in self.registry.workers()
-               if (lo := self.left_out.get(w.id)) is not None and lo.kind == "weights"]
+        out = self.registry.held(HoldKind.WEIGHTS)
         suspects = [w for w in self.registry.workers()
-                    if w.state is WorkerState.ACTIVE and w.id not in self.left_out and w.weight_version != fleet]
+                    if w.state is WorkerState.ACTIVE and w.hold is None and w.weight_version != fleet]
         checked = out + suspects
         versions = await asyncio.gather(*(live_weight_version(self.upstream, w) for w in checked))
         rejoined, kept_out = [], []
@@ -140,11 +137,11 @@ class FleetMembership:
             if version is not None and version != worker.weight_version:
                 self.registry.update_info(worker, weight_version=version)
             if worker in out and version == fleet:
-                self.rejoin(worker, f"weights: serves the fleet's version {fleet!r}", kinds=("weights",))
+                self.rejoin(worker, f"weights: serves the fleet's version {fleet!r}", kinds=(HoldKind.WEIGHTS,))
                 rejoined.append(worker.url)
             elif worker in suspects and version is not None and version != fleet \
                     and worker.state is WorkerState.ACTIVE:
-                self.leave_out(worker, "weights",
+                self.leave_out(worker, HoldKind.WEIGHTS,
                                f"serves weight_version {version!r}, the fleet serves {fleet!r}")
                 kept_out.append(worker.url)
         if rejoined or kept_out:

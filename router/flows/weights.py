@@ -18,8 +18,9 @@ A weight update, step by step (each step has a deadline and is recorded with its
               failed, or reports another version, leaves routing (state `failed`)
     release   the held requests go on, to servers that all serve the same weights
 
-The fleet never serves a silent mix of versions: a server left out rejoins only when its live version is
-the fleet's (after a later update reaches it, or when the reconciler sees it was fixed; new workers that
+The fleet never serves a silent mix of versions: the fleet's version is the registry's, which routes no
+server on another one; a server left out is held out in the registry and rejoins only when its live version
+is the fleet's (after a later update reaches it, or when the reconciler sees it was fixed; new workers that
 report another version are kept out the same way). When every server refused a disk update or a version
 relabel and all still report the version they had, nothing changed: the fleet keeps serving.
 """
@@ -49,7 +50,8 @@ from router.flows.fleet import (
     summary,
     wait_quiet,
 )
-from router.flows.membership import FleetMembership, LeftOut
+from router.core.routability import Hold, HoldKind
+from router.flows.membership import FleetMembership
 from router.flows.operations import Operation, OperationRunner
 from router.flows.request_aborts import RequestAborts
 
@@ -108,7 +110,7 @@ class WeightFlow:
         return self.membership.fleet_version
 
     @property
-    def left_out(self) -> dict[str, LeftOut]:
+    def left_out(self) -> dict[str, Hold]:
         return self.membership.left_out
 
     @property
@@ -160,7 +162,7 @@ class WeightFlow:
         failed ones that another flow left unsafe (ours come back through these calls)."""
         return [w for w in self.registry.workers()
                 if w.state is not WorkerState.PENDING
-                and (w.state is not WorkerState.FAILED or w.id in self.left_out)]
+                and (w.state is not WorkerState.FAILED or w.hold is not None)]
 
     @asynccontextmanager
     async def _holding(self, op: Operation, reason: str, *, keep: bool = False):
@@ -318,23 +320,24 @@ class WeightFlow:
             return (summary(results, kind) + f" Nothing changed: every server still serves version "
                     f"{versions[0]!r}, and stays in routing.")
         fleet = target if target is not None else most_common(v for o, v in zip(results, versions) if o.success)
-        served = 0
         for result, version in zip(results, versions):
-            worker = result.worker
-            if version is not None and self.registry.find(worker.id) is worker:
-                self.registry.update_info(worker, weight_version=version)
             if result.success and fleet is not None and version is not None and version != fleet:
                 result.success = False
                 result.message = (f"{result.message} But it reports weight_version {version!r}, not the "
                                    f"fleet's {fleet!r}.").strip()
+        served = sum(o.success for o in results)
+        # The fleet's version and every server's new one in one step: nobody judged half-way.
+        self.registry.set_fleet_version(
+            fleet if served and fleet is not None else self.fleet_version,
+            f"{kind} {self.current.id if self.current else ''}".strip(),
+            worker_versions={o.worker: v for o, v in zip(results, versions) if v is not None})
+        for result, version in zip(results, versions):
+            worker = result.worker
             if result.success:
-                served += 1
-                self.membership.rejoin(worker, f"weights: updated to {version!r}", kinds=("weights",))
+                self.membership.rejoin(worker, f"weights: updated to {version!r}", kinds=(HoldKind.WEIGHTS,))
             else:
-                self.membership.leave_out(worker, "weights", f"{kind} failed: {result.message}"[:500])
+                self.membership.leave_out(worker, HoldKind.WEIGHTS, f"{kind} failed: {result.message}"[:500])
             result.extra["routable"] = worker.routable
-        if served and fleet is not None:
-            self.membership.fleet_version = fleet
         message = summary(results, kind)
         failed = len(results) - served
         if failed:
@@ -380,7 +383,7 @@ class WeightFlow:
         return await self.operations.run("continue_generation", {}, lambda op: self._resume(op, body))
 
     async def _restore(self, op: Operation, step_name: str, call: str, body: dict, timeout: float,
-                       kind: str) -> list:
+                       kind: HoldKind) -> list:
         """Fan out a call that gives a server back its ability to serve (continue, memory resume): those
         that took it rejoin routing (at the fleet's weight version), the others are left out as `kind`."""
         step = op.step(step_name, timeout)
@@ -395,7 +398,7 @@ class WeightFlow:
 
     async def _resume(self, op: Operation, body: dict) -> tuple[int, dict]:
         results = await self._restore(op, "continue", "continue_generation", body, self.config.abort_timeout_secs,
-                                       "paused")
+                                       HoldKind.PAUSED)
         for result in results:
             result.extra["routable"] = result.worker.routable
         self.paused = None
@@ -440,7 +443,7 @@ class WeightFlow:
 
     async def _resume_memory(self, op: Operation, body: dict) -> tuple[int, dict]:
         results = await self._restore(op, "resume", "resume_memory_occupation", body,
-                                       self.config.weight_update_timeout_secs, "memory")
+                                       self.config.weight_update_timeout_secs, HoldKind.MEMORY)
         tags = body.get("tags")
         self.released_tags -= set(tags) if tags else set(self.released_tags)
         if not self.released_tags:

@@ -23,7 +23,7 @@ from router.core.errors import error_middleware
 from router.core.keys import (ADMISSION, CONFIG, DISCOVERY, LIFECYCLE, PROXY, REGISTRY, SESSION, TASKS, TRAFFIC,
                               UPSTREAM)
 from router.core.lifecycle import Lifecycle
-from router.core.registry import Registry, Role, WorkerState
+from router.core.registry import Registry, Role
 from router.core.request_shape import GENERATE_ROUTES
 from router.dataplane.admission import Admission
 from router.dataplane.proxy import Proxy
@@ -135,22 +135,20 @@ async def _session_ctx(app: web.Application):
 
 
 async def _workers_ctx(app: web.Application):
-    """Register the command line's workers; learn prefill bootstrap ports before serving (bounded)."""
+    """Register the command line's workers, pending until their servers have been read (their live role,
+    bootstrap port, weight version and readiness: `Discovery.start_up`, bounded) before the router serves."""
     config, registry = app[CONFIG], app[REGISTRY]
     discovery = Discovery(registry, app[UPSTREAM], app[TASKS].spawn, retry_interval=config.health.interval_secs)
     app[DISCOVERY] = discovery
     for spec in config.prefill:
-        if spec.bootstrap_port is DISCOVER:
-            worker = registry.add(spec.url, Role.PREFILL, None, state=WorkerState.PENDING,
-                                  reason="learning its bootstrap port")
-            discovery.watch(worker)
-        else:
-            discovery.spawn(discovery.learn(registry.add(spec.url, Role.PREFILL, spec.bootstrap_port)))
+        given = spec.bootstrap_port is not DISCOVER
+        discovery.register(spec.url, Role.PREFILL, spec.bootstrap_port if given else None, port_given=given,
+                           source="--prefill")
     for spec in config.decode:
-        discovery.spawn(discovery.learn(registry.add(spec.url, Role.DECODE, None)))
+        discovery.register(spec.url, Role.DECODE, None, port_given=True, source="--decode")
     if not config.prefill or not config.decode:
         logger.warning("started with %d prefill and %d decode workers; add workers through POST /workers",
                        len(config.prefill), len(config.decode))
-    await discovery.settle(config.worker_startup_timeout_secs)
+    await discovery.start_up(config.worker_startup_timeout_secs)
     yield
     await discovery.close()
