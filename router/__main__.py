@@ -43,6 +43,8 @@ def serve(argv: list[str] | None = None) -> int:
     app = create_app(config)
     logger.info("pd-router on %s:%d: %d prefill, %d decode; policies %s/%s", config.host, config.port,
                 len(config.prefill), len(config.decode), config.prefill_policy, config.decode_policy)
+    for warning in config.warnings():
+        logger.warning("%s", warning)
     serving.run(app, host=config.host, port=config.port, loop=_event_loop(), backlog=BACKLOG,
                 shutdown_timeout=shutdown.close_timeout(config.shutdown_grace_secs),
                 announce=lambda message: logger.info("%s", message), wind_down=shutdown.wind_down(app))

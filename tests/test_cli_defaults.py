@@ -16,7 +16,8 @@ from router.server.cli import FLAGS, config_from_args
 # Value flags that show no default: the workers, per-pool policies (they fall back to --policy) and the
 # optional ones whose default is "none".
 NO_DEFAULT_SHOWN = {"--prefill", "--decode", "--prefill-bootstrap-ports", "--prefill-policy", "--decode-policy",
-                    "--api-key", "--admin-api-key", "--worker-api-key", "--prometheus-port", "--prometheus-host"}
+                    "--api-key", "--admin-api-key", "--worker-api-key", "--prometheus-port", "--prometheus-host",
+                    "--admin-allow-cidrs", "--worker-allow"}
 # Switches that change nothing (mini_lb compatibility).
 NO_OP_SWITCHES = {"-h", "--pd-disaggregation", "--mini-lb"}
 # Config fields set by the launch forms rather than by a flag row, and the one field no flag sets.

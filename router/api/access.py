@@ -10,6 +10,8 @@ models and server info stay open. `--admin-api-key` follows SGLang 0.5.23's own 
 its control endpoints are ADMIN_OPTIONAL, generation NORMAL): when given, the control routes need that key
 and the generation key no longer opens them, while generation still needs exactly `--api-key` (the admin
 key does not open it). With no key at all everything is open, as with mini_lb. Constant-time compares.
+`--admin-allow-cidrs` also refuses admin calls from other source addresses (403, before any key is looked
+at); `RouterConfig.warnings()` says when admin routes are open to the network.
 
 Control calls that carry a body must send a JSON object: anything else is 400 before the handler runs
 (the parsed body is kept under `JSON_BODY` so handlers do not parse it twice), and one over
@@ -25,7 +27,8 @@ from typing import Iterable
 from aiohttp import web
 
 from router.core.config import RouterConfig
-from router.core.errors import PayloadTooLarge, Unauthorized, parse_json_object
+from router.core.allowlists import CallerAllowList
+from router.core.errors import Forbidden, PayloadTooLarge, Unauthorized, parse_json_object
 from router.core.request_shape import GENERATE_ROUTES
 
 
@@ -130,6 +133,7 @@ async def checked_json_body(request: web.Request, config: RouterConfig) -> dict 
 def make_access_middleware(config: RouterConfig):
     keys = {access: required_keys(access, config) for access in Access}
     by_resource: dict[object, Access] = {}  # classification cached per route (the hot path is one lookup)
+    admin_callers = CallerAllowList.parse(config.admin_allow_cidrs)
 
     @web.middleware
     async def access_middleware(request: web.Request, handler):
@@ -141,6 +145,9 @@ def make_access_middleware(config: RouterConfig):
             access = by_resource[resource] = classify(resource.canonical)
         if access is Access.PUBLIC:
             return await handler(request)
+        if access is Access.ADMIN and not admin_callers.allows(request.remote):
+            raise Forbidden(f"{request.method} {request.path}: admin calls are not accepted from "
+                            f"{request.remote} (--admin-allow-cidrs)")
         wanted = keys[access]
         if wanted and not key_matches(bearer_token(request.headers.get("Authorization")), wanted):
             what = "an admin API key" if access is Access.ADMIN else "an API key"

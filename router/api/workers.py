@@ -4,19 +4,21 @@ call."""
 
 from __future__ import annotations
 
-from urllib.parse import unquote
+from urllib.parse import unquote, urlsplit
 
 from aiohttp import web
 
 from router.api.bodies import read_json_object
 from router.control.discovery import read_live_state, rejoin_check
 from router.core.config import DISCOVER, validate_port, validate_worker_url
-from router.core.errors import BadRequest, Conflict, NotFound, json_response
-from router.core.keys import DISCOVERY, REGISTRY, UPSTREAM
+from router.core.allowlists import WorkerAllowList, resolve
+from router.core.errors import BadRequest, Conflict, Forbidden, NotFound, json_response
+from router.core.keys import CONFIG, DISCOVERY, REGISTRY, UPSTREAM
 from router.core.registry import DuplicateWorker, Role, Worker, WorkerState
 
 # How long an API registration waits to learn a prefill's bootstrap port before answering.
 REGISTER_SETTLE_SECS = 5.0
+WORKER_ALLOW = web.AppKey("worker_allow", WorkerAllowList)
 BUSY_STATES = (WorkerState.DRAINING, WorkerState.ABORTING, WorkerState.CONVERTING, WorkerState.VERIFYING)
 
 
@@ -48,10 +50,20 @@ def checked_url(value: object) -> str:
     return value.rstrip("/")
 
 
+async def check_worker_allowed(app: web.Application, url: str) -> None:
+    """403 unless --worker-allow lets workers be registered at this URL (anyone may, without the flag)."""
+    allowed = app[WORKER_ALLOW]
+    if allowed.restricts:
+        parts = urlsplit(url)
+        if (refusal := await allowed.refusal(parts.hostname or "", parts.port or 0, resolve)) is not None:
+            raise Forbidden(f"worker {url} may not be registered: {refusal}", param="url")
+
+
 async def register_worker(app: web.Application, url: str, role: Role | None, port, *, source: str) -> Worker:
     """Add a worker, pending until its server has been read (live role, bootstrap port, weights, readiness;
     waited for up to REGISTER_SETTLE_SECS): a live role other than `role` puts it in its live role's pool."""
     registry, upstream, discovery = app[REGISTRY], app[UPSTREAM], app[DISCOVERY]
+    await check_worker_allowed(app, url)
     if registry.find(url) is not None:
         raise Conflict(f"worker {url} is already registered")
     if role is None:
@@ -181,6 +193,7 @@ async def register(request: web.Request) -> web.Response:
     if mode == "decode" and port is not None:
         raise BadRequest("Bootstrap port should not be set for decode server", param="bootstrap_port")
     role = Role(mode)
+    await check_worker_allowed(request.app, url)  # a re-registration too: it may change the worker's port
     existing = request.app[REGISTRY].find(url)
     if existing is not None:
         await reregister_worker(request.app, existing, role, port)
@@ -190,6 +203,7 @@ async def register(request: web.Request) -> web.Response:
 
 
 def setup(app: web.Application) -> None:
+    app[WORKER_ALLOW] = WorkerAllowList.parse(app[CONFIG].worker_allow)
     r = app.router
     r.add_get("/workers", list_workers)
     r.add_post("/workers", add_worker_json)

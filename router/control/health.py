@@ -372,7 +372,8 @@ async def _health_ctx(app):
 
 
 async def health_state(request):
-    return json_response(request.app[HEALTH].state())
+    # `warnings`: what the configuration leaves unsafe (admin routes open to the network), as logged at start.
+    return json_response({**request.app[HEALTH].state(), "warnings": request.app[CONFIG].warnings()})
 
 
 def setup(app) -> None:

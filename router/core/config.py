@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import ipaddress
 from dataclasses import dataclass, field, fields, replace
 from urllib.parse import urlsplit
 
 from policies.params import PolicyParams
 from policies.rebalance import RebalanceConfig
+from router.core.allowlists import CallerAllowList, WorkerAllowList
 
 # A prefill whose bootstrap port was not given: ask the server (`disaggregation_bootstrap_port`).
 DISCOVER = "discover"
@@ -38,6 +40,18 @@ def validate_worker_url(url: object) -> str | None:
     if parts.query or parts.fragment or parts.path not in ("", "/"):
         return f"invalid worker url {url!r}: must be scheme://host:port only"
     return None
+
+
+def is_loopback(host: str | None) -> bool:
+    """Whether listening on `host` keeps the router to this machine (an empty host means every interface)."""
+    if not host:
+        return False
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False  # a name: it may be any interface
 
 
 def validate_port(value: object, what: str = "bootstrap_port") -> str | None:
@@ -129,6 +143,10 @@ class RouterConfig:
     decode_policy: str = "random"
     api_key: str | None = None
     admin_api_key: str | None = None
+    # Admin callers allowed by source network, and the hosts/networks registered workers may point to (see
+    # core/allowlists.py); empty: anyone, anywhere (mini_lb's behaviour).
+    admin_allow_cidrs: tuple[str, ...] = ()
+    worker_allow: tuple[str, ...] = ()
     # Sent as `Authorization: Bearer KEY` on every call to the workers (SGLang's --api-key), both legs and
     # the control plane; without it a client's Authorization header is passed through on the legs.
     worker_api_key: str | None = None
@@ -204,7 +222,23 @@ class RouterConfig:
             found.append("--max-admin-payload-size must be at least 1")
         for group in (self.policy_params, self.load_monitor, self.rebalance):
             found.extend(group.problems())
+        found.extend(CallerAllowList.problems(self.admin_allow_cidrs))
+        found.extend(WorkerAllowList.problems(self.worker_allow))
         return found
+
+    def warnings(self) -> list[str]:
+        """What is unsafe but allowed (compatibility forbids refusing it): logged at start-up, shown by
+        GET /admin/health."""
+        if self.api_key or self.admin_api_key or is_loopback(self.host):
+            return []
+        where = f"{self.host or '0.0.0.0'}:{self.port}"
+        callers = (f"any caller from {', '.join(self.admin_allow_cidrs)}" if self.admin_allow_cidrs
+                   else f"anyone who can reach {where}")
+        workers = (f"a worker URL on {', '.join(self.worker_allow)}" if self.worker_allow
+                   else "a worker URL pointing anywhere (users' prompts then go there)")
+        return [f"admin routes need no key and are open to {callers}: they can register {workers}, update "
+                f"weights, release memory, abort requests. Set --admin-api-key (or --api-key), or "
+                f"--admin-allow-cidrs, --worker-allow, or --host 127.0.0.1"]
 
     def validated(self) -> "RouterConfig":
         if found := self.problems():

@@ -49,6 +49,11 @@ class Unauthorized(RouterError):
     type = "authentication_error"
 
 
+class Forbidden(RouterError):
+    status = 403
+    type = "permission_error"
+
+
 class NotFound(RouterError):
     status = 404
     type = "not_found"

@@ -60,6 +60,10 @@ SETTING_FLAGS: list[Flag] = [
          env="PD_ROUTER_ADMIN_API_KEY"),
     flag("--worker-api-key", help="key the workers (SGLang --api-key) require; sent on every call to them",
          env="PD_ROUTER_WORKER_API_KEY"),
+    flag("--admin-allow-cidrs", help="admin routes only from these networks or addresses (others: 403); "
+                                     "default: from anywhere"),
+    flag("--worker-allow", help="workers may be registered (POST /workers, /add_worker, /register) only on these "
+                                "networks, addresses, host names or .domains (others: 403); default: anywhere"),
     flag("--prometheus-port", help="also serve /metrics on this port"),
     flag("--prometheus-host"),
     flag("--log-level", choices=("debug", "info", "warning", "error", "critical")),

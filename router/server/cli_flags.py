@@ -75,11 +75,16 @@ def add_flags(parser: argparse.ArgumentParser, rows: list[Flag]) -> None:
             parser.add_argument(*row.names, dest=row.dest, action="store_false" if default else "store_true",
                                 default=default, help=help_text)
             continue
-        if default is not None:
+        if default is not None and default != ():
             shown = f"(default: {default})"
             help_text = f"{help_text} {shown}" if help_text else shown
         kind = str if row.choices else row.value_type
         metavar = None if row.choices else row.names[-1].removeprefix("--").replace("-", "_").upper()
+        if typing.get_origin(kind) is tuple:  # a list: one or more values after the flag (empty by default)
+            (kind, _) = typing.get_args(kind)
+            parser.add_argument(*row.names, dest=row.dest, type=kind, nargs="+", default=default,
+                                metavar=metavar, help=help_text)
+            continue
         parser.add_argument(*row.names, dest=row.dest, type=kind, default=default, choices=row.choices,
                             metavar=metavar, help=help_text)
 
@@ -91,6 +96,8 @@ def config_with_flags(config: RouterConfig, rows: list[Flag], args: argparse.Nam
     groups: dict[str, dict[str, Any]] = defaultdict(dict)
     for row in rows:
         value = getattr(args, row.dest)
+        if isinstance(value, list):
+            value = tuple(value)
         if row.env:
             value = value or env.get(row.env) or None
         group, _, leaf = row.path.rpartition(".")
