@@ -146,7 +146,18 @@ class Discovery:
         if task is None or task.done():
             task = self.spawn(self._resolve(worker))
             self._tasks[worker.id] = task
+            task.add_done_callback(lambda done, wid=worker.id: self._forget(wid, done))
         return task
+
+    def _forget(self, worker_id: str, task: asyncio.Task) -> None:
+        """A watch that ended leaves no entry behind."""
+        if self._tasks.get(worker_id) is task:
+            del self._tasks[worker_id]
+
+    @property
+    def watching(self) -> list[str]:
+        """Ids of the workers being read now."""
+        return list(self._tasks)
 
     async def start_up(self, timeout: float) -> None:
         """Read every pending server (bounded by `timeout`), choose the fleet's weight version from what they

@@ -194,7 +194,13 @@ class RouterMetrics:
                 self.breaker_changes.labels(worker.url, role, worker.breaker).inc()
             self._last_health[worker.id] = (worker.healthy, worker.breaker)
         elif event == "removed":
+            # Its series go with it: a fleet that churns workers must not grow /metrics without bound.
             self._last_health.pop(worker.id, None)
+            for role in Role:
+                for healthy in ("true", "false"):
+                    self.health_changes.remove(worker.url, role.value, healthy)
+                for phase in BREAKER_PHASES:
+                    self.breaker_changes.remove(worker.url, role.value, phase)
 
     def render(self) -> bytes:
         return generate_latest(self.prometheus)

@@ -128,10 +128,21 @@ async def _session_ctx(app: web.Application):
         spawn=app[TASKS].spawn,
     )
     app[TRAFFIC] = DataplaneControl(app[ADMISSION], app[PROXY].live, legs)
+    app[REGISTRY].subscribe(_forget_removed(legs))
     yield
     await app[TASKS].close()
     await legs.close()
     await session.close()
+
+
+def _forget_removed(legs: UpstreamPool):
+    """A registry listener: a removed worker's connections are closed and its pool entry dropped."""
+
+    def listener(event: str, worker, details: dict) -> None:
+        if event == "removed":
+            legs.forget(worker.url)
+
+    return listener
 
 
 async def _workers_ctx(app: web.Application):

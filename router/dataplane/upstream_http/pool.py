@@ -81,7 +81,7 @@ class _Connection(asyncio.Protocol):
 class _Endpoint:
     """One upstream server (scheme, host, port): its idle connections and request-line prefixes."""
 
-    __slots__ = ("host", "port", "ssl", "server_hostname", "idle", "_prefixes", "_host_header")
+    __slots__ = ("host", "port", "ssl", "server_hostname", "idle", "forgotten", "_prefixes", "_host_header")
 
     def __init__(self, base_url: str) -> None:
         parts = urlsplit(base_url)
@@ -96,6 +96,7 @@ class _Endpoint:
         host = host if host.isascii() else host.encode("idna").decode("ascii")
         self._host_header = (host if self.port == default else f"{host}:{self.port}").encode("ascii")
         self.idle: list[_Connection] = []
+        self.forgotten = False  # its server left the fleet: its connections close instead of idling
         self._prefixes: dict[str, bytes] = {}
 
     def prefix(self, path: str) -> bytes:
@@ -252,7 +253,7 @@ class UpstreamPool:
 
     # ---- idle connections ----------------------------------------------------------------------------
     def put_idle(self, conn: _Connection) -> None:
-        if self._closed or conn.lost:
+        if self._closed or conn.lost or conn.endpoint.forgotten:
             conn.close()
             return
         conn.idle_since = time.monotonic()
@@ -278,6 +279,19 @@ class UpstreamPool:
             remaining += len(keep)
         if remaining and not self._closed:
             self._sweeper = self.loop.call_later(IDLE_SWEEP_S, self._sweep)
+
+    def forget(self, base_url: str) -> None:
+        """The server left the fleet: close its idle connections and drop what the pool keeps for it (a
+        connection still answering closes when its answer ends)."""
+        endpoint = self._endpoints.pop(base_url, None)
+        if endpoint is not None:
+            endpoint.forgotten = True
+            for conn in endpoint.idle:
+                conn.close()
+            endpoint.idle.clear()
+
+    def knows(self, base_url: str) -> bool:
+        return base_url in self._endpoints
 
     # ---- silence ---------------------------------------------------------------------------------------
     def hold_silence(self, reason: str) -> None:
