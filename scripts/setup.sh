@@ -8,4 +8,8 @@ if [ ! -x .venv/bin/python ]; then
 fi
 .venv/bin/python -m pip install -q --disable-pip-version-check --upgrade pip >/dev/null 2>&1 || true
 .venv/bin/python -m pip install -q --disable-pip-version-check -e '.[test,loadtest]'
+# SMG's RL client (smg.rl, standard library only) for tests/test_rl_*.py. Without its requirements: those
+# (grpcio, grpcio-health-checking, setproctitle) serve SMG's own gateway, which the tests never start.
+.venv/bin/python -m pip install -q --disable-pip-version-check --no-deps 'smg==1.13.0' \
+  || echo "warning: smg==1.13.0 not installed; the tests that drive SMG's client will be skipped" >&2
 echo "pd-router installed in $(pwd)/.venv"

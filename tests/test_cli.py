@@ -65,3 +65,12 @@ def test_all_problems_reported_at_once():
     with pytest.raises(ConfigError) as info:
         config_from_args("--prefill ftp://a:1 --decode http://c --policy nope".split(), env={})
     assert len(info.value.problems) >= 3
+
+
+def test_smg_rl_flags_are_accepted():
+    """SMG's RL control plane flags: --enable-rl changes nothing (pd-router always serves /v1/rl)."""
+    config = config_from_args("--enable-rl --rl-control-timeout-secs 30 --rl-fanout-concurrency 4".split(), env={})
+    assert (config.rl_control_timeout_secs, config.rl_fanout_concurrency) == (30.0, 4)
+    assert config_from_args(["--enable-rl"], env={}) == config_from_args([], env={})
+    with pytest.raises(ConfigError, match="--rl-fanout-concurrency must be at least 1"):
+        config_from_args(["--rl-fanout-concurrency", "0"], env={})

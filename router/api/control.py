@@ -78,10 +78,14 @@ def _update_handler(kind: str):
 
 
 async def init_weights_update_group(request: web.Request) -> web.Response:
+    body = await read_body(request, InitUpdateGroup, "init_weights_update_group")
+    return _answer(await init_update_group(request.app, body))
+
+
+async def init_update_group(app: web.Application, body: InitUpdateGroup) -> tuple[int, dict]:
     """Every server joins the trainer's group with ranks of its own: the router gives each server the next
     `tp_size` ranks from `rank_offset` (a body copied to all would give them all the same ranks)."""
-    body = await read_body(request, InitUpdateGroup, "init_weights_update_group")
-    flow, upstream = _flow(request), request.app[UPSTREAM]
+    flow, upstream = app[WEIGHTS], app[UPSTREAM]
     workers = flow.targets()
     if not workers:
         raise ServiceUnavailable("there is no server")
@@ -104,7 +108,7 @@ async def init_weights_update_group(request: web.Request) -> web.Response:
         row["rank_offset"] = offsets[by_url[row["url"]]]
         row["tp_size"] = tp_sizes[by_url[row["url"]]]
     answer["ranks_used"] = rank
-    return _answer((status, answer))
+    return status, answer
 
 
 def _broadcast_handler(name: str):

@@ -180,6 +180,10 @@ class RouterConfig:
     # SIGTERM/SIGINT: the whole shutdown, from the signal to the exit (Kubernetes' default grace period). Requests
     # in flight finish until its last fifth (at most 5 s) is left; then what is left is aborted and answered.
     shutdown_grace_secs: float = 30.0
+    # SMG's RL control plane (/v1/rl): the deadline of one relayed engine call, and how many calls one
+    # fan-out has in flight (SMG's flags and defaults; fleet operations run the flows and their deadlines).
+    rl_control_timeout_secs: float = 600.0
+    rl_fanout_concurrency: int = 32
 
     def with_(self, **changes) -> "RouterConfig":
         return replace(self, **changes)
@@ -202,7 +206,8 @@ class RouterConfig:
         if not 0 < self.port <= 65535:
             found.append(f"--port must be in 1..65535, got {self.port}")
         for name in ("request_timeout_secs", "connect_timeout_secs", "drain_timeout_secs",
-                     "switch_timeout_secs", "weight_update_timeout_secs", "abort_timeout_secs"):
+                     "switch_timeout_secs", "weight_update_timeout_secs", "abort_timeout_secs",
+                     "rl_control_timeout_secs"):
             if getattr(self, name) <= 0:
                 found.append(f"{name} must be positive")
         if self.upstream_idle_timeout_secs < 0:
@@ -211,6 +216,8 @@ class RouterConfig:
             found.append("--shutdown-grace-secs must not be negative")
         if self.max_connections < 1:
             found.append("--max-connections must be at least 1")
+        if self.rl_fanout_concurrency < 1:
+            found.append("--rl-fanout-concurrency must be at least 1")
         for group in (self.health, self.breaker, self.retry, self.admission):
             for f in fields(group):
                 value = getattr(group, f.name)

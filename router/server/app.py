@@ -13,6 +13,7 @@ from policies import make_policy
 from router.api import control as api_control
 from router.api import conversion as api_conversion
 from router.api import info as api_info
+from router.api import rl as api_rl
 from router.api import workers as api_workers
 from router.api.access import make_access_middleware
 from router.control import health
@@ -100,6 +101,7 @@ def create_app(config: RouterConfig, *, registry: Registry | None = None) -> web
     metrics.setup(app)
     logs.setup(app)
     api_control.setup(app)
+    api_rl.setup(app)
     return app
 
 

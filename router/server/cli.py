@@ -116,6 +116,9 @@ SETTING_FLAGS: list[Flag] = [
     flag("--shutdown-grace-secs",
          help="SIGTERM/SIGINT: stop accepting, let requests finish, abort what is left and exit 0 within this "
               "many seconds (a second signal aborts at once, a third exits at once)"),
+    # SMG's RL control plane (/v1/rl)
+    flag("--rl-control-timeout-secs", help="deadline of one engine call relayed through /v1/rl"),
+    flag("--rl-fanout-concurrency", help="engine calls in flight in one /v1/rl fan-out"),
 ]
 FLAGS = SETTING_FLAGS + POLICY_FLAGS
 
@@ -136,6 +139,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="bootstrap ports: one for every prefill, or one per prefill URL ('none' allowed)")
     add("--pd-disaggregation", action="store_true", help="accepted for compatibility (always on)")
     add("--mini-lb", action="store_true", help="accepted for compatibility")
+    add("--enable-rl", action="store_true",
+        help="accepted for compatibility with SMG (pd-router always serves its RL control plane, /v1/rl)")
     names = ", ".join(sorted(available_policies()))
     add("--policy", default=None,
         help=f"policy for both pools: {names}; po2 and rr are short names (default: {DEFAULTS.prefill_policy})")
