@@ -17,6 +17,8 @@ from aiohttp import web
 from multidict import CIMultiDict
 
 from router.api.rl.relay import MAX_BODY_CHARS
+from router.core.config import AdmissionConfig
+from router.core.keys import CONFIG
 from router.core.registry import Role, WorkerState
 
 from .test_weights_e2e import Router, sim_router  # noqa: F401 (the fixture)
@@ -336,3 +338,16 @@ async def test_the_relay_forwards_query_body_and_tracing_but_not_the_callers_key
         result = answer["results"][worker.id]
         assert result["body_truncated"] is True and len(result["body"]) == MAX_BODY_CHARS
         router.registry.remove(worker)
+
+
+async def test_a_tensor_update_fanout_takes_bodies_the_size_of_tensors(sim_router):
+    """Admin bodies are bound by --max-admin-payload-size; serialized tensors by --max-payload-size, on the
+    fan-out as on the router's /update_weights_from_tensor."""
+    router = await sim_router(1, 1, router={"admission": AdmissionConfig(max_admin_payload_size=1000)})
+    bound = router.http.app[CONFIG].admission.max_admin_payload_size
+    tensors = {"serialized_named_tensors": ["A" * (bound + 10)], "weight_version": "v2"}
+    result = await blocking(client(router).fanout, "update_weights_from_tensor", tensors, selector=WHOLE_FLEET)
+    assert (result.total, result.succeeded) == (2, 2)
+    assert await router.versions() == ["v2", "v2"]
+    error = await rl_error(client(router).fanout, "flush_cache", {"pad": "A" * (bound + 10)}, selector=WHOLE_FLEET)
+    assert error.status == 413

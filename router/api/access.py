@@ -96,7 +96,7 @@ def key_matches(token: bytes | None, keys: Iterable[bytes]) -> bool:
 
 
 # Admin routes whose bodies are big by nature (serialized tensors): the generation bound applies to them.
-LARGE_ADMIN_BODIES = frozenset({"/update_weights_from_tensor"})
+LARGE_ADMIN_BODIES = frozenset({"/update_weights_from_tensor", "/v1/rl/engine/update_weights_from_tensor"})
 
 
 async def read_bounded(request: web.Request, limit: int, flag: str) -> bytes:

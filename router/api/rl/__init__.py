@@ -28,6 +28,10 @@ from router.core.errors import json_response
 from router.core.keys import CONFIG, REGISTRY, UPSTREAM
 from router.core.registry import Worker
 
+FANOUT_PREFIX = "/v1/rl/engine/"
+# Its own route, so the access middleware bounds its body by --max-payload-size as on /update_weights_from_tensor
+# (serialized tensors), not by the admin bound.
+TENSOR_FANOUT = FANOUT_PREFIX + "update_weights_from_tensor"
 RELAY = web.AppKey("rl_relay", Relay)
 FACTS = web.AppKey("rl_launch_facts", LaunchFactsCache)
 
@@ -70,7 +74,7 @@ async def worker_engine(request: web.Request) -> web.Response:
 
 
 async def engine_fanout(request: web.Request) -> web.Response:
-    path = engine_path(request.match_info["path"])
+    path = engine_path(request.match_info.get("path") or request.path.removeprefix(FANOUT_PREFIX))
     text = request.query.get("selector", "").strip()
     if not text:
         raise rl_error(400, "selector_required", "a fan-out needs ?selector=... (for the whole fleet: "
@@ -106,6 +110,7 @@ def setup(app: web.Application) -> None:
     r = app.router
     r.add_get("/v1/rl/workers", list_workers)
     r.add_get("/v1/rl/workers/{worker_id}", get_worker)
+    r.add_post(TENSOR_FANOUT, engine_fanout)
     for method in ("GET", "POST"):
         r.add_route(method, "/v1/rl/workers/{worker_id}/engine/{path:.+}", worker_engine)
         r.add_route(method, "/v1/rl/engine/{path:.+}", engine_fanout)
