@@ -37,23 +37,37 @@ class RouterProcess:
         self.session: aiohttp.ClientSession | None = None
 
     async def __aenter__(self) -> "RouterProcess":
-        self._log = open(self.log_path, "wb")
+        return await self.start()
+
+    async def start(self, *, serving: bool = True) -> "RouterProcess":
+        """Start the process (again, after `kill`: same flags, same port); wait until it serves (`/health`
+        200), or with `serving=False` only until its port answers."""
+        first = self.proc is None
+        self._log = open(self.log_path, "wb" if first else "ab")
         env = {**os.environ, "PYTHONPATH": str(REPO)}
         self.proc = await asyncio.create_subprocess_exec(*self.argv, cwd=REPO, env=env, stdout=self._log,
                                                          stderr=asyncio.subprocess.STDOUT)
-        self.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60))
+        if self.session is None:
+            self.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60))
 
         async def ready() -> bool:
             if self.proc.returncode is not None:
                 raise AssertionError(f"the router exited with {self.proc.returncode}:\n{self.log()}")
             try:
                 async with self.session.get(self.url + "/health") as resp:
-                    return resp.status == 200
+                    return resp.status == 200 or not serving
             except aiohttp.ClientError:
                 return False
 
-        await wait_for(ready, timeout=START_TIMEOUT_S, interval=0.1, message="the router to serve")
+        await wait_for(ready, timeout=START_TIMEOUT_S, interval=0.02 if not serving else 0.1,
+                       message="the router to serve" if serving else "the router's port to answer")
         return self
+
+    async def kill(self) -> None:
+        """SIGKILL: the router dies at once, as in a crash or an OOM kill."""
+        self.proc.kill()
+        await self.proc.wait()
+        self._log.close()
 
     async def __aexit__(self, *exc) -> None:
         if self.proc.returncode is None:
