@@ -22,7 +22,7 @@ from router.api.control_bodies import (BROADCAST_BODIES, UPDATE_BODIES, AbortReq
 from router.api.conversion import CONVERSIONS
 from router.api.info import INFO_ANSWER_TTL, any_prefill_first, shared_handler
 from router.core.errors import BadRequest, NotFound, ServiceUnavailable, json_response
-from router.core.keys import CONFIG, LIFECYCLE, METRICS, REGISTRY, TASKS, TRAFFIC, UPSTREAM, WEIGHTS
+from router.core.keys import CONFIG, COORDINATOR, LIFECYCLE, METRICS, REGISTRY, TASKS, TRAFFIC, UPSTREAM, WEIGHTS
 from router.core.redact import redact
 from router.flows.fleet import INFO_TIMEOUT, read_fleet_weight_version
 from router.flows.weights import DISK, DISTRIBUTED, TENSOR, UPDATE_KINDS, VERSION, WeightFlow
@@ -179,7 +179,8 @@ async def rejoin(request: web.Request) -> web.Response:
 
 # ---- wiring --------------------------------------------------------------------------------------------
 async def _weights_ctx(app: web.Application):
-    flow = WeightFlow(app[CONFIG], app[REGISTRY], app[UPSTREAM], app[TRAFFIC], app[TASKS].spawn)
+    flow = WeightFlow(app[CONFIG], app[REGISTRY], app[UPSTREAM], app[TRAFFIC], app[TASKS].spawn,
+                      coordinator=app[COORDINATOR])
     app[WEIGHTS] = flow
     flow.refusing = app[LIFECYCLE].refusal
     if CONVERSIONS in app:

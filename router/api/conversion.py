@@ -25,7 +25,7 @@ from router.api.bodies import Empty, read_body
 from router.api.conversion_bodies import ConvertPdRole, ConvertWorker, PdRoleSwitch
 from router.api.workers import find_worker
 from router.core.errors import BadRequest, NotFound, RouterError, json_response
-from router.core.keys import ADMISSION, CONFIG, LIFECYCLE, METRICS, REGISTRY, TASKS, UPSTREAM
+from router.core.keys import ADMISSION, CONFIG, COORDINATOR, LIFECYCLE, METRICS, REGISTRY, TASKS, UPSTREAM
 from router.core.registry import Worker
 from router.flows.conversion import Conversions
 from router.flows.conversion_record import Conversion, Plan
@@ -81,7 +81,7 @@ async def _run_compat(request: web.Request, model: type[ConvertPdRole | PdRoleSw
         body = await read_body(request, model, name)
         plan = body.plan()
         worker = worker_by_url(request.app, body.url)
-        conversion = request.app[CONVERSIONS].start(worker, plan)
+        conversion = await request.app[CONVERSIONS].begin(worker, plan)
         if conversion is None:
             return json_response(unchanged_body(worker))
         await conversion.wait()
@@ -109,7 +109,7 @@ async def pd_role_switch(request: web.Request) -> web.Response:
 async def convert_worker(request: web.Request) -> web.Response:
     worker = find_worker(request.app, request.match_info["worker_id"])
     body = await read_body(request, ConvertWorker, "convert")
-    conversion = request.app[CONVERSIONS].start(worker, body.plan())
+    conversion = await request.app[CONVERSIONS].begin(worker, body.plan())
     if conversion is None:
         return json_response(unchanged_body(worker))
     if not body.wait:
@@ -171,7 +171,8 @@ async def _conversions_ctx(app: web.Application):
 
     conversions = Conversions(app[REGISTRY], app[UPSTREAM], app[TASKS].spawn,
                               drain_timeout_s=config.drain_timeout_secs,
-                              switch_timeout_s=config.switch_timeout_secs, fleet_busy=fleet_busy)
+                              switch_timeout_s=config.switch_timeout_secs, fleet_busy=fleet_busy,
+                              coordinator=app[COORDINATOR])
     app[CONVERSIONS] = conversions
     if METRICS in app:
         conversions.observers.append(_metrics_observer(app[METRICS]))

@@ -12,8 +12,8 @@ from router.api.bodies import read_json_object
 from router.control.discovery import read_live_state, rejoin_check
 from router.core.config import DISCOVER, validate_port, validate_worker_url
 from router.core.allowlists import WorkerAllowList, resolve
-from router.core.errors import BadRequest, Conflict, Forbidden, NotFound, json_response
-from router.core.keys import CONFIG, DISCOVERY, REGISTRY, UPSTREAM
+from router.core.errors import BadRequest, Conflict, Forbidden, NotFound, ServiceUnavailable, json_response
+from router.core.keys import CONFIG, COORDINATOR, DISCOVERY, REGISTRY, UPSTREAM
 from router.core.registry import DuplicateWorker, Role, Worker, WorkerState
 
 # How long an API registration waits to learn a prefill's bootstrap port before answering.
@@ -66,6 +66,7 @@ async def register_worker(app: web.Application, url: str, role: Role | None, por
     await check_worker_allowed(app, url)
     if registry.find(url) is not None:
         raise Conflict(f"worker {url} is already registered")
+    await app[COORDINATOR].check_available("add worker")
     if role is None:
         live = await read_live_state(upstream, url)
         if live.role is None:
@@ -79,6 +80,12 @@ async def register_worker(app: web.Application, url: str, role: Role | None, por
     except DuplicateWorker as exc:
         raise Conflict(str(exc)) from None
     await discovery.settle(worker, REGISTER_SETTLE_SECS)
+    try:
+        await app[COORDINATOR].publish()  # every router replica of the fleet knows it before the answer
+    except ServiceUnavailable:
+        if registry.find(worker.id) is worker:  # not added, as the answer says
+            registry.remove(worker)
+        raise
     return worker
 
 
@@ -89,22 +96,27 @@ async def reregister_worker(app: web.Application, worker: Worker, role: Role, po
     if worker.state in BUSY_STATES:
         raise Conflict(f"worker {worker.url} is {worker.state}: wait for that operation to end",
                        worker_id=worker.id, state=worker.state.value)
+    await app[COORDINATOR].check_available("re-register")
     revision = worker.revision
     await rejoin_check(registry, app[UPSTREAM], worker, what="re-register", role=role)
     if registry.find(worker.id) is not worker or worker.revision != revision:
         raise Conflict(f"worker {worker.id} changed while it was being checked", worker_id=worker.id)
     if worker.role is not role:
         registry.move(worker, role, port, WorkerState.ACTIVE, f"re-registered as {role}")
-        return
-    registry.update_info(worker, bootstrap_port=port)
-    if worker.state is not WorkerState.ACTIVE:
-        registry.set_state(worker, WorkerState.ACTIVE, "re-registered")
+    else:
+        registry.update_info(worker, bootstrap_port=port)
+        if worker.state is not WorkerState.ACTIVE:
+            registry.set_state(worker, WorkerState.ACTIVE, "re-registered")
+    await app[COORDINATOR].publish()
 
 
-def unregister_worker(app: web.Application, worker: Worker) -> None:
+async def unregister_worker(app: web.Application, worker: Worker) -> None:
+    """Out of the fleet: removed on every router replica (refused while an operation runs on it)."""
     if worker.state in BUSY_STATES:
         raise Conflict(f"worker {worker.url} is {worker.state}: wait for that operation to end")
-    app[REGISTRY].remove(worker)
+    await app[COORDINATOR].remove_worker(worker)
+    if app[REGISTRY].find(worker.id) is worker:
+        app[REGISTRY].remove(worker)
 
 
 def find_worker(app: web.Application, key: str) -> Worker:
@@ -148,7 +160,7 @@ async def add_worker_json(request: web.Request) -> web.Response:
 
 async def delete_worker(request: web.Request) -> web.Response:
     worker = find_worker(request.app, request.match_info["worker_id"])
-    unregister_worker(request.app, worker)
+    await unregister_worker(request.app, worker)
     return json_response({"success": True, "message": f"Successfully removed worker: {worker.url}",
                           "worker_id": worker.id, "url": worker.url})
 
@@ -167,7 +179,7 @@ async def remove_worker_legacy(request: web.Request) -> web.Response:
     if not url:
         raise BadRequest("missing query parameter url", param="url")
     worker = find_worker(request.app, url)
-    unregister_worker(request.app, worker)
+    await unregister_worker(request.app, worker)
     return json_response({"success": True, "message": f"Successfully removed worker: {worker.url}"})
 
 

@@ -11,6 +11,7 @@ import aiohttp
 from aiohttp import web
 
 from router.core.config import RouterConfig
+from router.core.coordination import Coordinator
 from router.core.lifecycle import Lifecycle
 from router.core.registry import Registry
 from router.core.traffic import RequestPathControl
@@ -28,6 +29,7 @@ UPSTREAM: web.AppKey[Upstream] = web.AppKey("upstream")
 ADMISSION: web.AppKey[Admission] = web.AppKey("admission")
 PROXY = web.AppKey("proxy", object)
 TRAFFIC = web.AppKey("traffic", RequestPathControl)  # the request path as the flows see it
+COORDINATOR = web.AppKey("coordinator", Coordinator)  # the other router replicas of the fleet, as flows see them
 TASKS = web.AppKey("tasks", object)
 DISCOVERY = web.AppKey("discovery", object)
 HEALTH: web.AppKey[HealthMonitor] = web.AppKey("health")

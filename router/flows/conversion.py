@@ -29,7 +29,8 @@ from typing import Any, Awaitable, Callable
 
 from router.control.discovery import rejoin_check
 from router.control.upstream import Upstream
-from router.core.errors import Conflict
+from router.core.coordination import Coordinator, LocalCoordinator, StopAction, Ticket, worker_scope
+from router.core.errors import Conflict, RouterError, ServiceUnavailable
 from router.core.registry import Registry, Role, Worker, WorkerState
 from router.flows.conversion_record import Conversion, ConversionOutcome, DrainMode, Plan
 from router.flows.fleet import ABORT_REPEAT_SECS, INFO_TIMEOUT, POLL_FIRST, POLL_MAX
@@ -53,7 +54,8 @@ class Conversions:
     def __init__(self, registry: Registry, upstream: Upstream, spawn: Callable[[Awaitable], asyncio.Task], *,
                  drain_timeout_s: float = 300.0, switch_timeout_s: float = 120.0,
                  verify_timeout_s: float = VERIFY_TIMEOUT_SECS, history_size: int = HISTORY_SIZE,
-                 fleet_busy: Callable[[], str | None] = lambda: None) -> None:
+                 fleet_busy: Callable[[], str | None] = lambda: None,
+                 coordinator: Coordinator | None = None) -> None:
         self.registry = registry
         self.upstream = upstream
         self.server = RoleSwitch(registry, upstream)  # the calls to the server being converted
@@ -63,6 +65,10 @@ class Conversions:
         self.verify_timeout_s = verify_timeout_s
         # Why a fleet-wide operation (a weight update's hold) forbids starting a conversion now, or None.
         self.fleet_busy = fleet_busy
+        # The other router replicas of the fleet (a lone router's does nothing): `begin` takes the worker for
+        # this conversion across all of them, and every replica stops routing to it before it drains.
+        self.coordinator = coordinator or LocalCoordinator()
+        self._tickets: dict[str, Ticket] = {}  # by conversion id
         self._ids = itertools.count(1)
         self._running: dict[str, Conversion] = {}  # by worker id
         self._tasks: dict[str, asyncio.Task] = {}  # by conversion id
@@ -87,7 +93,36 @@ class Conversions:
         return self._running.get(worker.id)
 
     # ---- start -------------------------------------------------------------------------------------
-    def start(self, worker: Worker, plan: Plan) -> Conversion | None:
+    async def begin(self, worker: Worker, plan: Plan) -> Conversion | None:
+        """`start`, once the coordinator gave this conversion its worker: one conversion of a worker across
+        every router replica, and none while a fleet-wide operation runs (Conflict), none while the replicas
+        cannot agree (ServiceUnavailable). A lone router's coordinator gives it at once."""
+        new_role = plan.new_role or worker.role.opposite
+        refusal = self._busy(worker)
+        if refusal is None and new_role is worker.role:
+            return None
+        if refusal is not None or not self.coordinator.clustered:
+            return self.start(worker, plan)  # refused here already, or nobody to agree with
+        details = {"worker_url": worker.url, "worker_id": worker.id, "old_role": worker.role.value,
+                   "new_role": new_role.value, "mode": plan.mode.value,
+                   "switch_timeout_s": _positive(plan.switch_timeout_s, self.switch_timeout_s)}
+        try:
+            ticket = await self.coordinator.acquire("conversion", worker_scope(worker.url), details)
+        except RouterError as error:
+            conversion = Conversion(id=f"c{next(self._ids)}", worker_id=worker.id, worker_url=worker.url,
+                                    old_role=worker.role, new_role=new_role, mode=plan.mode)
+            self._refuse(conversion, error.message, error.status)
+            raise
+        try:
+            conversion = self.start(worker, plan, ticket)
+        except BaseException as exc:
+            await self.coordinator.release(ticket, "refused", str(exc))
+            raise
+        if conversion is None:
+            await self.coordinator.release(ticket, "unchanged")
+        return conversion
+
+    def start(self, worker: Worker, plan: Plan, ticket: Ticket | None = None) -> Conversion | None:
         """Check, take the worker out of routing and run the flow in the background.
 
         Returns None when the worker already has the asked role (nothing to do). Raises Conflict, after
@@ -101,10 +136,10 @@ class Conversions:
                                 old_role=worker.role, new_role=new_role, mode=plan.mode)
         refusal = refusal or self.fleet_busy() or self._last_of_pool(worker)
         if refusal is not None:
-            self._finish(conversion, ConversionOutcome.REFUSED, refusal, 409)
-            self._remember(conversion)
-            logger.warning("conversion %s of %s refused: %s", conversion.id, worker.url, refusal)
+            self._refuse(conversion, refusal, 409)
             raise Conflict(refusal, conversion_id=conversion.id)
+        if ticket is not None:
+            self._tickets[conversion.id] = ticket
         self._running[worker.id] = conversion
         self._remember(conversion)
         if plan.mode is DrainMode.DRAIN:
@@ -117,6 +152,12 @@ class Conversions:
         self._tasks[conversion.id] = task
         task.add_done_callback(lambda _t, cid=conversion.id: self._tasks.pop(cid, None))
         return conversion
+
+    def _refuse(self, conversion: Conversion, refusal: str, status: int) -> None:
+        self._finish(conversion, ConversionOutcome.REFUSED, refusal, status)
+        conversion.settled.set()
+        self._remember(conversion)
+        logger.warning("conversion %s of %s refused: %s", conversion.id, conversion.worker_url, refusal)
 
     def _busy(self, worker: Worker) -> str | None:
         if self.registry.find(worker.id) is not worker:
@@ -168,11 +209,12 @@ class Conversions:
             try:
                 empty_timeout = _positive(plan.empty_timeout_s, self.drain_timeout_s)
                 if plan.mode is DrainMode.DRAIN:
-                    await self._step(conversion, "drain", empty_timeout, lambda s: self._drain(worker, s),
+                    await self._step(conversion, "drain", empty_timeout, lambda s: self._drain(conversion, worker, s),
                                      on_timeout=lambda s: self._empty_timeout(worker, s, "drain"))
                 else:
                     await self._step(conversion, "abort", empty_timeout, lambda s: self._abort(conversion, worker, s),
                                      on_timeout=lambda s: self._empty_timeout(worker, s, "abort"))
+                await self._progress(conversion, "switch")  # another replica taking it over knows from here on
                 self._set(worker, conversion, WorkerState.CONVERTING, "switch", "the server is switching role")
                 switch_called = True
                 answer = await self._step(
@@ -208,6 +250,10 @@ class Conversions:
                 del self._running[worker.id]
             if not conversion.done.is_set():  # defensive: every path above finishes the record
                 self._finish(conversion, ConversionOutcome.FAILED, "conversion ended without an outcome", 500)
+            ticket = self._tickets.pop(conversion.id, None)
+            if ticket is not None:  # its outcome shared before anyone hears it (shielded: a shutdown waits)
+                await asyncio.shield(self.coordinator.release(ticket, str(conversion.outcome), conversion.message))
+            conversion.settled.set()
 
     async def _step(self, conversion: Conversion, name: str, deadline_s: float,
                     body: Callable[[Step], Awaitable[Any]], *, on_timeout: Callable[[Step], StepFailed]) -> Any:
@@ -227,17 +273,38 @@ class Conversions:
                    step.duration_s or 0.0, f" ({step.message})" if step.message else "")
 
     # ---- emptying the worker -----------------------------------------------------------------------
-    async def _drain(self, worker: Worker, step: Step) -> None:
-        await self._wait_idle(worker, step)
+    async def _drain(self, conversion: Conversion, worker: Worker, step: Step) -> None:
+        await self._stop_elsewhere(conversion, worker, StopAction.ROUTING)
+        await self._wait_idle(conversion, worker, step)
         step.message = step.message or "idle on the router and the server"
 
+    async def _stop_elsewhere(self, conversion: Conversion, worker: Worker, action: StopAction) -> int:
+        """Every other router replica stopped routing to the worker (and did `action`); their requests on it."""
+        ticket = self._tickets.get(conversion.id)
+        if ticket is None:
+            return 0
+        try:
+            report = await self.coordinator.stop_routing(ticket, [worker], action)
+        except ServiceUnavailable as exc:
+            raise StepFailed(exc.message, safe=True, status=503) from None
+        return report.inflight if action is StopAction.EPOCH else report.marked
+
+    async def _progress(self, conversion: Conversion, step: str) -> None:
+        ticket = self._tickets.get(conversion.id)
+        if ticket is not None:
+            try:
+                await self.coordinator.progress(ticket, step)
+            except ServiceUnavailable as exc:
+                raise StepFailed(exc.message, safe=True, status=503) from None
+
     async def _abort(self, conversion: Conversion, worker: Worker, step: Step) -> None:
+        elsewhere = await self._stop_elsewhere(conversion, worker, StopAction.EPOCH)
         while True:
             # Mark first: a request aborted by this call must be recognisable as router-aborted.
             self.registry.mark_aborted([worker])
             # The router's requests on the worker, counted at the first abort only: the worker is out of
             # routing, so a later round finds the same requests (still ending), not new ones.
-            inflight = worker.inflight if step.attempts == 0 else 0
+            inflight = worker.inflight + elsewhere if step.attempts == 0 else 0
             reply = await self.upstream.abort(worker.url, abort_all=True, timeout=INFO_TIMEOUT)
             step.attempts += 1
             self._notify("abort_all", conversion, inflight=inflight)
@@ -245,16 +312,21 @@ class Conversions:
                 step.message = f"abort_all answered {reply.status or 'nothing'}: {reply.message()}; waiting"
             try:
                 async with asyncio.timeout(ABORT_REPEAT_SECS):
-                    await self._wait_idle(worker, step)
+                    await self._wait_idle(conversion, worker, step)
                 return
             except TimeoutError:
                 continue  # a request reached the server after the abort, or the abort lags: abort again
 
-    async def _wait_idle(self, worker: Worker, step: Step) -> None:
-        """Router-side in-flight count 0, then the server reports nothing running, waiting or queued."""
+    async def _wait_idle(self, conversion: Conversion, worker: Worker, step: Step) -> None:
+        """Router-side in-flight count 0 (on every replica), then the server reports nothing running, waiting
+        or queued."""
         if worker.inflight:
             step.message = f"{worker.inflight} requests in flight on the router"
             await self.registry.wait_idle(worker, float("inf"))
+        ticket = self._tickets.get(conversion.id)
+        if ticket is not None and (elsewhere := self.coordinator.inflight_elsewhere(ticket, worker)):
+            step.message = f"{elsewhere} requests in flight on other router replicas"
+            await self.coordinator.wait_idle_elsewhere(ticket)
         router_idle = time.monotonic()
         step.details["router_idle_s"] = round(router_idle - step.t0, 6)
         delay = POLL_FIRST
@@ -347,6 +419,19 @@ class Conversions:
         ready and on the fleet's weights (`discovery.rejoin_check`: never a silent mix of weights)."""
         if worker.state is not WorkerState.FAILED:
             raise Conflict(f"worker {worker.id} is {worker.state}, not failed: nothing to reinstate")
+        ticket = await self.coordinator.acquire("reinstate", worker_scope(worker.url), {"worker_url": worker.url})
+        outcome, message = "failed", ""
+        try:
+            message = await self._reinstate(worker, timeout)
+            outcome = "reinstated"
+            return message
+        except RouterError as error:
+            message = error.message
+            raise
+        finally:
+            await asyncio.shield(self.coordinator.release(ticket, outcome, message))
+
+    async def _reinstate(self, worker: Worker, timeout: float) -> str:
         live = await rejoin_check(self.registry, self.upstream, worker, what="reinstate", timeout=timeout)
         if worker.state is not WorkerState.FAILED or self.registry.find(worker.id) is not worker:
             raise Conflict(f"worker {worker.id} changed while it was being checked")

@@ -69,6 +69,8 @@ class Conversion:
     notes: list[str] = field(default_factory=list)
     steps: list[Step] = field(default_factory=list)
     done: asyncio.Event = field(default_factory=asyncio.Event)
+    # Set once the flow is over: its outcome is recorded and shared with the other router replicas.
+    settled: asyncio.Event = field(default_factory=asyncio.Event)
 
     @property
     def running(self) -> bool:
@@ -88,7 +90,7 @@ class Conversion:
         self.done.set()
 
     async def wait(self) -> "Conversion":
-        await self.done.wait()
+        await self.settled.wait()
         return self
 
     def to_dict(self) -> dict:

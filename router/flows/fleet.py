@@ -8,7 +8,7 @@ import collections
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Iterable
+from typing import Callable, Iterable
 
 from router.control.upstream import Reply, Upstream
 from router.core.redact import redact_text
@@ -148,11 +148,12 @@ class Quiet:
 
 
 async def wait_quiet(registry: Registry, upstream: Upstream, workers: list[Worker], deadline: float, *,
-                     abort: bool) -> Quiet:
+                     abort: bool, elsewhere: Callable[[Worker], int] = lambda worker: 0) -> Quiet:
     """Wait until no routed request holds any of `workers` and each server reports nothing running or
     waiting (`/v1/loads`, else `/get_load`). With `abort`, send `abort_all` first and again to servers
     still busy every ABORT_REPEAT_SECS (SGLang's abort is asynchronous, and a leg already on the wire
-    can reach the server after it). The caller holds admission, so nothing new arrives from the router."""
+    can reach the server after it). The caller holds admission, so nothing new arrives from the router.
+    `elsewhere`: the requests other router replicas of the fleet still have on a worker (they count too)."""
     started = time.monotonic()
     aborts = 0
 
@@ -167,9 +168,11 @@ async def wait_quiet(registry: Registry, upstream: Upstream, workers: list[Worke
     delay = POLL_FIRST
     silent: set[Worker] = set()
     while True:
-        busy: list[dict] = [{"url": w.url, "role": w.role.value, "router_inflight": w.inflight}
-                            for w in workers if w.inflight]
-        busy_workers = [w for w in workers if w.inflight]
+        remote = {w: n for w in workers if (n := elsewhere(w))}
+        busy: list[dict] = [{"url": w.url, "role": w.role.value, "router_inflight": w.inflight,
+                             **({"other_replicas_inflight": remote[w]} if w in remote else {})}
+                            for w in workers if w.inflight or w in remote]
+        busy_workers = [w for w in workers if w.inflight or w in remote]
         if not busy:
             loads = await asyncio.gather(*(upstream.load(w.url, timeout=INFO_TIMEOUT) for w in workers))
             for worker, load in zip(workers, loads):

@@ -14,6 +14,7 @@ import logging
 from typing import Awaitable, Callable
 
 from router.control.upstream import Upstream
+from router.core.coordination import Coordinator, LocalCoordinator
 from router.core.registry import Registry, Worker, WorkerState
 from router.core.routability import Hold, HoldKind
 from router.flows.fleet import INFO_TIMEOUT, live_weight_version, read_fleet_weight_version
@@ -23,8 +24,11 @@ logger = logging.getLogger(__name__)
 
 class FleetMembership:
     def __init__(self, registry: Registry, upstream: Upstream, lock: asyncio.Lock, interval_s: float,
-                 spawn: Callable[[Awaitable], asyncio.Task]) -> None:
+                 spawn: Callable[[Awaitable], asyncio.Task], coordinator: Coordinator | None = None) -> None:
         self.registry = registry
+        # Router replicas of one fleet: the reconciler runs on the one that leads, never under another
+        # replica's fleet-wide operation (what it changes is shared with the others).
+        self.coordinator = coordinator or LocalCoordinator()
         self.upstream = upstream
         self.lock = lock  # the operations' lock: the reconciler never runs under a fleet operation
         self.interval_s = interval_s  # how often the reconciler looks without being woken
@@ -102,7 +106,7 @@ class FleetMembership:
             except TimeoutError:
                 pass
             self._wake.clear()
-            if self.lock.locked():
+            if self.lock.locked() or not self.coordinator.leading or self.coordinator.fleet_operation_elsewhere():
                 continue
             try:
                 async with self.lock:

@@ -11,6 +11,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Awaitable, Callable
 
+from router.core.coordination import FLEET, Coordinator, LocalCoordinator, Ticket
 from router.core.errors import Conflict, RouterError, ServiceUnavailable
 from router.flows.steps import Step
 
@@ -39,6 +40,7 @@ class Operation:
     weight_version: str | None = None
     workers: list[dict] = field(default_factory=list)
     duration_s: float | None = None
+    ticket: Ticket | None = None  # its right to run, given by the coordinator (fleet-wide across replicas)
 
     def step(self, name: str, deadline_s: float | None = None) -> Step:
         step = Step(name, deadline_s)
@@ -65,7 +67,8 @@ class Operation:
                 "status": self.status, "message": self.message, "hold_s": _round(self.hold_s),
                 "quiesce_s": _round(self.quiesce_s), "aborted_requests": self.aborted_requests,
                 "held_requests": self.held_requests, "weight_version": self.weight_version,
-                "steps": [s.to_dict() for s in self.steps], "workers": self.workers}
+                "steps": [s.to_dict() for s in self.steps], "workers": self.workers,
+                "cluster_op": self.ticket.op_id if self.ticket is not None else None}
 
 
 def _round(value: float | None) -> float | None:
@@ -76,11 +79,14 @@ Body = Callable[[Operation], Awaitable[tuple[int, dict]]]  # runs the operation:
 
 
 class OperationRunner:
-    """One operation at a time; a caller waits for its turn up to `timeout_s`, then gets 409."""
+    """One operation at a time (on every router replica of the fleet: the coordinator's); a caller waits for
+    its turn up to `timeout_s`, then gets 409."""
 
-    def __init__(self, timeout_s: float, spawn: Callable[[Awaitable], asyncio.Task]) -> None:
+    def __init__(self, timeout_s: float, spawn: Callable[[Awaitable], asyncio.Task],
+                 coordinator: Coordinator | None = None) -> None:
         self.timeout_s = timeout_s
         self.spawn = spawn
+        self.coordinator = coordinator or LocalCoordinator()
         self.current: Operation | None = None
         self.history: collections.deque[Operation] = collections.deque(maxlen=HISTORY_SIZE)
         self.observers: list[Callable[[Operation], None]] = []  # told of every finished operation (metrics)
@@ -134,7 +140,9 @@ class OperationRunner:
                            current=busy) from None
         try:
             self._refuse_while_shutting_down(shutting_down)  # it waited for its turn: check again
-        except ServiceUnavailable:
+            op.ticket = await self.coordinator.acquire(kind, FLEET, {"options": options, "local_id": op.id},
+                                                       wait_s=max(op.started + self.timeout_s - time.monotonic(), 0))
+        except BaseException:
             self.lock.release()
             raise
         self.current = op
@@ -159,6 +167,8 @@ class OperationRunner:
             raise
         finally:
             op.finish(status, str(answer.get("message", "")))
+            # what it changed is shared before its caller hears the answer (shielded: a shutdown waits for it)
+            await asyncio.shield(self.coordinator.release(op.ticket, op.state, op.message))
             self.current = None
             self._task = None
             self._rolling_back = False

@@ -30,7 +30,7 @@ from policies.rebalance import (
     decide,
     initial_state,
 )
-from router.core.errors import Conflict
+from router.core.errors import Conflict, ServiceUnavailable
 from router.core.registry import Registry, Role, Worker, WorkerState
 from router.core.records import RequestRecord
 from router.flows.conversion import Conversions
@@ -64,8 +64,8 @@ class FlowConverter:
 
     async def convert(self, worker: Worker, to_role: Role, *, reason: str, mode: str) -> ConversionResult:
         try:
-            conversion = self.conversions.start(worker, Plan(mode=DrainMode(mode), new_role=to_role))
-        except Conflict as refusal:
+            conversion = await self.conversions.begin(worker, Plan(mode=DrainMode(mode), new_role=to_role))
+        except (Conflict, ServiceUnavailable) as refusal:
             return ConversionResult(False, f"refused: {refusal.message}")
         if conversion is None:
             return ConversionResult(True, f"{worker.id} already is {to_role}")
@@ -108,8 +108,11 @@ class Rebalancer:
     def __init__(self, registry: Registry, config: RebalanceConfig, *, converter: Converter | None = None,
                  clock: Callable[[], float] = time.monotonic,
                  spawn: Callable[[Awaitable], asyncio.Task] = asyncio.ensure_future,
-                 convertible: Callable[[Worker], bool] = lambda worker: True) -> None:
+                 convertible: Callable[[Worker], bool] = lambda worker: True,
+                 leading: Callable[[], bool] = lambda: True) -> None:
         self.registry = registry
+        # Router replicas of one fleet: only the one that leads decides (one rebalancer at a time).
+        self.leading = leading
         self.config = config
         self.converter = converter
         self.convertible = convertible
@@ -152,6 +155,9 @@ class Rebalancer:
     def tick(self) -> Decision | None:
         """One observation and decision; applies or records it. None when the rebalancer is off."""
         if self.config.mode is RebalanceMode.OFF:
+            return None
+        if not self.leading():
+            self.counters["ticks_not_leading"] += 1
             return None
         obs = self.observe()
         decision = decide(obs, self.state, self.config)

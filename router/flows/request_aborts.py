@@ -8,6 +8,7 @@ import time
 from typing import Callable
 
 from router.control.upstream import Upstream, fan_out
+from router.core.coordination import ABORT, Coordinator, LocalCoordinator, StopAction
 from router.core.registry import Worker
 from router.core.traffic import AbortAction, LiveRequest, RequestPathControl
 from router.flows.fleet import ABORT_REPEAT_SECS, INFO_TIMEOUT, WorkerResult, summary
@@ -15,8 +16,10 @@ from router.flows.fleet import ABORT_REPEAT_SECS, INFO_TIMEOUT, WorkerResult, su
 
 class RequestAborts:
     def __init__(self, traffic: RequestPathControl, upstream: Upstream, targets: Callable[[], list[Worker]],
-                 timeout_s: float) -> None:
+                 timeout_s: float, coordinator: Coordinator | None = None) -> None:
         self.traffic = traffic
+        # Router replicas of one fleet: an abort of everything is everyone's (each marks and aborts its own).
+        self.coordinator = coordinator or LocalCoordinator()
         self.upstream = upstream
         self.targets = targets  # the servers an abort of everything (or of an unknown rid) goes to
         self.timeout_s = timeout_s
@@ -27,24 +30,46 @@ class RequestAborts:
         each with SGLang's abort answer."""
         deadline = time.monotonic() + self.timeout_s
         if abort_all:
-            aborted = self.traffic.mark_all(AbortAction.ANSWER)
-            results = await fan_out(self.targets(), lambda w: self._abort_call(w, {"abort_all": True}))
+            return await self._abort_all(deadline)
+        found = self.traffic.mark_rid(rid, AbortAction.ANSWER)
+        if found is None:  # not routed by this router now: every server may know it (another replica's)
+            results = await fan_out(self.targets(), lambda w: self._abort_call(w, {"rid": rid}))
+            aborted = []
         else:
-            found = self.traffic.mark_rid(rid, AbortAction.ANSWER)
-            if found is None:  # not routed by this router now: every server may know it
-                results = await fan_out(self.targets(), lambda w: self._abort_call(w, {"rid": rid}))
-                aborted = []
-            else:
-                request, rids = found
-                aborted = [request]
-                results = await fan_out((request.prefill, request.decode), lambda w: self._abort_rids(w, rids))
-        pending = await self._wait_ended(aborted, deadline)
+            request, rids = found
+            aborted = [request]
+            results = await fan_out((request.prefill, request.decode), lambda w: self._abort_rids(w, rids))
+        return self._answer(results, await self._wait_ended(aborted, deadline))
+
+    async def _abort_all(self, deadline: float) -> tuple[int, dict | None]:
+        """Every request of every router replica of the fleet: each marks its own (answered with their abort)
+        before the servers abort everything; the answer comes once they have all ended."""
+        ticket = await self.coordinator.acquire("abort_all", ABORT, {})
+        outcome, left_elsewhere = "failed", 0
+        try:
+            aborted = self.traffic.mark_all(AbortAction.ANSWER)
+            await self.coordinator.stop_routing(ticket, None, StopAction.ALL)
+            results = await fan_out(self.targets(), lambda w: self._abort_call(w, {"abort_all": True}))
+            pending = await self._wait_ended(aborted, deadline)
+            try:
+                async with asyncio.timeout(max(deadline - time.monotonic(), 0.0)):
+                    await self.coordinator.wait_idle_elsewhere(ticket)
+            except TimeoutError:
+                left_elsewhere = 1
+            answer = self._answer(results, pending, left_elsewhere)
+            outcome = "succeeded" if answer[0] == 200 else "failed"
+            return answer
+        finally:
+            await asyncio.shield(self.coordinator.release(ticket, outcome))
+
+    def _answer(self, results: list[WorkerResult], pending: list[LiveRequest],
+                left_elsewhere: int = 0) -> tuple[int, dict | None]:
         if not all(o.success for o in results):
             return 502, {"success": False, "message": summary(results, "abort_request"),
                          "workers": [o.to_dict() for o in results]}
-        if pending:
-            return 504, {"success": False, "message": f"{len(pending)} aborted request(s) still running after "
-                                                      f"{self.timeout_s:g} s",
+        if pending or left_elsewhere:
+            where = f"{len(pending)} aborted request(s)" if pending else "aborted requests of other router replicas"
+            return 504, {"success": False, "message": f"{where} still running after {self.timeout_s:g} s",
                          "workers": [o.to_dict() for o in results]}
         return 200, None  # SGLang's answer: 200, empty body
 

@@ -36,6 +36,7 @@ from typing import Awaitable, Callable
 
 from router.control.upstream import Upstream, fan_out
 from router.core.config import RouterConfig
+from router.core.coordination import Coordinator, LocalCoordinator, StopAction
 from router.core.errors import Conflict, ServiceUnavailable
 from router.core.registry import Registry, Worker, WorkerState
 from router.core.traffic import AbortAction, LiveRequest, RequestPathControl
@@ -75,15 +76,18 @@ SESSION_ALREADY_OPEN = "already open"
 
 class WeightFlow:
     def __init__(self, config: RouterConfig, registry: Registry, upstream: Upstream, traffic: RequestPathControl,
-                 spawn: Callable[[Awaitable], asyncio.Task]) -> None:
+                 spawn: Callable[[Awaitable], asyncio.Task], coordinator: Coordinator | None = None) -> None:
         self.config = config
         self.registry = registry
         self.upstream = upstream
         self.traffic = traffic  # the request path: admission's hold and the router's live requests
-        self.operations = OperationRunner(config.weight_update_timeout_secs, spawn)
+        # The other router replicas of the fleet (a lone router's does nothing): operations run once across
+        # them, and every replica holds, marks and empties before a server changes.
+        self.coordinator = coordinator or LocalCoordinator()
+        self.operations = OperationRunner(config.weight_update_timeout_secs, spawn, self.coordinator)
         self.membership = FleetMembership(registry, upstream, self.operations.lock, config.health.interval_secs,
-                                          spawn)
-        self.aborts = RequestAborts(traffic, upstream, self.targets, config.abort_timeout_secs)
+                                          spawn, self.coordinator)
+        self.aborts = RequestAborts(traffic, upstream, self.targets, config.abort_timeout_secs, self.coordinator)
         self.paused: str | None = None  # the pause mode while the router holds the fleet paused
         self.released_tags: set[str] = set()
         self.session_open = False  # a begin_weight_update session opened through the router
@@ -182,10 +186,22 @@ class WeightFlow:
             op.held_requests = self.traffic.held_total - held_before
 
     async def _wait_for_conversions(self, op: Operation) -> None:
+        timeout = max(op.started + self.config.weight_update_timeout_secs - time.monotonic(), 0.0)
+        await self._wait_for_local_conversions(op, timeout)
+        elsewhere = await self.coordinator.wait_worker_operations_elsewhere(0.0)
+        if not elsewhere:
+            return
+        step = op.step("conversions elsewhere", timeout)
+        if still := await self.coordinator.wait_worker_operations_elsewhere(timeout):
+            step.end("timeout", f"still running: {', '.join(still)}")
+            raise Conflict(f"a role conversion is still running on another router replica ({', '.join(still)}); "
+                           f"nothing was changed")
+        step.end("ok", f"waited for {', '.join(elsewhere)}")
+
+    async def _wait_for_local_conversions(self, op: Operation, timeout: float) -> None:
         running = self.conversions_running()
         if not running:
             return
-        timeout = max(op.started + self.config.weight_update_timeout_secs - time.monotonic(), 0.0)
         step = op.step("conversions", timeout)
         names = ", ".join(c.worker_url for c in running)
         done, pending = await asyncio.wait([asyncio.ensure_future(c.wait()) for c in running], timeout=timeout)
@@ -213,7 +229,11 @@ class WeightFlow:
         step = op.step("quiesce", timeout)
         if abort:
             op.aborted_requests = self._mark_aborted(workers, retry)
-        quiet = await wait_quiet(self.registry, self.upstream, workers, time.monotonic() + timeout, abort=abort)
+        # every replica holds, marks its own requests the same way, and tells what it still has on the servers
+        action = StopAction.ROUTING if not abort else StopAction.RETRY if retry else StopAction.ANSWER
+        op.aborted_requests += (await self.coordinator.stop_routing(op.ticket, workers, action)).marked
+        quiet = await wait_quiet(self.registry, self.upstream, workers, time.monotonic() + timeout, abort=abort,
+                                 elsewhere=lambda w: self.coordinator.inflight_elsewhere(op.ticket, w))
         op.quiesce_s = time.monotonic() - op.started
         how = f"abort_all sent {quiet.aborts_sent} times; " if abort else ""
         if quiet.ok:
@@ -251,6 +271,7 @@ class WeightFlow:
                 return self._quiesce_timeout_answer(op, "update")
             before = dict(zip(workers, snapshot))
 
+            await self.coordinator.progress(op.ticket, "update")  # a replica taking it over knows from here on
             step = op.step("update", self.config.weight_update_timeout_secs)
             results = await fan_out(workers, lambda w: self._apply(kind, w, body, deadline))
             step.end("ok" if all(o.success for o in results) else "failed", summary(results, kind))
@@ -359,6 +380,9 @@ class WeightFlow:
         workers = self.targets()
         if mode == "abort":
             op.aborted_requests = self._mark_aborted(workers, retry)
+        action = StopAction.ROUTING if mode != "abort" else StopAction.RETRY if retry else StopAction.ANSWER
+        stopped = await self.coordinator.stop_routing(op.ticket, workers, action)
+        op.aborted_requests += stopped.marked
         step = op.step("pause", self.config.abort_timeout_secs)
         results = await fan_out(workers, lambda w: self._call(w, "/pause_generation", body,
                                                                self.config.abort_timeout_secs))
@@ -366,12 +390,13 @@ class WeightFlow:
         if mode == "abort":  # the servers answered once their requests were gone; so must the router's
             step = op.step("quiesce", self.config.abort_timeout_secs)
             quiet = await wait_quiet(self.registry, self.upstream, workers,
-                                     time.monotonic() + self.config.abort_timeout_secs, abort=True)
+                                     time.monotonic() + self.config.abort_timeout_secs, abort=True,
+                                     elsewhere=lambda w: self.coordinator.inflight_elsewhere(op.ticket, w))
             op.quiesce_s = time.monotonic() - op.started
             step.end("ok" if quiet.ok else "timeout", f"busy: {quiet.busy}" if quiet.busy else "")
             paused_requests = 0
-        else:
-            paused_requests = self.traffic.count_on(workers)  # the router's requests now stalled in the servers
+        else:  # the router's requests now stalled in the servers (every replica's)
+            paused_requests = self.traffic.count_on(workers) + stopped.inflight
         op.workers = [o.to_dict() for o in results]
         status = http_status(results)
         message = "Generation paused successfully." if status == 200 else summary(results, "pause_generation")
@@ -494,14 +519,24 @@ class WeightFlow:
 
     async def release_pause(self) -> tuple[int, dict] | None:
         """Shutdown: a pause the router put on the fleet is ended with continue_generation, so that no server
-        stays paused with no router to continue it (None when the fleet is not paused)."""
-        if self.paused is None:
+        stays paused with no router to continue it (None when the fleet is not paused). A replica of a
+        cluster leaves the fleet's pause to the replicas that stay (continue it at any of them)."""
+        if self.paused is None or self.coordinator.clustered:
             return None
         return await self.operations.run("continue_generation", {"reason": "shutdown"},
                                          lambda op: self._resume(op, {}), shutting_down=True)
 
     async def abort_requests(self, requests: list[LiveRequest], deadline: float) -> list[LiveRequest]:
         return await self.aborts.abort_requests(requests, deadline)
+
+    # ---- what the router replicas of a fleet share beside the registry and the holds ---------------------
+    def shared_state(self) -> dict:
+        return {"paused": self.paused, "memory_released": sorted(self.released_tags)}
+
+    def adopt_shared_state(self, state: dict) -> None:
+        paused, released = state.get("paused"), state.get("memory_released")
+        self.paused = paused if isinstance(paused, str) else None
+        self.released_tags = {str(t) for t in released} if isinstance(released, list) else set()
 
     async def fleet_version_now(self) -> FleetVersion:
         return await read_fleet_weight_version(self.registry, self.upstream, self.targets())

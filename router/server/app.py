@@ -20,9 +20,10 @@ from router.control import health
 from router.control.discovery import Discovery
 from router.control.upstream import Upstream
 from router.core.config import DISCOVER, RouterConfig
+from router.core.coordination import LocalCoordinator
 from router.core.errors import error_middleware
-from router.core.keys import (ADMISSION, CONFIG, DISCOVERY, LIFECYCLE, PROXY, REGISTRY, SESSION, TASKS, TRAFFIC,
-                              UPSTREAM)
+from router.core.keys import (ADMISSION, CONFIG, COORDINATOR, DISCOVERY, LIFECYCLE, PROXY, REGISTRY, SESSION, TASKS,
+                              TRAFFIC, UPSTREAM)
 from router.core.lifecycle import Lifecycle
 from router.core.registry import Registry, Role
 from router.core.request_shape import GENERATE_ROUTES
@@ -88,6 +89,7 @@ def create_app(config: RouterConfig, *, registry: Registry | None = None) -> web
     app[TASKS] = BackgroundTasks()
     app[LIFECYCLE] = Lifecycle()
     app[ADMISSION] = Admission(config.admission)
+    app[COORDINATOR] = LocalCoordinator()  # replaced by the cluster's when replicas share the fleet
     app.cleanup_ctx.append(_session_ctx)
     app.cleanup_ctx.append(_workers_ctx)
 

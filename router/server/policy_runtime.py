@@ -13,7 +13,7 @@ from policies import Policy
 from router.api import policy_admin as api_policies
 from router.api.conversion import CONVERSIONS
 from router.control.load_monitor import LoadMonitor
-from router.core.keys import CONFIG, LOAD_MONITOR, METRICS, PROXY, REBALANCER, REGISTRY, TASKS, UPSTREAM
+from router.core.keys import CONFIG, COORDINATOR, LOAD_MONITOR, METRICS, PROXY, REBALANCER, REGISTRY, TASKS, UPSTREAM
 from router.core.registry import Role, Worker
 from router.flows.rebalancer import FlowConverter, Rebalancer
 from router.obs.policy_metrics import PolicyCollector
@@ -61,7 +61,8 @@ async def _runtime_ctx(app: web.Application):
             tasks.append(spawn(_upkeep(policy)))
     registry.subscribe(forget_departed(proxy.policies))
     converter = FlowConverter(app[CONVERSIONS])
-    rebalancer = Rebalancer(registry, config.rebalance, converter=converter, spawn=spawn)
+    rebalancer = Rebalancer(registry, config.rebalance, converter=converter, spawn=spawn,
+                            leading=lambda: app[COORDINATOR].leading)
     proxy.request_observers.append(rebalancer.window.observe)
     app[REBALANCER] = rebalancer
     if METRICS in app:

@@ -1,0 +1,164 @@
+"""Where the control flows meet the other router replicas of their fleet, and nothing more.
+
+A lone router (no `--etcd-endpoints`) gets `LocalCoordinator`: every call is free and changes nothing, so the
+flows behave exactly as they do alone. Replicas sharing a fleet get the etcd implementation
+(`router/cluster/coordinator.py`, docs/CLUSTER.md), which the flows call at these points only:
+
+    acquire        before an operation changes anything: the right to run it, exclusive across the replicas
+                   (one per worker for a conversion or a reinstate, one fleet-wide operation at a time)
+    stop_routing   after the operation took its servers out of routing (their state, or the fleet's hold):
+                   every live replica has applied that and, per `action`, marked its own requests on them
+    elsewhere      the other replicas' requests still on the servers (`inflight_elsewhere`, and waiting
+                   until there are none: `wait_idle_elsewhere`), so a drain or a quiesce counts every replica
+    progress       before an irreversible step (a role switch, a weight update): recorded for a replica that
+                   takes the operation over, and refused when this replica no longer owns it
+    release        the operation's outcome is published and its right to run given back
+
+Besides: `leading` (the singleton loops, rebalancer and reconciler, run on one replica), `check_available`
+(a control call answers 503 while the replicas cannot agree), `publish` (what this replica changed in the
+registry is shared before a call answers) and `remove_worker`.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol, Sequence
+
+if TYPE_CHECKING:
+    from router.core.registry import Worker
+
+FLEET = "fleet"  # weight updates, pause/continue, memory release/resume: one at a time, fleet-wide
+ABORT = "abort"  # abort_all
+
+
+def worker_scope(url: str) -> str:
+    """The scope of an operation on one server (a conversion, a reinstate)."""
+    return f"worker/{url}"
+
+
+class StopAction(str, enum.Enum):
+    """What every replica does, beyond applying the new state, before it confirms a `stop_routing`."""
+
+    ROUTING = "routing"  # nothing more: the servers are out of its routing (their state, or the fleet's hold)
+    EPOCH = "epoch"  # bump the servers' abort epochs: their requests aborted next are router-made (retried
+    # as the request path's retry_aborted says)
+    RETRY = "retry"  # mark its requests on the servers to be re-sent once the fleet is open (and the epochs)
+    ANSWER = "answer"  # mark them to be answered with SGLang's abort answer (and the epochs)
+    ALL = "all"  # mark every live request of the replica to be answered with its abort (abort_all)
+
+    def __str__(self) -> str:
+        return self.value
+
+
+@dataclass(eq=False, slots=True)
+class Ticket:
+    """One operation's right to run, as the coordinator gave it."""
+
+    op_id: str
+    kind: str
+    scope: str
+    started_at: float = field(default_factory=time.time)
+    details: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class StopReport:
+    replicas: int = 0  # other replicas that confirmed
+    marked: int = 0  # requests they marked (to be retried or answered with their abort)
+    inflight: int = 0  # their requests still on the servers when they confirmed
+
+
+class Coordinator(Protocol):
+    @property
+    def clustered(self) -> bool:
+        """True when other replicas may share the fleet."""
+
+    async def acquire(self, kind: str, scope: str, details: dict, *, wait_s: float = 0.0) -> Ticket:
+        """The right to run an operation of `kind` on `scope` (FLEET, ABORT, worker_scope(url)); waits up to
+        wait_s for another replica's operation on it to end. Raises Conflict (another replica runs one) or
+        ServiceUnavailable (the replicas cannot agree now: etcd unreachable)."""
+
+    async def progress(self, ticket: Ticket, step: str) -> None:
+        """Record that the operation enters `step`; raises ServiceUnavailable when this replica no longer
+        owns it (its lease ended: another replica may have taken it over)."""
+
+    async def release(self, ticket: Ticket, outcome: str, message: str = "") -> None:
+        """Publish what the operation changed and its outcome; give its scope back. Never raises."""
+
+    async def stop_routing(self, ticket: Ticket, workers: Sequence[Worker] | None, action: StopAction) -> StopReport:
+        """Once every live replica has applied what this one published (a worker's state, the fleet's hold)
+        and done `action` on `workers` (None: every worker). Raises ServiceUnavailable when one does not
+        confirm in time."""
+
+    def inflight_elsewhere(self, ticket: Ticket, worker: Worker) -> int:
+        """The other replicas' requests on `worker`, as they last told (after a stop_routing)."""
+
+    async def wait_idle_elsewhere(self, ticket: Ticket) -> None:
+        """Until the other replicas have no request left on the servers of the last stop_routing."""
+
+    async def wait_worker_operations_elsewhere(self, timeout: float) -> list[str]:
+        """Wait up to timeout for operations on single servers that other replicas run (conversions);
+        those still running."""
+
+    @property
+    def leading(self) -> bool:
+        """Whether this replica runs the singleton loops (the rebalancer, the weight reconciler)."""
+
+    def fleet_operation_elsewhere(self) -> str | None:
+        """A fleet-wide operation another replica runs now, described; None when there is none."""
+
+    async def check_available(self, what: str) -> None:
+        """Raise ServiceUnavailable when a control call cannot be agreed with the other replicas now (asked
+        of etcd: a call that changes the fleet answers 503 before it changes anything)."""
+
+    async def publish(self) -> None:
+        """Until what this replica changed in the registry is shared (raises ServiceUnavailable)."""
+
+    async def remove_worker(self, worker: Worker) -> None:
+        """Remove the worker from the fleet (raises Conflict while an operation runs on it)."""
+
+
+class LocalCoordinator:
+    """A lone router's: nothing to agree with."""
+
+    clustered = False
+    leading = True
+
+    def __init__(self) -> None:
+        self._ids = itertools.count(1)
+
+    async def acquire(self, kind: str, scope: str, details: dict, *, wait_s: float = 0.0) -> Ticket:
+        return Ticket(f"local-{next(self._ids)}", kind, scope, details=details)
+
+    async def progress(self, ticket: Ticket, step: str) -> None:
+        return None
+
+    async def release(self, ticket: Ticket, outcome: str, message: str = "") -> None:
+        return None
+
+    async def stop_routing(self, ticket: Ticket, workers: Sequence[Worker] | None, action: StopAction) -> StopReport:
+        return StopReport()
+
+    def inflight_elsewhere(self, ticket: Ticket, worker: Worker) -> int:
+        return 0
+
+    async def wait_idle_elsewhere(self, ticket: Ticket) -> None:
+        return None
+
+    async def wait_worker_operations_elsewhere(self, timeout: float) -> list[str]:
+        return []
+
+    def fleet_operation_elsewhere(self) -> str | None:
+        return None
+
+    async def check_available(self, what: str) -> None:
+        return None
+
+    async def publish(self) -> None:
+        return None
+
+    async def remove_worker(self, worker: Worker) -> None:
+        return None
