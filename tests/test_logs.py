@@ -90,3 +90,22 @@ def test_text_format_carries_the_request_id():
 def test_log_json_flag():
     assert config_from_args(["--log-json"], env={}).log_json is True
     assert config_from_args([], env={}).log_json is False
+
+
+def test_the_process_is_named_on_every_line_when_several_share_one_stream():
+    """`--replicas N`: the supervisor and its children write to one stream; each line says whose it is."""
+    for json_lines in (False, True):
+        stream = io.StringIO()
+        handler = make_handler(json_lines=json_lines, stream=stream, process="replica 1")
+        logger = logging.getLogger("router.test_process_tag")
+        logger.addHandler(handler)
+        logger.propagate = False
+        try:
+            logger.warning("hello")
+        finally:
+            logger.removeHandler(handler)
+        line = stream.getvalue().strip()
+        if json_lines:
+            assert orjson.loads(line)["process"] == "replica 1"
+        else:
+            assert line.endswith("WARNING router.test_process_tag (replica 1) [-] hello")

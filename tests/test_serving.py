@@ -83,3 +83,34 @@ async def test_a_client_gone_before_it_is_served_costs_nothing(site):
     assert (await reader.read()).endswith(b"hello y")
     writer.close()
     await wait_for(lambda: site.accepted_total >= 2)
+
+
+async def test_reuse_port_lets_sites_share_a_port_and_only_then():
+    """`--replicas N`: each child binds the port with SO_REUSEPORT; without it a taken port fails to bind."""
+    async def who(request: web.Request) -> web.Response:
+        return web.Response(text="x")
+
+    app = web.Application()
+    app.router.add_get("/who", who)
+    runners = [web.AppRunner(app, access_log=None) for _ in range(3)]
+    for runner in runners:
+        await runner.setup()
+    try:
+        first = EagerAcceptSite(runners[0], "127.0.0.1", 0, reuse_port=True)
+        await first.start()
+        second = EagerAcceptSite(runners[1], "127.0.0.1", first.port, reuse_port=True)
+        await second.start()
+        assert second.port == first.port
+        lone = EagerAcceptSite(runners[2], "127.0.0.1", first.port)
+        with pytest.raises(OSError, match="in use"):
+            await lone.start()
+        for _ in range(40):  # new connections are spread over both sites' accept queues
+            reader, writer = await asyncio.open_connection("127.0.0.1", first.port)
+            writer.write(b"GET /who HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+            assert (await reader.read()).endswith(b"x")
+            writer.close()
+        await wait_for(lambda: first.accepted_total + second.accepted_total == 40)
+        assert first.accepted_total > 0 and second.accepted_total > 0
+    finally:
+        for runner in runners:
+            await runner.cleanup()

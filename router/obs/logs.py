@@ -52,7 +52,11 @@ class RequestIdFilter(logging.Filter):
 
 
 class JsonFormatter(logging.Formatter):
-    """One JSON object per line: ts, level, logger, request_id, message, the record's `fields`, exc."""
+    """One JSON object per line: ts, level, logger, [process,] request_id, message, the record's `fields`, exc."""
+
+    def __init__(self, process: str | None = None) -> None:
+        super().__init__()
+        self.process = process
 
     def format(self, record: logging.LogRecord) -> str:
         entry = {
@@ -62,6 +66,8 @@ class JsonFormatter(logging.Formatter):
             "request_id": getattr(record, "request_id", REQUEST_ID.get()),
             "message": record.getMessage(),
         }
+        if self.process is not None:
+            entry["process"] = self.process
         fields = getattr(record, "fields", None)
         if isinstance(fields, dict):
             entry.update(fields)
@@ -70,24 +76,30 @@ class JsonFormatter(logging.Formatter):
         return orjson.dumps(entry, default=str).decode()
 
 
-def make_handler(json_lines: bool, stream=None) -> logging.Handler:
+def make_handler(json_lines: bool, stream=None, process: str | None = None) -> logging.Handler:
+    """`process` names the process on every line (`replica 1`, `supervisor`): the processes of `--replicas N`
+    write to one stream."""
     handler = logging.StreamHandler(stream if stream is not None else sys.stderr)
     handler.addFilter(RequestIdFilter())
     if json_lines:
-        handler.setFormatter(JsonFormatter())
+        handler.setFormatter(JsonFormatter(process))
     else:
-        formatter = logging.Formatter(TEXT_FORMAT)
+        text_format = TEXT_FORMAT
+        if process is not None:
+            text_format = TEXT_FORMAT.replace(" [%(request_id)s]", f" ({process.replace('%', '%%')}) [%(request_id)s]")
+        formatter = logging.Formatter(text_format)
         formatter.converter = time.gmtime
         handler.setFormatter(formatter)
     return handler
 
 
-def setup_logging(level: str = "info", json_lines: bool = False, stream=None) -> logging.Handler:
+def setup_logging(level: str = "info", json_lines: bool = False, stream=None,
+                  process: str | None = None) -> logging.Handler:
     """Replace the root handlers with one that formats every line the same way."""
     root = logging.getLogger()
     for old in list(root.handlers):
         root.removeHandler(old)
-    handler = make_handler(json_lines, stream)
+    handler = make_handler(json_lines, stream, process)
     root.addHandler(handler)
     root.setLevel(level.upper())
     logging.getLogger("aiohttp.access").setLevel(logging.WARNING)

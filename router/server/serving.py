@@ -68,12 +68,17 @@ class StopSignals:
 class EagerAcceptSite(web.BaseSite):
     """A TCP site like aiohttp's TCPSite that drains the accept queue on each readiness event."""
 
-    __slots__ = ("_host", "_port", "_listeners", "_loop", "_paused", "accepted_total")
+    __slots__ = ("_host", "_port", "_reuse_port", "_listeners", "_loop", "_paused", "accepted_total")
 
-    def __init__(self, runner: web.BaseRunner, host: str | None, port: int, *, backlog: int = 2048) -> None:
+    def __init__(self, runner: web.BaseRunner, host: str | None, port: int, *, backlog: int = 2048,
+                 reuse_port: bool = False) -> None:
         super().__init__(runner, backlog=backlog)
         self._host = host
         self._port = port
+        # SO_REUSEPORT: several processes (the replicas of `--workers N`) listen on one port, each with its own
+        # socket and accept queue; the kernel spreads new connections over them. Off by default, so that a
+        # second router started on a taken port fails to bind instead of silently sharing it.
+        self._reuse_port = reuse_port
         self._listeners: list[socket.socket] = []
         self._loop: asyncio.AbstractEventLoop | None = None
         self._paused: dict[socket.socket, asyncio.TimerHandle] = {}
@@ -106,6 +111,8 @@ class EagerAcceptSite(web.BaseSite):
                 sock = socket.socket(family, kind, proto)
                 self._listeners.append(sock)
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                if self._reuse_port:
+                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
                 if family == socket.AF_INET6:
                     sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)  # as asyncio's create_server
                 sock.bind(address)
@@ -168,7 +175,8 @@ class EagerAcceptSite(web.BaseSite):
 
 def run(app: web.Application, *, host: str, port: int, loop: asyncio.AbstractEventLoop, backlog: int,
         shutdown_timeout: float, announce: Callable[[str], None],
-        wind_down: Callable[[StopSignals], Awaitable[None]] | None = None) -> None:
+        wind_down: Callable[[StopSignals], Awaitable[None]] | None = None, reuse_port: bool = False,
+        on_listening: Callable[[EagerAcceptSite], None] | None = None) -> None:
     """`web.run_app`'s job (signals, graceful shutdown, cancelling what is left) with EagerAcceptSite.
 
     On SIGTERM/SIGINT: stop listening, `await wind_down(signals)`, then close: handlers still running get
@@ -181,8 +189,10 @@ def run(app: web.Application, *, host: str, port: int, loop: asyncio.AbstractEve
         signals.install(asyncio.get_running_loop())
         await runner.setup()
         try:
-            site = EagerAcceptSite(runner, host, port, backlog=backlog)
+            site = EagerAcceptSite(runner, host, port, backlog=backlog, reuse_port=reuse_port)
             await site.start()
+            if on_listening is not None:
+                on_listening(site)
             announce(f"serving on {site.name}")
             # What exists now lives as long as the process: keep it out of the cyclic collector's full
             # passes (they took up to 45 ms, a p99 spike, with ~70k start-up objects to scan each time).
