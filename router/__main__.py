@@ -29,9 +29,10 @@ def _event_loop():
 def serve(argv: list[str] | None = None) -> int:
     from router.core.config import ConfigError
     from router.obs.logs import setup_logging
-    from router.server import serving, shutdown
+    from router.server import serving, shutdown, supervisor
     from router.server.app import create_app
     from router.server.cli import config_from_args
+    from router.server.replica_info import ReplicaInfo
 
     try:
         config = config_from_args(argv)
@@ -39,17 +40,51 @@ def serve(argv: list[str] | None = None) -> int:
         for problem in exc.problems:
             print(f"pd-router: error: {problem}", file=sys.stderr)
         return 2
-    setup_logging(config.log_level, config.log_json)
-    app = create_app(config)
-    logger.info("pd-router on %s:%d: %d prefill, %d decode; policies %s/%s", config.host, config.port,
+    place = supervisor.replica_place()
+    supervising = place is None and config.replicas > 1
+    setup_logging(config.log_level, config.log_json,
+                  process="supervisor" if supervising else f"replica {place.index}" if place else None)
+    if supervising:
+        return supervise(sys.argv[1:] if argv is None else argv, config)
+    if place is not None and not supervisor.die_with_supervisor(place):
+        logger.error("replica %d: its supervisor (pid %d) is gone; not serving", place.index, place.supervisor_pid)
+        return 1
+    replica = ReplicaInfo(place=place)
+    app = create_app(config, replica=replica)
+    logger.info("pd-router on %s:%d%s: %d prefill, %d decode; policies %s/%s", config.host, config.port,
+                f" (replica {place.index} of {place.count}, pid {replica.pid})" if place else "",
                 len(config.prefill), len(config.decode), config.prefill_policy, config.decode_policy)
     for warning in config.warnings():
         logger.warning("%s", warning)
     serving.run(app, host=config.host, port=config.port, loop=_event_loop(), backlog=BACKLOG,
                 shutdown_timeout=shutdown.close_timeout(config.shutdown_grace_secs),
-                announce=lambda message: logger.info("%s", message), wind_down=shutdown.wind_down(app))
+                announce=lambda message: logger.info("%s", message), wind_down=shutdown.wind_down(app),
+                reuse_port=place is not None, on_listening=lambda site: setattr(replica, "site", site))
     logger.info("pd-router stopped")
     return 0
+
+
+def supervise(argv: list[str], config) -> int:
+    """`--replicas N`: start N routers on one port and keep them running (router/server/supervisor.py)."""
+    import asyncio
+    import os
+
+    from router.server.supervisor import Supervisor, reserve_port
+
+    try:
+        reserved = reserve_port(config.host, config.port)
+    except OSError as exc:
+        logger.error("cannot serve on %s:%d: %s", config.host, config.port, exc)
+        return 1
+    logger.info("pd-router supervisor (pid %d): %d replicas on %s:%d", os.getpid(), config.replicas,
+                config.host, config.port)
+    logger.warning("the replicas do not share the fleet's state: a conversion, a weight update or a worker added "
+                   "at one of them is not seen by the others")
+    try:
+        return asyncio.run(Supervisor(argv, config.replicas).run())
+    finally:
+        for sock in reserved:
+            sock.close()
 
 
 def main(argv: list[str] | None = None) -> int:

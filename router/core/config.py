@@ -184,6 +184,12 @@ class RouterConfig:
     # fan-out has in flight (SMG's flags and defaults; fleet operations run the flows and their deadlines).
     rl_control_timeout_secs: float = 600.0
     rl_fanout_concurrency: int = 32
+    # Router replicas on this host: N processes serving one port (SO_REUSEPORT) under a supervising parent,
+    # sharing the fleet through etcd (router/server/supervisor.py). 1: this process serves, alone.
+    replicas: int = 1
+    # `--replicas N` without --etcd-endpoints: where the private etcd keeps its data (default: a temporary
+    # directory, removed at exit; given: the fleet's state outlives a restart of the whole group).
+    etcd_data_dir: str | None = None
 
     def with_(self, **changes) -> "RouterConfig":
         return replace(self, **changes)
@@ -218,6 +224,8 @@ class RouterConfig:
             found.append("--max-connections must be at least 1")
         if self.rl_fanout_concurrency < 1:
             found.append("--rl-fanout-concurrency must be at least 1")
+        if self.replicas < 1:
+            found.append(f"--replicas must be at least 1, got {self.replicas}")
         for group in (self.health, self.breaker, self.retry, self.admission):
             for f in fields(group):
                 value = getattr(group, f.name)

@@ -32,7 +32,8 @@ from router.dataplane.proxy import Proxy
 from router.dataplane.traffic import DataplaneControl
 from router.dataplane.upstream_http import UpstreamPool
 from router.obs import logs, metrics
-from router.server import policy_runtime
+from router.server import policy_runtime, replica_info
+from router.server.replica_info import ReplicaInfo
 
 logger = logging.getLogger(__name__)
 
@@ -80,7 +81,8 @@ def make_session(config: RouterConfig) -> aiohttp.ClientSession:
     )
 
 
-def create_app(config: RouterConfig, *, registry: Registry | None = None) -> web.Application:
+def create_app(config: RouterConfig, *, registry: Registry | None = None,
+               replica: ReplicaInfo | None = None) -> web.Application:
     middlewares = [logs.request_id_middleware, metrics.metrics_middleware, error_middleware,
                    make_access_middleware(config)]
     app = web.Application(middlewares=middlewares, client_max_size=config.admission.max_payload_size)
@@ -104,6 +106,7 @@ def create_app(config: RouterConfig, *, registry: Registry | None = None) -> web
     logs.setup(app)
     api_control.setup(app)
     api_rl.setup(app)
+    replica_info.setup(app, replica if replica is not None else ReplicaInfo())
     return app
 
 

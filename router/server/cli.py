@@ -119,6 +119,13 @@ SETTING_FLAGS: list[Flag] = [
     # SMG's RL control plane (/v1/rl)
     flag("--rl-control-timeout-secs", help="deadline of one engine call relayed through /v1/rl"),
     flag("--rl-fanout-concurrency", help="engine calls in flight in one /v1/rl fan-out"),
+    # several router processes on this host (router/server/supervisor.py)
+    flag("--replicas",
+         help="router processes on this host serving one port (SO_REUSEPORT), started and restarted by this "
+              "one; more than 1 makes them replicas of one cluster (docs/CLUSTER.md)"),
+    flag("--etcd-data-dir",
+         help="with --replicas N and no --etcd-endpoints: the data directory of the private etcd this process "
+              "starts; without it, a temporary directory removed at exit"),
 ]
 FLAGS = SETTING_FLAGS + POLICY_FLAGS
 

@@ -75,7 +75,7 @@ class EagerAcceptSite(web.BaseSite):
         super().__init__(runner, backlog=backlog)
         self._host = host
         self._port = port
-        # SO_REUSEPORT: several processes (the replicas of `--workers N`) listen on one port, each with its own
+        # SO_REUSEPORT: several processes (the replicas of `--replicas N`) listen on one port, each with its own
         # socket and accept queue; the kernel spreads new connections over them. Off by default, so that a
         # second router started on a taken port fails to bind instead of silently sharing it.
         self._reuse_port = reuse_port
