@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import signal
 import time
+from types import SimpleNamespace
 from urllib.parse import quote
 
 import aiohttp
@@ -186,3 +187,30 @@ async def test_sigterm_during_a_weight_update_that_is_still_draining_rolls_it_ba
             state = await fleet.state(handle)
             assert state["weight_version"] == "default" and not state["paused"], state
         assert "rolling back fleet operation op1" in router.log()
+
+
+async def test_requests_whose_servers_ignore_the_abort_are_answered_by_the_router(fake_fleet, tmp_path):
+    """Servers that never answer: the router answers for them (an abort answer, or an error event
+    mid-stream) before it closes, so no client sees its connection reset."""
+    p, hung, stalled = await fake_fleet(1, 2)
+    hung.behaviour.hang = True  # answers nothing, abort or not
+    stalled.behaviour.stream_chunks, stalled.behaviour.stall_after = 4, 1  # one event, then nothing
+    servers = SimpleNamespace(prefill=[p], decode=[hung, stalled])
+    async with RouterProcess(servers, "--shutdown-grace-secs", "8", "--decode-policy", "round_robin",
+                             log_path=tmp_path / "router.log") as router, \
+            aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as clients:
+        seen = []
+        for rid, stream, where, handlers in (("unary", False, hung, 1), ("streaming", True, stalled, 1),
+                                             ("before-first-event", True, hung, 2)):
+            seen.append(asyncio.ensure_future(generate(clients, router.url, rid, 10, stream=stream)))
+            await wait_for(lambda: where.in_handler == handlers, timeout=10, message=f"{rid} on its server")
+        sent = router.send(signal.SIGTERM)
+        assert await router.exited(20) == 0, router.log()
+        assert time.monotonic() - sent < 8 + EXIT_SLACK_S, router.log()
+        unary, streaming, before_first_event = await asyncio.gather(*seen)
+        assert unary["status"] == 200 and unary["finish"] == "abort", unary
+        assert before_first_event["finish"] == "abort" and before_first_event["done"], before_first_event
+        assert streaming["done"] and "did not answer its abort" in str(streaming["error"]), streaming
+        assert "3 request(s) answered by the router itself" in router.log()
+        for rid, server in (("unary", hung), ("streaming", stalled), ("before-first-event", hung)):
+            assert {"rid": rid} in server.aborts and {"rid": rid} in p.aborts, (rid, server.aborts, p.aborts)

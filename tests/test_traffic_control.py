@@ -80,3 +80,13 @@ def test_mark_all_returns_every_live_request_and_still_live_drops_the_ended_ones
     assert set(marked) == {first, second} and all(r.abort_action is AbortAction.ANSWER for r in marked)
     live.discard(first)
     assert control.still_live(marked) == [second]
+
+
+def test_abort_sends_each_requests_rids_to_both_of_its_servers():
+    registry = Registry()
+    p, d = registry.add("http://p1:1", Role.PREFILL, 8998), registry.add("http://d1:1", Role.DECODE, None)
+    sent: list[tuple[str, list[str]]] = []
+    control = DataplaneControl(Admission(AdmissionConfig()), LiveRequests(),
+                               abort_on=lambda worker, rids: sent.append((worker.url, rids)))
+    control.abort([Request(p, d, ["a", "a_0"]), Request(p, d, [])])  # no rid: nothing to abort it by
+    assert sent == [(p.url, ["a", "a_0"]), (d.url, ["a", "a_0"])]

@@ -76,3 +76,14 @@ class RequestPathControl(Protocol):
 
     def still_live(self, requests: Iterable[LiveRequest]) -> list[LiveRequest]:
         """Those of `requests` that have not ended yet."""
+
+    def cut(self, requests: Iterable[LiveRequest], reason: str) -> None:
+        """Stop waiting for these requests' servers (they did not answer an abort): each leg still open is
+        cancelled, so a request the client has seen nothing of gets the answer its mark asks for (SGLang's
+        abort answer for `ANSWER`), and a stream being relayed ends with an error event (`reason`) and
+        [DONE]. The shutdown's last resort before closing connections."""
+
+    def abort(self, requests: Iterable[LiveRequest]) -> None:
+        """Send each request's abort, by rid, to both of its servers, in the background over the request
+        path's own keep-alive client (a few microseconds each: the shutdown aborts every request left at
+        once, while the router is busy)."""

@@ -66,6 +66,7 @@ class Attempt:
     # the attempt stays live (abortable by rid, counted by the flows) until both are true of it no more.
     lingering: bool = False
     ended: bool = False
+    relaying: object | None = None  # decode's UpstreamResponse while it is relayed to the client
 
     def router_aborted(self) -> bool:
         return self.abort_action is not None or (self.prefill.abort_epoch, self.decode.abort_epoch) != self.epochs

@@ -328,6 +328,7 @@ class Dispatcher:
             await response.prepare(request)
             first_at = time.monotonic()
             record.ttft_s = first_at - record.started
+            attempt.relaying = d_resp
             ok = await relay(response, d_resp, events, splitter, prefill_first, record, first_at)
             if not ok:  # cut mid-stream (silent, closed early): the server may still hold the request
                 self.abort_on(d.worker, attempt.rids)

@@ -62,6 +62,7 @@ class Proxy:
         self.leg_observers = dispatcher.leg_observers
         # Bound once: the attempt loop calls them without a hop through the dispatcher.
         self._unary = dispatcher.unary
+        self.abort_on = dispatcher.abort_on  # (worker, rids): in the background, over the legs' pool
         self._stream = dispatcher.stream
         self.request_observers: list[RequestObserver] = []
         self._needs_text = prefill_policy.needs_text or decode_policy.needs_text

@@ -3,24 +3,27 @@ one proxy, behind the narrow interface that the control flows call."""
 
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Callable, Iterable
 
 from router.core.registry import Worker
 from router.core.traffic import AbortAction, LiveRequest
 from router.dataplane.admission import Admission
 from router.dataplane.live import LiveRequests
-from router.dataplane.upstream_http import UpstreamPool
+from router.dataplane.upstream_http import UpstreamError, UpstreamPool
 
 
 class DataplaneControl:
     """Implements RequestPathControl. Not on the hot path: only fleet-wide operations call it."""
 
-    __slots__ = ("_admission", "_live", "_legs")
+    __slots__ = ("_admission", "_live", "_legs", "_abort_on")
 
-    def __init__(self, admission: Admission, live: LiveRequests, legs: UpstreamPool | None = None) -> None:
+    def __init__(self, admission: Admission, live: LiveRequests, legs: UpstreamPool | None = None,
+                 abort_on: Callable[[Worker, list[str]], None] | None = None) -> None:
+        """`abort_on(worker, rids)`: the request path's own abort sender (`Dispatcher.abort_on`)."""
         self._admission = admission
         self._live = live
         self._legs = legs
+        self._abort_on = abort_on
 
     # ---- admission ---------------------------------------------------------------------------------
     def hold(self, reason: str) -> None:
@@ -66,3 +69,19 @@ class DataplaneControl:
     def still_live(self, requests: Iterable[LiveRequest]) -> list[LiveRequest]:
         live = self._live
         return [r for r in requests if r in live]
+
+    def cut(self, requests: Iterable[LiveRequest], reason: str) -> None:
+        for attempt in requests:
+            if attempt.relaying is not None:
+                attempt.relaying.cut(UpstreamError(reason))
+            for leg in attempt.legs:
+                if leg.is_open and not leg.task.done():
+                    leg.task.cancel()
+
+    def abort(self, requests: Iterable[LiveRequest]) -> None:
+        if self._abort_on is None:
+            raise RuntimeError("this request path has no abort sender")
+        for request in requests:
+            if request.rids:
+                self._abort_on(request.prefill, list(request.rids))
+                self._abort_on(request.decode, list(request.rids))

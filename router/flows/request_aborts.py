@@ -73,18 +73,6 @@ class RequestAborts:
                          "workers": [o.to_dict() for o in results]}
         return 200, None  # SGLang's answer: 200, empty body
 
-    async def abort_requests(self, requests: list[LiveRequest], deadline: float) -> list[LiveRequest]:
-        """Abort these requests (already marked) on both of their servers, by rid; return those still running
-        at `deadline` (monotonic). The shutdown's last step."""
-        sends = [self._abort_rids(w, r.rids) for r in requests if r.rids for w in (r.prefill, r.decode)]
-        if sends:
-            try:
-                async with asyncio.timeout(max(deadline - time.monotonic(), 0.0)):
-                    await asyncio.gather(*sends)
-            except TimeoutError:
-                pass
-        return await self._wait_ended(requests, deadline)
-
     async def _abort_call(self, worker: Worker, body: dict) -> WorkerResult:
         reply = await self.upstream.post(worker.url, "/abort_request", body, timeout=INFO_TIMEOUT)
         return WorkerResult.of(worker, reply)

@@ -39,7 +39,7 @@ from router.core.config import RouterConfig
 from router.core.coordination import Coordinator, LocalCoordinator, StopAction
 from router.core.errors import Conflict, ServiceUnavailable
 from router.core.registry import Registry, Worker, WorkerState
-from router.core.traffic import AbortAction, LiveRequest, RequestPathControl
+from router.core.traffic import AbortAction, RequestPathControl
 from router.flows.fleet import (
     INFO_TIMEOUT,
     FleetVersion,
@@ -525,9 +525,6 @@ class WeightFlow:
             return None
         return await self.operations.run("continue_generation", {"reason": "shutdown"},
                                          lambda op: self._resume(op, {}), shutting_down=True)
-
-    async def abort_requests(self, requests: list[LiveRequest], deadline: float) -> list[LiveRequest]:
-        return await self.aborts.abort_requests(requests, deadline)
 
     # ---- what the router replicas of a fleet share beside the registry and the holds ---------------------
     def shared_state(self) -> dict:

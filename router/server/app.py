@@ -134,7 +134,7 @@ async def _session_ctx(app: web.Application):
         admission=app[ADMISSION],
         spawn=app[TASKS].spawn,
     )
-    app[TRAFFIC] = DataplaneControl(app[ADMISSION], app[PROXY].live, legs)
+    app[TRAFFIC] = DataplaneControl(app[ADMISSION], app[PROXY].live, legs, abort_on=app[PROXY].abort_on)
     app[REGISTRY].subscribe(_forget_removed(legs))
     yield
     await app[TASKS].close()

@@ -11,6 +11,9 @@
                left is marked to be answered with its abort and aborted on both of its servers by rid, so a
                stream ends with SGLang's `finish_reason: abort` and `[DONE]` and a whole answer comes back
                with what was generated; requests still queued get 503
+    cut        requests whose servers have not answered the abort when a quarter of the window is left are
+               answered by the router: SGLang's abort answer when the client has seen nothing yet, else an
+               error event and `[DONE]` (never a reset connection)
     close      what is answered is flushed, the connections close, then the app (background tasks, pools)
 
 The process then exits 0. A weight update already in its `update` step, or a conversion already switching, is
@@ -37,8 +40,14 @@ logger = logging.getLogger(__name__)
 
 ANSWER_WINDOW_MAX_S = 5.0  # the end of the grace kept for aborting what is left and answering it
 ANSWER_WINDOW_SHARE = 0.2  # ... or this share of the grace, when that is shorter
-CLOSE_SHARE = 0.25  # of the answer window: kept for closing connections once the aborts are answered
+# Shares of the answer window W, which ends with the grace: the servers answer the aborts until W/4 is left;
+# then the router answers what is left itself until W/8 is left; the rest is for closing (handlers still
+# running get W/32 before they are cancelled, twice at most) and for the process's exit.
+CUT_SHARE = 0.25
+CLOSE_SHARE = 0.125
 POLL_S = 0.02
+REABORT_S = 1.0  # requests still running this long after their abort are aborted again (not more often:
+# with hundreds left, aborting them all every few hundred milliseconds would load a router already busy)
 
 
 def answer_window(grace_s: float) -> float:
@@ -47,7 +56,7 @@ def answer_window(grace_s: float) -> float:
 
 def close_timeout(grace_s: float) -> float:
     """How long closing gives a handler still running before cancelling it (aiohttp may wait twice)."""
-    return answer_window(grace_s) * CLOSE_SHARE / 2
+    return answer_window(grace_s) * CLOSE_SHARE / 4
 
 
 class Shutdown:
@@ -80,7 +89,8 @@ class Shutdown:
                 logger.info("shutdown: nothing left in flight after %.3f s", time.monotonic() - started)
             else:
                 lifecycle.enter(ABORTING)
-                await self._abort_what_is_left(deadline - window * CLOSE_SHARE, signals)
+                await self._abort_what_is_left(deadline - window * CUT_SHARE, deadline - window * CLOSE_SHARE,
+                                               signals)
             if not flows.done():
                 logger.warning("shutdown: waiting for the flows that must not be cut half-way: %s", self._flows_now())
             await flows
@@ -124,7 +134,7 @@ class Shutdown:
         return ", ".join(parts) or "none"
 
     # ---- the end of the grace ----------------------------------------------------------------------
-    async def _abort_what_is_left(self, answered_by: float, signals: StopSignals) -> None:
+    async def _abort_what_is_left(self, answered_by: float, cut_by: float, signals: StopSignals) -> None:
         app = self.app
         why = "a second signal" if signals.hurry.is_set() else "the grace period is over"
         # Roll back first, synchronously: a drain or a quiesce that saw its requests aborted would go on.
@@ -137,9 +147,9 @@ class Shutdown:
         if rolled_back:
             logger.warning("shutdown: %s: rolling back %s (nothing was changed on the servers)", why,
                            ", ".join(rolled_back))
-        admission = app[ADMISSION]
+        admission, traffic = app[ADMISSION], app[TRAFFIC]
         queued = admission.waiting
-        requests = app[TRAFFIC].mark_all(AbortAction.ANSWER)
+        requests = traffic.mark_all(AbortAction.ANSWER)
         admission.turn_away(app[LIFECYCLE].refusal())
         without_rid = sum(not r.rids for r in requests)
         logger.warning("shutdown: %s: aborting %d request(s) on their servers, turning away %d queued one(s)%s",
@@ -148,12 +158,27 @@ class Shutdown:
                        if without_rid else "")
         if not requests:
             return
-        began = time.monotonic()
-        if weights is None:
-            return
-        pending = await weights.abort_requests(requests, answered_by)
+        began = last_sent = time.monotonic()
+        traffic.abort(requests)
+        pending = requests
+        while pending and time.monotonic() < answered_by:
+            await asyncio.sleep(POLL_S)
+            pending = traffic.still_live(pending)
+            if pending and time.monotonic() - last_sent >= REABORT_S:
+                traffic.abort(pending)  # a leg reached its server after its abort did
+                last_sent = time.monotonic()
         logger.info("shutdown: %d aborted request(s) answered in %.3f s%s", len(requests) - len(pending),
                     time.monotonic() - began, f", {len(pending)} not answered in time" if pending else "")
+        if pending:
+            # Their servers did not answer the abort: answer them here rather than reset their connections.
+            cut = pending
+            traffic.cut(cut, "the router is shutting down and the server did not answer its abort in time")
+            while pending and time.monotonic() < cut_by:
+                await asyncio.sleep(POLL_S)
+                pending = traffic.still_live(pending)
+            logger.warning("shutdown: %d request(s) answered by the router itself (abort answer, or an error "
+                           "event mid-stream)%s", len(cut) - len(pending),
+                           f", {len(pending)} still open at close" if pending else "")
 
 
 async def _wait_until(condition: Callable[[], bool], deadline: float, hurry: asyncio.Event) -> bool:
