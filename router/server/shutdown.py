@@ -4,7 +4,8 @@
                still open; new requests get 503 at once; no new conversion or fleet operation starts
     grace      requests in flight finish (retries included) and running flows end: a pause the router put
                on the fleet is ended with continue_generation (a paused server would otherwise wait for a
-               router that is gone, and the requests stalled on it can finish)
+               router that is gone, and the requests stalled on it can finish); not when other router
+               replicas share the fleet (its pause is theirs too)
     abort      when `--shutdown-grace-secs` minus the answer window (a fifth of it, at most 5 s) has passed, or
                at a second signal: conversions still emptying their worker and weight updates that have not
                reached their `update` step are rolled back (nothing changed on the servers); every request
@@ -31,7 +32,7 @@ from typing import Callable
 from aiohttp import web
 
 from router.api.conversion import CONVERSIONS
-from router.core.keys import ADMISSION, CONFIG, LIFECYCLE, REGISTRY, TRAFFIC, WEIGHTS
+from router.core.keys import ADMISSION, CONFIG, COORDINATOR, LIFECYCLE, REGISTRY, TRAFFIC, WEIGHTS
 from router.core.lifecycle import ABORTING, CLOSING
 from router.core.traffic import AbortAction
 from router.server.serving import StopSignals
@@ -109,7 +110,11 @@ class Shutdown:
         conversions = self.app.get(CONVERSIONS)
         if weights is not None:
             await weights.wait_current()
-            if weights.paused is not None:
+            coordinator = self.app.get(COORDINATOR)
+            if weights.paused is not None and coordinator is not None and coordinator.clustered:
+                logger.info("shutdown: the fleet stays paused (%s): other router replicas share it",
+                            weights.paused)
+            elif weights.paused is not None:
                 logger.info("shutdown: the fleet is paused (%s): ending the pause with continue_generation",
                             weights.paused)
                 try:
