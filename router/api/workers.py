@@ -13,7 +13,7 @@ from router.control.discovery import read_live_state, rejoin_check
 from router.core.config import DISCOVER, validate_port, validate_worker_url
 from router.core.allowlists import WorkerAllowList, resolve
 from router.core.errors import BadRequest, Conflict, Forbidden, NotFound, ServiceUnavailable, json_response
-from router.core.keys import CONFIG, COORDINATOR, DISCOVERY, REGISTRY, UPSTREAM
+from router.core.keys import CONFIG, COORDINATOR, DISCOVERY, REGISTRY, UPSTREAM, WORKER_SOURCES
 from router.core.registry import DuplicateWorker, Role, Worker, WorkerState
 
 # How long an API registration waits to learn a prefill's bootstrap port before answering.
@@ -59,9 +59,11 @@ async def check_worker_allowed(app: web.Application, url: str) -> None:
             raise Forbidden(f"worker {url} may not be registered: {refusal}", param="url")
 
 
-async def register_worker(app: web.Application, url: str, role: Role | None, port, *, source: str) -> Worker:
+async def register_worker(app: web.Application, url: str, role: Role | None, port, *, source: str,
+                          settle: float | None = REGISTER_SETTLE_SECS) -> Worker:
     """Add a worker, pending until its server has been read (live role, bootstrap port, weights, readiness;
-    waited for up to REGISTER_SETTLE_SECS): a live role other than `role` puts it in its live role's pool."""
+    waited for up to `settle` seconds): a live role other than `role` puts it in its live role's pool.
+    `settle=None` leaves it pending for `Discovery.start_up` to read with the others (before the router serves)."""
     registry, upstream, discovery = app[REGISTRY], app[UPSTREAM], app[DISCOVERY]
     await check_worker_allowed(app, url)
     if registry.find(url) is not None:
@@ -79,7 +81,8 @@ async def register_worker(app: web.Application, url: str, role: Role | None, por
                                     source=source)
     except DuplicateWorker as exc:
         raise Conflict(str(exc)) from None
-    await discovery.settle(worker, REGISTER_SETTLE_SECS)
+    if settle is not None:
+        await discovery.settle(worker, settle)
     try:
         await app[COORDINATOR].publish()  # every router replica of the fleet knows it before the answer
     except ServiceUnavailable:
@@ -183,6 +186,11 @@ async def remove_worker_legacy(request: web.Request) -> web.Response:
     return json_response({"success": True, "message": f"Successfully removed worker: {worker.url}"})
 
 
+async def discovery_sources(request: web.Request) -> web.Response:
+    """The worker sources (--discovery-file): what each lists, what it registered, what waits and why."""
+    return json_response(request.app[WORKER_SOURCES].to_dict())
+
+
 async def list_workers_legacy(request: web.Request) -> web.Response:
     registry = request.app[REGISTRY]
     return json_response({
@@ -225,3 +233,4 @@ def setup(app: web.Application) -> None:
     r.add_post("/remove_worker", remove_worker_legacy)
     r.add_get("/list_workers", list_workers_legacy)
     r.add_post("/register", register)
+    r.add_get("/admin/discovery", discovery_sources)

@@ -131,6 +131,22 @@ class LoadMonitorConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class WorkerSourcesConfig:
+    """Workers listed outside the command line and the API (router/control/worker_sources.py)."""
+
+    file: str | None = None  # a YAML or JSON file of workers, polled
+    file_interval_secs: float = 1.0
+
+    def problems(self) -> list[str]:
+        found = []
+        if not self.file_interval_secs > 0:
+            found.append(f"--discovery-file-interval-secs must be positive, got {self.file_interval_secs}")
+        if self.file is not None and not self.file:
+            found.append("--discovery-file must name a file")
+        return found
+
+
+@dataclass(frozen=True, slots=True)
 class RouterConfig:
     prefill: tuple[WorkerSpec, ...] = ()
     decode: tuple[WorkerSpec, ...] = ()
@@ -190,6 +206,7 @@ class RouterConfig:
     # `--replicas N` without --etcd-endpoints: where the private etcd keeps its data (default: a temporary
     # directory, removed at exit; given: the fleet's state outlives a restart of the whole group).
     etcd_data_dir: str | None = None
+    worker_sources: WorkerSourcesConfig = field(default_factory=WorkerSourcesConfig)
 
     def with_(self, **changes) -> "RouterConfig":
         return replace(self, **changes)
@@ -235,7 +252,7 @@ class RouterConfig:
             found.append("--max-payload-size must be at least 1")
         if self.admission.max_admin_payload_size < 1:
             found.append("--max-admin-payload-size must be at least 1")
-        for group in (self.policy_params, self.load_monitor, self.rebalance):
+        for group in (self.policy_params, self.load_monitor, self.rebalance, self.worker_sources):
             found.extend(group.problems())
         found.extend(CallerAllowList.problems(self.admin_allow_cidrs))
         found.extend(WorkerAllowList.problems(self.worker_allow))

@@ -38,3 +38,4 @@ REBALANCER = web.AppKey("rebalancer", object)
 METRICS: web.AppKey[RouterMetrics] = web.AppKey("metrics")
 WEIGHTS = web.AppKey("weights", object)  # flows.weights.WeightFlow
 LIFECYCLE = web.AppKey("lifecycle", Lifecycle)  # serving, or shutting down
+WORKER_SOURCES = web.AppKey("worker_sources", object)  # server.worker_sources.WorkerSources

@@ -23,7 +23,7 @@ from router.core.config import DISCOVER, RouterConfig
 from router.core.coordination import LocalCoordinator
 from router.core.errors import error_middleware
 from router.core.keys import (ADMISSION, CONFIG, COORDINATOR, DISCOVERY, LIFECYCLE, PROXY, REGISTRY, SESSION, TASKS,
-                              TRAFFIC, UPSTREAM)
+                              TRAFFIC, UPSTREAM, WORKER_SOURCES)
 from router.core.lifecycle import Lifecycle
 from router.core.registry import Registry, Role
 from router.core.request_shape import GENERATE_ROUTES
@@ -32,7 +32,7 @@ from router.dataplane.proxy import Proxy
 from router.dataplane.traffic import DataplaneControl
 from router.dataplane.upstream_http import UpstreamPool
 from router.obs import logs, metrics
-from router.server import policy_runtime, replica_info
+from router.server import policy_runtime, replica_info, worker_sources
 from router.server.replica_info import ReplicaInfo
 
 logger = logging.getLogger(__name__)
@@ -92,6 +92,7 @@ def create_app(config: RouterConfig, *, registry: Registry | None = None,
     app[LIFECYCLE] = Lifecycle()
     app[ADMISSION] = Admission(config.admission)
     app[COORDINATOR] = LocalCoordinator()  # replaced by the cluster's when replicas share the fleet
+    app[WORKER_SOURCES] = worker_sources.build(app)
     app.cleanup_ctx.append(_session_ctx)
     app.cleanup_ctx.append(_workers_ctx)
 
@@ -164,9 +165,13 @@ async def _workers_ctx(app: web.Application):
                            source="--prefill")
     for spec in config.decode:
         discovery.register(spec.url, Role.DECODE, None, port_given=True, source="--decode")
-    if not config.prefill or not config.decode:
+    sources = app[WORKER_SOURCES]
+    await sources.load()
+    if not sources.sources and (not config.prefill or not config.decode):
         logger.warning("started with %d prefill and %d decode workers; add workers through POST /workers",
                        len(config.prefill), len(config.decode))
     await discovery.start_up(config.worker_startup_timeout_secs)
+    sources.start(app[TASKS].spawn)
     yield
+    await sources.close()
     await discovery.close()

@@ -76,6 +76,12 @@ SETTING_FLAGS: list[Flag] = [
          help="cut a leg whose server sends nothing for this long mid-answer (not while the fleet is paused in "
               "place), and a prefill leg still open this long after decode answered; 0: never"),
     flag("--max-connections", help="upstream connection pool size"),
+    # workers listed outside the command line (README: Worker discovery)
+    flag("--discovery-file", path="worker_sources.file",
+         help="a YAML or JSON file listing workers (url, worker_type, bootstrap_port), watched: workers added to "
+              "it are registered, removed ones removed; a bad version changes nothing"),
+    flag("--discovery-file-interval-secs", path="worker_sources.file_interval_secs",
+         help="how often the discovery file is looked at"),
     # health and circuit breaker (sgl-router names)
     flag("--health-check-interval-secs", path="health.interval_secs"),
     flag("--health-check-timeout-secs", path="health.timeout_secs"),

@@ -1,0 +1,244 @@
+"""Workers listed outside the router (a watched file, etcd keys): each source's listing kept in the registry.
+
+A source reads its listing (url → `Listing`) and hands every new version to its `SourceReconciler`, which
+registers what was added, removes what is gone and re-registers an entry whose role or port changed, through
+the same calls as the worker API (`POST /workers`: the live role is read, `--worker-allow` and the weight
+version are checked; `DELETE /workers/{id}`: the worker stops being routed, requests already sent to it
+finish). What the reconciler cannot apply now is kept as a problem and tried again every `retry_secs`.
+
+Precedence: a worker belongs to whoever registered it first (the command line, the API, a source). A source
+never takes over, changes or removes a worker it did not register; its entry waits (a problem) until the URL
+is free. A worker of a source that an operator removes through the API stays out until its entry changes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+from typing import Awaitable, Callable, Mapping
+
+from router.core.config import DISCOVER, validate_port, validate_worker_url
+from router.core.errors import RouterError
+from router.core.registry import Registry, Role, Worker
+
+logger = logging.getLogger(__name__)
+
+ROLE_FIELDS = ("worker_type", "role")  # SMG's /workers body says worker_type; mini_lb and pd-router say role
+LISTING_FIELDS = frozenset({"url", "bootstrap_port", *ROLE_FIELDS})
+
+
+class ListingError(ValueError):
+    """A listing the source cannot use; every problem found."""
+
+    def __init__(self, problems: list[str]):
+        super().__init__("; ".join(problems))
+        self.problems = problems
+
+
+@dataclass(frozen=True, slots=True)
+class Listing:
+    """One worker as a source lists it."""
+
+    url: str
+    role: Role | None = None  # None: the server's live role
+    bootstrap_port: int | None | str = DISCOVER  # absent: the server's own; None: decode's default (mini_lb)
+
+    def describe(self) -> str:
+        role = f"role {self.role}" if self.role else "the server's role"
+        port = self.bootstrap_port
+        return f"{role}, " + ("the server's bootstrap port" if port is DISCOVER else f"bootstrap_port {port}")
+
+    def to_dict(self) -> dict:
+        port = None if self.bootstrap_port is DISCOVER else self.bootstrap_port
+        return {"url": self.url, "role": self.role.value if self.role else None, "bootstrap_port": port,
+                "bootstrap_port_from_server": self.bootstrap_port is DISCOVER}
+
+
+def parse_listing(entry: object, where: str) -> Listing:
+    """An entry: a URL, or an object with `url`, `worker_type` (or `role`) and `bootstrap_port`, the body of
+    `POST /workers`. Raises ListingError naming `where`."""
+    if isinstance(entry, str):
+        entry = {"url": entry}
+    if not isinstance(entry, dict):
+        raise ListingError([f"{where}: expected a URL or an object with url, worker_type, bootstrap_port; "
+                            f"got {type(entry).__name__}"])
+    problems = [f"{where}: unknown field {key!r} (known: {', '.join(sorted(LISTING_FIELDS))})"
+                for key in entry if key not in LISTING_FIELDS]
+    url = entry.get("url")
+    if (problem := validate_worker_url(url)) is not None:
+        problems.append(f"{where}: {problem}")
+    roles = {entry[key] for key in ROLE_FIELDS if entry.get(key) is not None}
+    role = None
+    if len(roles) > 1:
+        problems.append(f"{where}: worker_type and role disagree ({', '.join(sorted(map(str, roles)))})")
+    elif roles:
+        (value,) = roles
+        if value in (Role.PREFILL.value, Role.DECODE.value):
+            role = Role(value)
+        else:
+            problems.append(f"{where}: worker_type must be 'prefill' or 'decode' (pd-router routes pairs only), "
+                            f"got {value!r}")
+    port = entry.get("bootstrap_port", DISCOVER)
+    if port is not DISCOVER and (problem := validate_port(port)) is not None:
+        problems.append(f"{where}: {problem}")
+    if problems:
+        raise ListingError(problems)
+    return Listing(url.rstrip("/"), role, port)
+
+
+def listing_of(entries: list, where: str) -> dict[str, Listing]:
+    """A whole listing, all or nothing: one bad entry (or a URL listed twice) refuses it, every problem said."""
+    listing: dict[str, Listing] = {}
+    problems: list[str] = []
+    for index, entry in enumerate(entries):
+        try:
+            item = parse_listing(entry, f"{where}[{index}]")
+        except ListingError as exc:
+            problems.extend(exc.problems)
+            continue
+        if item.url in listing:
+            problems.append(f"{where}[{index}]: {item.url} is listed twice")
+        listing[item.url] = item
+    if problems:
+        raise ListingError(problems)
+    return listing
+
+
+# register(listing, source, read) -> the new worker (raises RouterError); unregister(worker) (raises Conflict
+# while an operation owns it).
+Register = Callable[[Listing, str, bool], Awaitable[Worker]]
+Unregister = Callable[[Worker], Awaitable[None]]
+
+
+class SourceReconciler:
+    def __init__(self, name: str, registry: Registry, register: Register, unregister: Unregister) -> None:
+        self.name = name  # e.g. "file /etc/pd-router/workers.yaml": each worker's `source`
+        self.registry = registry
+        self._register = register
+        self._unregister = unregister
+        self.listed: dict[str, Listing] = {}  # the source's last good listing
+        self._owned: dict[str, tuple[Listing, Worker]] = {}  # what this source registered, as it was listed
+        self._dismissed: dict[str, Listing] = {}  # removed by an operator: left out until the entry changes
+        self.problems: dict[str, str] = {}  # url -> why its entry is not applied as listed (tried again)
+        self.error: str | None = None  # why the source's last reading was refused (the listing stands)
+        self.error_since: float | None = None
+        self.applied_at: float | None = None
+        self._removing: Worker | None = None
+        self._lock = asyncio.Lock()
+        registry.subscribe(self._on_registry_event)
+
+    def _on_registry_event(self, event: str, worker: Worker | None, details: dict) -> None:
+        if event != "removed" or worker is None or worker is self._removing:
+            return
+        owned = self._owned.get(worker.url)
+        if owned is not None and owned[1] is worker:
+            del self._owned[worker.url]
+            self._dismissed[worker.url] = owned[0]
+            logger.info("%s: %s was removed through the API; left out until its entry changes", self.name,
+                        worker.url)
+
+    def owns(self, worker: Worker) -> bool:
+        owned = self._owned.get(worker.url)
+        return owned is not None and owned[1] is worker
+
+    # ---- the source's reports ------------------------------------------------------------------------
+    def refuse(self, message: str) -> None:
+        """The source could not be read or parsed: keep the workers of its last good listing, say why."""
+        if message != self.error:
+            logger.error("%s: %s; keeping the %d workers it listed before", self.name, message, len(self.listed))
+            self.error_since = time.time()
+        self.error = message
+
+    async def apply(self, listing: Mapping[str, Listing], *, read: bool = True) -> None:
+        """Make the registry hold what `listing` lists (as far as this source may). `read=False` leaves new
+        workers pending for `Discovery.start_up` (the first listing, before the router serves)."""
+        async with self._lock:
+            if self.error is not None:
+                logger.info("%s: read again (%d entries)", self.name, len(listing))
+            self.error = self.error_since = None
+            self.listed = dict(listing)
+            await self._reconcile(read)
+
+    async def retry(self) -> None:
+        """Apply the last good listing again (entries that waited: a busy worker, a refused registration)."""
+        if self.problems:
+            async with self._lock:
+                await self._reconcile(True)
+
+    async def _reconcile(self, read: bool) -> None:
+        for url, (old, worker) in list(self._owned.items()):
+            new = self.listed.get(url)
+            if new == old:
+                self.problems.pop(url, None)  # listed as it was again (a removal that waited is off)
+            else:
+                why = "no longer listed" if new is None else f"its entry changed to {new.describe()}"
+                await self._remove(url, worker, why)
+        for url, dismissed in list(self._dismissed.items()):
+            if self.listed.get(url) != dismissed:
+                del self._dismissed[url]
+        for url in [url for url in self.problems if url not in self.listed and url not in self._owned]:
+            del self.problems[url]
+        new = [item for url, item in self.listed.items() if url not in self._owned and url not in self._dismissed]
+        await asyncio.gather(*(self._add(item, read) for item in new))
+        self.applied_at = time.time()
+
+    # ---- one entry -----------------------------------------------------------------------------------
+    async def _remove(self, url: str, worker: Worker, why: str) -> None:
+        if self.registry.find(worker.id) is worker:
+            self._removing = worker
+            try:
+                await self._unregister(worker)
+            except RouterError as exc:
+                self._problem(url, f"not removed yet ({why}): {exc.message}")
+                return
+            finally:
+                self._removing = None
+            logger.info("%s: removed %s %s (%s)", self.name, worker.role, url, why)
+        del self._owned[url]
+        self.problems.pop(url, None)
+
+    async def _add(self, item: Listing, read: bool) -> None:
+        existing = self.registry.find(item.url)
+        if existing is not None:
+            self._problem(item.url, f"already registered ({existing.source or 'through the API'}): "
+                                    f"left as it is while it stays registered")
+            return
+        try:
+            worker = await self._register(item, self.name, read)
+        except RouterError as exc:
+            self._problem(item.url, f"not registered: {exc.message}")
+            return
+        self.problems.pop(item.url, None)
+        if self.registry.find(worker.id) is not worker:
+            self._dismissed[item.url] = item  # removed by an operator while it was being read
+            return
+        self._owned[item.url] = (item, worker)
+        logger.info("%s: registered %s as %s", self.name, item.url, worker.role)
+
+    def _problem(self, url: str, message: str) -> None:
+        if self.problems.get(url) != message:
+            logger.warning("%s: %s %s", self.name, url, message)
+        self.problems[url] = message
+
+    # ---- state -----------------------------------------------------------------------------------------
+    def to_dict(self) -> dict:
+        entries = []
+        for url, item in self.listed.items():
+            owned = self._owned.get(url)
+            if owned is not None and owned[0] == item:
+                status = "registered"
+            elif url in self._dismissed:
+                status = "removed through the API"
+            else:
+                status = "waiting"
+            entries.append({**item.to_dict(), "status": status, "problem": self.problems.get(url),
+                            "worker_id": owned[1].id if owned is not None else None})
+        for url, (item, worker) in self._owned.items():
+            if url not in self.listed:  # no longer listed, its removal waits
+                entries.append({**item.to_dict(), "status": "removing", "problem": self.problems.get(url),
+                                "worker_id": worker.id})
+        return {"source": self.name, "listed": len(self.listed), "registered": len(self._owned),
+                "error": self.error, "error_since": self.error_since, "applied_at": self.applied_at,
+                "workers": entries}
