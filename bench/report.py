@@ -39,14 +39,15 @@ def _ratio(a, b) -> float | None:
     return round(a / b, 3)
 
 
-def ratios(best: list[dict]) -> list[dict]:
-    """For every router and point: requests/s, p99 and CPU per request, each as router / baseline."""
+def ratios(best: list[dict], variants: tuple[str, ...] = ()) -> list[dict]:
+    """For every router and point: requests/s, p99 and CPU per request, each as router / baseline. A variant
+    (pd-router with flags of its own, `--variant`) is also compared with plain pd-router."""
     by_key = {(row["router"], *_key(row)): row for row in best}
     out = []
     for row in best:
         if row["router"] == DIRECT:
             continue
-        for baseline in BASELINES:
+        for baseline in BASELINES + (("pd-router",) if row["router"] in variants else ()):
             base = by_key.get((baseline, *_key(row)))
             if base is None or baseline == row["router"]:
                 continue
@@ -74,7 +75,7 @@ def _fmt(value, spec: str = ".1f", missing: str = "-") -> str:
 def progress_line(row: dict) -> str:
     ttft = f" ttft p50/p99 {_fmt(row.get('ttft_p50_ms'))}/{_fmt(row.get('ttft_p99_ms'))} ms" \
         if row.get("ttft_p50_ms") is not None else ""
-    return (f"  {row['router']:<10} {row['mode']:<10} c={row['concurrency']:<4} {row['rps']:8.0f} req/s  "
+    return (f"  {row['router']:<12} {row['mode']:<10} c={row['concurrency']:<4} {row['rps']:8.0f} req/s  "
             f"p50 {_fmt(row['p50_ms'])} p99 {_fmt(row['p99_ms'])} ms{ttft}  errors {row['errors']}  "
             f"router {_fmt(row.get('router_cpu_ms_per_req'), '.3f')} cpu-ms/req  "
             f"others {row['foreign_cores']:.2f} cores  load {row['load1_at_start']:.2f}")
@@ -90,12 +91,12 @@ def render(result: dict) -> str:
         f"policy {result['policy'] or 'each router default'}",
     ]
     best = sorted(result["best"], key=lambda r: (r["mode"], r["concurrency"], r["router"] != DIRECT, r["router"]))
-    header = (f"{'mode':<10} {'conc':>4} {'router':<10} {'req/s':>8} {'p50 ms':>8} {'p99 ms':>8} "
+    header = (f"{'mode':<10} {'conc':>4} {'router':<12} {'req/s':>8} {'p50 ms':>8} {'p99 ms':>8} "
               f"{'+p50':>7} {'+p99':>7} {'ttft50':>7} {'ttft99':>7} {'errors':>6} {'cpu-ms/req':>10} {'others':>6}")
     lines += [header, "-" * len(header)]
     for row in best:
         lines.append(
-            f"{row['mode']:<10} {row['concurrency']:>4} {row['router']:<10} {row['rps']:>8.0f} "
+            f"{row['mode']:<10} {row['concurrency']:>4} {row['router']:<12} {row['rps']:>8.0f} "
             f"{_fmt(row['p50_ms']):>8} {_fmt(row['p99_ms']):>8} {_fmt(row.get('added_p50_ms')):>7} "
             f"{_fmt(row.get('added_p99_ms')):>7} {_fmt(row.get('ttft_p50_ms')):>7} {_fmt(row.get('ttft_p99_ms')):>7} "
             f"{row['errors']:>6} {_fmt(row.get('router_cpu_ms_per_req'), '.3f'):>10} {row['foreign_cores']:>6.2f}")
@@ -104,27 +105,30 @@ def render(result: dict) -> str:
     else:
         lines.append("(sim: 'direct' is the load generator doing the router's job itself; +p50/+p99 are against it)")
     lines.append("'others' = cores used meanwhile by processes outside this benchmark")
-    rows = [r for r in result["ratios"] if r["router"] == "pd-router"] or result["ratios"]
+    ours = ("pd-router", *result.get("variants", {}))
+    rows = [r for r in result["ratios"] if r["router"] in ours] or result["ratios"]
     if rows:
-        lines += ["", f"{'router':<10} {'vs':<10} {'mode':<10} {'conc':>4} {'req/s x':>8} {'p50 x':>7} "
+        lines += ["", f"{'router':<12} {'vs':<14} {'mode':<10} {'conc':>4} {'req/s x':>8} {'p50 x':>7} "
                       f"{'p99 x':>7} {'cpu/req x':>9}"]
         for r in sorted(rows, key=lambda r: (r["router"], r["vs"], r["mode"], r["concurrency"])):
-            lines.append(f"{r['router']:<10} {r['vs']:<10} {r['mode']:<10} {r['concurrency']:>4} "
+            lines.append(f"{r['router']:<12} {r['vs']:<14} {r['mode']:<10} {r['concurrency']:>4} "
                          f"{_fmt(r['rps'], '.2f'):>8} {_fmt(r['p50'], '.2f'):>7} {_fmt(r['p99'], '.2f'):>7} "
                          f"{_fmt(r['cpu_per_req'], '.2f'):>9}")
-        lines += _summary(result["ratios"], result["setup"])
+        lines += _summary(result["ratios"], result["setup"], tuple(result.get("variants", {})))
     return "\n".join(lines)
 
 
-def _summary(all_ratios: list[dict], setup: str) -> list[str]:
+def _summary(all_ratios: list[dict], setup: str, variants: tuple[str, ...] = ()) -> list[str]:
     lines = []
     pd = [r for r in all_ratios if r["router"] == "pd-router"]
-    for baseline in BASELINES:
-        rows = [r for r in pd if r["vs"] == baseline]
-        if not rows:
-            continue
-        lines.append(f"pd-router vs {baseline}: req/s x{geometric_mean([r['rps'] for r in rows])}, "
-                     f"p99 x{geometric_mean([r['p99'] for r in rows])} (geometric means over the points)")
+    for router in ("pd-router", *variants):
+        for baseline in BASELINES + (("pd-router",) if router in variants else ()):
+            rows = [r for r in all_ratios if r["router"] == router and r["vs"] == baseline]
+            if not rows:
+                continue
+            lines.append(f"{router} vs {baseline}: req/s x{geometric_mean([r['rps'] for r in rows])}, "
+                         f"p99 x{geometric_mean([r['p99'] for r in rows])}, cpu/req "
+                         f"x{geometric_mean([r['cpu_per_req'] for r in rows])} (geometric means over the points)")
     if setup == "ceiling":
         rows = [r for r in pd if r["vs"] == "mini_lb"]
         if rows:

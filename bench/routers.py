@@ -2,12 +2,18 @@
 
     python -m bench.routers --setup ceiling --concurrency 16,64,256 --duration 10
     python -m bench.routers --setup sim --concurrency 16,64,256 --duration 8 --stream
+    python -m bench.routers --setup ceiling --routers pd-router,sgl-router --variant 'x2=--replicas 2'
+    python -m bench.routers --setup ceiling --routers pd-router --variant 'cluster=--etcd-endpoints {etcd}'
 
 ceiling: four nginx servers answer instantly, wrk posts /generate: the router is the bottleneck.
 sim: the simulated 2P+2D fleet, the async load generator; --stream adds a streaming pass (with TTFT).
 Each router is started on a free port, waited for until it serves, warmed up, loaded at each concurrency
 and stopped. A "direct" baseline (no router) is measured on the same backends, so every router's added
 latency and every ratio comes from this run. Results: a table on stdout and a JSON file under out/bench/.
+
+A variant (`--variant NAME=ARGS`, repeatable) is pd-router from the same checkout with ARGS added, measured
+as one more router and compared with plain pd-router: `--replicas 2` (two processes on one port), or a
+replica in a cluster (`{etcd}` in ARGS: the URL of an etcd the benchmark starts for the run).
 """
 
 from __future__ import annotations
@@ -30,7 +36,8 @@ import orjson
 
 from bench import procs, profile, report, wrk
 from bench.ceiling import CeilingFleet
-from bench.contenders import PD_ROUTER_BASE, PEERS_VENV, REPO_ROOT, ROUTER_NAMES, contender, peers_python
+from bench.contenders import (ETCD_PLACEHOLDER, PD_ROUTER_BASE, PEERS_VENV, REPO_ROOT, ROUTER_NAMES, contender,
+                              parse_variant, peers_python, with_etcd)
 from bench.fleet import Fleet
 from bench.simfleet import DEFAULT_TIMING_ARGS, SimFleet
 from bench.workload import generate_request
@@ -113,6 +120,18 @@ class LoadDriver:
         return orjson.loads(done.stdout.strip().splitlines()[-1])
 
 
+def _replicas_serving(base_url: str) -> int:
+    """How many processes answer on the port: GET /admin/replica a few times (each a new connection)."""
+    seen = set()
+    for _ in range(16):
+        try:
+            with urllib.request.urlopen(f"{base_url}/admin/replica", timeout=5) as response:
+                seen.add(orjson.loads(response.read())["index"])
+        except (OSError, ValueError, KeyError):
+            pass
+    return len(seen)
+
+
 def _serves(base_url: str) -> bool:
     request = urllib.request.Request(f"{base_url}/generate", data=orjson.dumps(generate_request(False)),
                                      headers={"Content-Type": "application/json"})
@@ -161,8 +180,10 @@ class RunningRouter:
     """A router process on a free port, serving /generate once entered; stopped on exit."""
 
     def __init__(self, name: str, fleet: Fleet, workdir: Path, *, policy: str | None, start_timeout: float,
-                 pd_router_checkout: Path, baseline_checkout: Path | None = None, tag: str = ""):
-        spec = contender(name, pd_router_checkout=pd_router_checkout, baseline_checkout=baseline_checkout)
+                 pd_router_checkout: Path, baseline_checkout: Path | None = None, tag: str = "",
+                 variants: dict[str, tuple[str, ...]] | None = None):
+        spec = contender(name, pd_router_checkout=pd_router_checkout, baseline_checkout=baseline_checkout,
+                         variants=variants)
         self.name, self.spec, self.workdir, self.start_timeout, self.tag = name, spec, workdir, start_timeout, tag
         self.port = procs.free_port()
         self.argv = spec.argv(fleet, self.port, policy)
@@ -180,6 +201,10 @@ class RunningRouter:
             started = time.monotonic()
             procs.wait_until(lambda: _serves(self.base_url), timeout=self.start_timeout,
                              what=f"{self.name} serving /generate", child=self.child, interval=0.2)
+            if self.spec.replicas > 1:
+                procs.wait_until(lambda: _replicas_serving(self.base_url) == self.spec.replicas,
+                                 timeout=self.start_timeout, what=f"{self.name}'s {self.spec.replicas} replicas serving",
+                                 child=self.child, interval=0.2)
         except BaseException:
             procs.stop(self.child)
             raise
@@ -208,7 +233,7 @@ def run_sequential(args, setup: str, fleet: Fleet, driver: LoadDriver, routers: 
             _wait_for_quiet(args, name)
             with RunningRouter(name, fleet, workdir, policy=args.policy, start_timeout=args.start_timeout,
                                pd_router_checkout=args.pd_router_checkout, baseline_checkout=args.baseline_checkout,
-                               tag=f"-r{round_no}") as router:
+                               tag=f"-r{round_no}", variants=args.variants) as router:
                 rows += [measure_point(name, driver, fleet, stream, c, round_no, router.base_url, [router.pid])
                          for stream, c in points]
                 if round_no == 1 and name in args.profile:
@@ -226,7 +251,8 @@ def run_interleaved(args, setup: str, fleet: Fleet, driver: LoadDriver, routers:
     with contextlib.ExitStack() as stack:
         running = {name: stack.enter_context(
             RunningRouter(name, fleet, workdir, policy=args.policy, start_timeout=args.start_timeout,
-                          pd_router_checkout=args.pd_router_checkout, baseline_checkout=args.baseline_checkout))
+                          pd_router_checkout=args.pd_router_checkout, baseline_checkout=args.baseline_checkout,
+                          variants=args.variants))
             for name in routers}
         targets = [DIRECT, *routers]
         turn = 0
@@ -304,8 +330,28 @@ def run_setup(setup: str, args, routers: list[str], workdir: Path, out: Path) ->
     env["load_avg_after"] = procs.load_average()
     best = report.best_rows(rows)
     return {"setup": setup, "environment": env, "policy": args.policy, "interleaved": args.interleave, "duration_s": args.duration,
-            "warmup_s": args.warmup, "rows": rows, "best": best, "ratios": report.ratios(best),
-            "profiles": profiles}
+            "warmup_s": args.warmup, "rows": rows, "best": best,
+            "ratios": report.ratios(best, variants=tuple(args.variants)),
+            "variants": {name: list(extra) for name, extra in args.variants.items()}, "profiles": profiles}
+
+
+@contextlib.contextmanager
+def run_etcd(variants: dict[str, tuple[str, ...]], workdir: Path):
+    """An etcd for the run when a variant's arguments name one ({etcd}); yields its client URL, else None."""
+    if not any(ETCD_PLACEHOLDER in arg for extra in variants.values() for arg in extra):
+        yield None
+        return
+    import asyncio
+
+    from router.cluster.etcd_process import EtcdProcess
+
+    etcd = EtcdProcess(workdir / "etcd")
+    asyncio.run(etcd.start())
+    print(f"# etcd {etcd.binary} on {etcd.client_url}", flush=True)
+    try:
+        yield etcd.client_url
+    finally:
+        etcd.close_now()
 
 
 def _int_list(text: str) -> list[int]:
@@ -340,6 +386,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--baseline-checkout", type=Path,
                         help=f"also run pd-router from this checkout as {PD_ROUTER_BASE!r} (before/after a change, "
                              "in one run; ratios of pd-router against it are reported)")
+    parser.add_argument("--variant", action="append", default=[], metavar="NAME=ARGS",
+                        help="also run pd-router with ARGS added, as router NAME (repeatable), e.g. 'x2=--replicas 2'; "
+                             f"{ETCD_PLACEHOLDER} in ARGS is the URL of an etcd started for the run")
     parser.add_argument("--sim-checkout", type=Path, default=REPO_ROOT,
                         help="run the simulated fleet from this checkout (default: this one)")
     parser.add_argument("--out", type=Path, help="JSON result file (default out/bench/routers-SETUP-TIME.json)")
@@ -362,6 +411,14 @@ def main(argv: list[str] | None = None) -> int:
         if not (args.baseline_checkout / "router" / "__main__.py").exists():
             parser.error(f"--baseline-checkout: no router/__main__.py in {args.baseline_checkout}")
         routers.append(PD_ROUTER_BASE)
+    args.variants = {}
+    for text in args.variant:
+        try:
+            name, extra = parse_variant(text)
+        except ValueError as exc:
+            parser.error(str(exc))
+        args.variants[name] = extra
+        routers.append(name)
     for reason in missing:
         print(f"# skipped {reason}", flush=True)
     setups = [s for s in args.setup.split(",") if s]
@@ -373,7 +430,9 @@ def main(argv: list[str] | None = None) -> int:
     out = args.out or REPO_ROOT / "out" / "bench" / f"routers-{'-'.join(setups)}-{stamp}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     results = []
-    with tempfile.TemporaryDirectory(prefix="bench-routers-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="bench-routers-") as tmp, run_etcd(args.variants, Path(tmp)) as endpoints:
+        if endpoints is not None:
+            args.variants = {name: with_etcd(extra, endpoints) for name, extra in args.variants.items()}
         for setup in setups:
             workdir = Path(tmp) / setup
             workdir.mkdir()
