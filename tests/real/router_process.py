@@ -26,6 +26,7 @@ class RouterProcess:
     process: subprocess.Popen
     log_path: Path
     args: list[str] = field(default_factory=list)
+    expected_workers: int = 0
 
     @classmethod
     def start(cls, *, prefill: Sequence[tuple[str, Optional[int]]], decode: Sequence[str], log_path: Path,
@@ -38,6 +39,12 @@ class RouterProcess:
         if decode:
             args += ["--decode", *decode]
         args += list(extra_args)
+        return cls.launch(args, port, log_path, workers=len(prefill) + len(decode), python=python)
+
+    @classmethod
+    def launch(cls, args: Sequence[str], port: int, log_path: Path, *, workers: int,
+               python: str = sys.executable) -> "RouterProcess":
+        args = list(args)
         log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(log_path, "ab") as log_file:
             process = subprocess.Popen(
@@ -45,9 +52,9 @@ class RouterProcess:
                 stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=kill_when_parent_dies,
             )
         record_process_group(process.pid)
-        router = cls(f"http://127.0.0.1:{port}", process, log_path, args)
+        router = cls(f"http://127.0.0.1:{port}", process, log_path, args, workers)
         try:
-            router._wait_ready(len(prefill) + len(decode))
+            router._wait_ready(workers)
         except BaseException:
             router.stop()
             raise
@@ -65,6 +72,23 @@ class RouterProcess:
             if time.monotonic() >= deadline:
                 raise RuntimeError(f"the router did not serve within {START_TIMEOUT_S}s; log:\n{self.log_tail()}")
             time.sleep(0.2)
+
+    def restarted(self, log_path: Path) -> "RouterProcess":
+        """The same command line (flags and port) started again, as an operator restarts a router that died;
+        waits until it serves with every worker active."""
+        port = int(self.args[self.args.index("--port") + 1])
+        return RouterProcess.launch(self.args, port, log_path, workers=self.expected_workers)
+
+    def kill(self) -> None:
+        """SIGKILL, as a crash or an OOM kill: nothing of the router runs its shutdown."""
+        try:
+            os.killpg(self.process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.process.wait(timeout=STOP_GRACE_S)
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
 
     def alive(self) -> bool:
         return self.process.poll() is None

@@ -110,3 +110,34 @@ def test_swapped_fleet_answers_like_the_single_server(router, fleet):
         status, record = post_json(f"{router.url}/admin/workers/{worker_id}/convert", {"new_role": role},
                                    timeout=CONVERSION_TIMEOUT_S)
         assert status == 200 and record["outcome"] == "converted", record
+
+
+def test_restart_after_a_conversion_routes_from_the_live_roles(router, fleet, router_holder):
+    """The router converts the spare to prefill (the server's /convert_pd_role), dies (SIGKILL) and is started
+    again with its original command line, which still lists the spare under --decode: it reads each server's
+    live role and routes the spare as prefill with its own bootstrap port; the answers are the reference's."""
+    p, d, s = fleet.prefill, fleet.decode, fleet.spare
+    expected = reference_outputs(fleet.reference)
+    status, answer = post_json(router.url + "/convert_pd_role", {"server_url": s.url}, timeout=CONVERSION_TIMEOUT_S)
+    assert status == 200 and answer["outcome"] == "converted" and live_role(s.url) == "prefill", answer
+    router.kill()
+    restarted = router.restarted(router_holder.log_dir / f"router-{router_holder.starts}-restarted.log")
+    router_holder.current = restarted  # later tests go on with it (or restart it: RouterHolder.in_line)
+    with Load(restarted.url, expected, SAMPLING, concurrency=3) as load:  # as soon as it serves
+        listed = {w["url"]: w for w in restarted.workers()}
+        assert (listed[s.url]["role"], listed[s.url]["bootstrap_port"], listed[s.url]["routable"]) == \
+               ("prefill", s.bootstrap_port, True), listed[s.url]
+        assert (listed[p.url]["role"], listed[d.url]["role"]) == ("prefill", "decode")
+        wait_until(lambda: worker(restarted, s.url)["requests_total"] > 1, timeout=SERVE_TIMEOUT_S,
+                   what=f"{s.url} serves as prefill")
+        load.wait_completed(8, timeout=SERVE_TIMEOUT_S)
+        outcomes = load.stop()
+    assert not load.failures(), load.failures()[:5]
+    assert {o.stream for o in outcomes} == {True, False}
+    assert f"--decode {s.url} is now prefill (live role): routing it as prefill" in restarted.log()
+    # Back to the launch roles through the restarted router.
+    for server in (p, d, s):
+        wait_until(lambda: fully_idle(server.url), timeout=60, what=f"{server.url} is idle")
+    status, record = post_json(f"{restarted.url}/admin/workers/{listed[s.url]['id']}/convert",
+                               {"new_role": "decode"}, timeout=CONVERSION_TIMEOUT_S)
+    assert status == 200 and record["outcome"] == "converted" and live_role(s.url) == "decode", record
