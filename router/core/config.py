@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ipaddress
+import re
 from dataclasses import dataclass, field, fields, replace
 from urllib.parse import urlsplit
 
@@ -130,12 +131,18 @@ class LoadMonitorConfig:
         return found
 
 
+CLUSTER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+
+
 @dataclass(frozen=True, slots=True)
 class WorkerSourcesConfig:
     """Workers listed outside the command line and the API (router/control/worker_sources.py)."""
 
     file: str | None = None  # a YAML or JSON file of workers, polled
     file_interval_secs: float = 1.0
+    # etcd keys that workers (or their sidecars) write under a lease: /pd-router/<name>/v1/discovery/<url>
+    etcd_endpoints: tuple[str, ...] = ()
+    etcd_cluster_name: str = "pd-router"
 
     def problems(self) -> list[str]:
         found = []
@@ -143,6 +150,18 @@ class WorkerSourcesConfig:
             found.append(f"--discovery-file-interval-secs must be positive, got {self.file_interval_secs}")
         if self.file is not None and not self.file:
             found.append("--discovery-file must name a file")
+        for endpoint in self.etcd_endpoints:
+            try:
+                parts = urlsplit(endpoint)
+                parts.port  # noqa: B018 (raises on a bad port)
+            except ValueError as exc:
+                found.append(f"--discovery-etcd-endpoints: invalid URL {endpoint!r}: {exc}")
+                continue
+            if parts.scheme not in ("http", "https") or not parts.hostname:
+                found.append(f"--discovery-etcd-endpoints: {endpoint!r} must be http(s)://host:port")
+        if not CLUSTER_NAME.fullmatch(self.etcd_cluster_name):
+            found.append(f"--discovery-cluster-name must be letters, digits, '.', '_' or '-', "
+                         f"got {self.etcd_cluster_name!r}")
         return found
 
 

@@ -82,6 +82,11 @@ SETTING_FLAGS: list[Flag] = [
               "it are registered, removed ones removed; a bad version changes nothing"),
     flag("--discovery-file-interval-secs", path="worker_sources.file_interval_secs",
          help="how often the discovery file is looked at"),
+    flag("--discovery-etcd-endpoints", path="worker_sources.etcd_endpoints",
+         help="etcd client URLs: workers announced under /pd-router/NAME/v1/discovery/ (python -m "
+              "router.cluster.announce) are registered, and removed when their key goes (its lease ended)"),
+    flag("--discovery-cluster-name", path="worker_sources.etcd_cluster_name",
+         help="NAME in the discovery keys' prefix"),
     # health and circuit breaker (sgl-router names)
     flag("--health-check-interval-secs", path="health.interval_secs"),
     flag("--health-check-timeout-secs", path="health.timeout_secs"),

@@ -1,5 +1,6 @@
-"""The worker sources the command line names (`--discovery-file`), wired to the worker API's own calls, so a
-listed worker is registered and removed exactly as `POST /workers` and `DELETE /workers/{id}` would."""
+"""The worker sources the command line names (`--discovery-file`, `--discovery-etcd-endpoints`), wired to the
+worker API's own calls, so a listed worker is registered and removed exactly as `POST /workers` and
+`DELETE /workers/{id}` would."""
 
 from __future__ import annotations
 
@@ -62,4 +63,14 @@ def build(app: web.Application) -> WorkerSources:
     if settings.file:
         sources.append(WorkerFile(settings.file, reconciler(f"file {settings.file}"),
                                   interval_secs=settings.file_interval_secs, retry_secs=config.health.interval_secs))
+    if settings.etcd_endpoints:
+        # imported only here: a router started without etcd never loads router/cluster
+        from router.cluster.discovery_watch import EtcdWorkerSource, discovery_prefix
+        from router.cluster.etcd import EtcdClient
+
+        client = EtcdClient(settings.etcd_endpoints, timeout=5.0, connect_timeout=1.0)
+        sources.append(EtcdWorkerSource(client, settings.etcd_cluster_name,
+                                        reconciler(f"etcd {discovery_prefix(settings.etcd_cluster_name)}"),
+                                        retry_secs=config.health.interval_secs,
+                                        startup_timeout=config.worker_startup_timeout_secs))
     return WorkerSources(sources)
