@@ -47,8 +47,9 @@ ANSWER_WINDOW_SHARE = 0.2  # ... or this share of the grace, when that is shorte
 CUT_SHARE = 0.25
 CLOSE_SHARE = 0.125
 POLL_S = 0.02
-REABORT_S = 1.0  # requests still running this long after their abort are aborted again (not more often:
-# with hundreds left, aborting them all every few hundred milliseconds would load a router already busy)
+REABORT_S = 1.0  # requests still running this long after their abort are aborted once more (a leg that
+# reached its server after its abort did); not again and again: with hundreds left, that would load a router
+# already busy
 
 
 def answer_window(grace_s: float) -> float:
@@ -163,15 +164,15 @@ class Shutdown:
                        if without_rid else "")
         if not requests:
             return
-        began = last_sent = time.monotonic()
+        began = time.monotonic()
         traffic.abort(requests)
-        pending = requests
+        pending, resent = requests, False
         while pending and time.monotonic() < answered_by:
             await asyncio.sleep(POLL_S)
             pending = traffic.still_live(pending)
-            if pending and time.monotonic() - last_sent >= REABORT_S:
-                traffic.abort(pending)  # a leg reached its server after its abort did
-                last_sent = time.monotonic()
+            if pending and not resent and time.monotonic() - began >= REABORT_S:
+                traffic.abort(pending)
+                resent = True
         logger.info("shutdown: %d aborted request(s) answered in %.3f s%s", len(requests) - len(pending),
                     time.monotonic() - began, f", {len(pending)} not answered in time" if pending else "")
         if pending:
@@ -183,7 +184,7 @@ class Shutdown:
                 pending = traffic.still_live(pending)
             logger.warning("shutdown: %d request(s) answered by the router itself (abort answer, or an error "
                            "event mid-stream)%s", len(cut) - len(pending),
-                           f", {len(pending)} still open at close" if pending else "")
+                           f", {len(pending)} more as the connections close" if pending else "")
 
 
 async def _wait_until(condition: Callable[[], bool], deadline: float, hurry: asyncio.Event) -> bool:
