@@ -81,7 +81,7 @@ def supervise(argv: list[str], config) -> int:
     logger.warning("the replicas do not share the fleet's state: a conversion, a weight update or a worker added "
                    "at one of them is not seen by the others")
     try:
-        return asyncio.run(Supervisor(argv, config.replicas).run())
+        return asyncio.run(Supervisor(argv, config.replicas, metrics_port=config.prometheus_port).run())
     finally:
         for sock in reserved:
             sock.close()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import random
 import signal
 import socket
 import time
@@ -23,6 +24,21 @@ REPLICAS = 2
 GRACE_S = 4.0
 EXIT_SLACK_S = 2.0  # the interpreters' own exits after the routers have closed everything
 START_S = 60.0  # children import the router on a loaded 2-core machine
+
+
+def free_ports_in_a_row(count: int) -> int:
+    """The first of `count` consecutive free ports, below Linux's ephemeral range (where any client connection
+    may hold one of them)."""
+    rng = random.Random()
+    while True:
+        first = rng.randrange(20000, 32000 - count)
+        try:
+            for port in range(first, first + count):
+                with socket.socket() as probe:
+                    probe.bind(("127.0.0.1", port))
+        except OSError:
+            continue
+        return first
 
 
 def fresh_connections() -> aiohttp.ClientSession:
@@ -94,10 +110,15 @@ async def test_children_share_the_port_each_a_replica_in_its_own_process_group_a
 
 
 async def test_a_killed_child_is_restarted_and_serves_again(tmp_path):
+    metrics_port = free_ports_in_a_row(REPLICAS)
     async with Fleet(1, 1, **SIM) as fleet, \
-            RouterProcess(fleet, "--replicas", str(REPLICAS), log_path=tmp_path / "router.log") as router, \
+            RouterProcess(fleet, "--replicas", str(REPLICAS), "--prometheus-port", str(metrics_port),
+                          log_path=tmp_path / "router.log") as router, \
             fresh_connections() as session:
         before = await all_children(session, router.url)
+        for index in range(REPLICAS):  # each replica's own metrics port: a scrape names one replica
+            async with session.get(f"http://127.0.0.1:{metrics_port + index}/metrics") as resp:
+                assert resp.status == 200 and "pd_router_requests" in await resp.text()
         victim = before[1]
         os.kill(victim["pid"], signal.SIGKILL)
         killed_at = time.monotonic()

@@ -79,3 +79,13 @@ def test_a_port_held_only_by_a_closed_connection_in_time_wait_is_reserved():
     reserved = reserve_port("127.0.0.1", port)
     for sock in reserved:
         sock.close()
+
+
+def test_with_replicas_each_serves_metrics_on_its_own_port_so_the_ports_must_fit():
+    config = config_from_args(["--replicas", "3", "--port", "8000", "--prometheus-port", "9000"], env={})
+    assert config.prometheus_port == 9000
+    with pytest.raises(ConfigError, match="include --port 9001"):
+        config_from_args(["--replicas", "3", "--port", "9001", "--prometheus-port", "9000"], env={})
+    with pytest.raises(ConfigError, match="would reach 65536"):
+        config_from_args(["--replicas", "2", "--prometheus-port", "65535"], env={})
+    config_from_args(["--port", "9001", "--prometheus-port", "9000"], env={})  # alone: one metrics port

@@ -262,6 +262,15 @@ class RouterConfig:
             found.append("--rl-fanout-concurrency must be at least 1")
         if self.replicas < 1:
             found.append(f"--replicas must be at least 1, got {self.replicas}")
+        if self.replicas > 1 and self.prometheus_port is not None:
+            # each replica serves its own /metrics on the next port: --prometheus-port + its index
+            last = self.prometheus_port + self.replicas - 1
+            if last > 65535:
+                found.append(f"--prometheus-port {self.prometheus_port} with --replicas {self.replicas}: the "
+                             f"replicas' metrics ports would reach {last} (> 65535)")
+            elif self.prometheus_port <= self.port <= last:
+                found.append(f"--prometheus-port {self.prometheus_port} with --replicas {self.replicas}: the "
+                             f"replicas' metrics ports {self.prometheus_port}-{last} include --port {self.port}")
         for group in (self.health, self.breaker, self.retry, self.admission):
             for f in fields(group):
                 value = getattr(group, f.name)

@@ -143,11 +143,14 @@ class Child:
 
 class Supervisor:
     def __init__(self, argv: Sequence[str], count: int, *, child_args: Sequence[str] = (),
-                 python: str = sys.executable) -> None:
-        """`argv`: the command line the children run (`python -m router ARGV CHILD_ARGS`)."""
+                 metrics_port: int | None = None, python: str = sys.executable) -> None:
+        """`argv`: the command line the children run (`python -m router ARGV CHILD_ARGS`); `metrics_port`:
+        `--prometheus-port`, which child i serves on `metrics_port + i` (one port each: a scrape of a shared
+        port would reach any one of them)."""
         self.argv = list(argv)
         self.child_args = list(child_args)
         self.count = count
+        self.metrics_port = metrics_port
         self.python = python
         self.children = [Child(i) for i in range(count)]
         self.signals: list[signal.Signals] = []
@@ -190,9 +193,10 @@ class Supervisor:
     async def _start(self, child: Child) -> None:
         place = ReplicaPlace(child.index, self.count, os.getpid())
         env = {**os.environ, REPLICA_ENV: place.env_value()}
+        own = ["--prometheus-port", str(self.metrics_port + child.index)] if self.metrics_port is not None else []
         child.process = await asyncio.create_subprocess_exec(
-            self.python, "-m", "router", *self.argv, *self.child_args, env=env, stdin=asyncio.subprocess.DEVNULL,
-            process_group=0)  # its own group: a terminal's Ctrl-C is forwarded once, by us
+            self.python, "-m", "router", *self.argv, *self.child_args, *own, env=env,
+            stdin=asyncio.subprocess.DEVNULL, process_group=0)  # its own group: Ctrl-C is forwarded once, by us
         child.started = time.monotonic()
         child.starts += 1
         logger.info("supervisor: replica %d/%d started (pid %d%s)", child.index, self.count, child.pid,
