@@ -78,8 +78,9 @@ def supervise(argv: list[str], config) -> int:
         return 1
     logger.info("pd-router supervisor (pid %d): %d replicas on %s:%d", os.getpid(), config.replicas,
                 config.host, config.port)
-    logger.warning("the replicas do not share the fleet's state: a conversion, a weight update or a worker added "
-                   "at one of them is not seen by the others")
+    if not config.cluster.enabled:
+        logger.warning("the replicas do not share the fleet's state (no --etcd-endpoints): a conversion, a weight "
+                       "update or a worker added at one of them is not seen by the others")
     try:
         return asyncio.run(Supervisor(argv, config.replicas, metrics_port=config.prometheus_port).run())
     finally:

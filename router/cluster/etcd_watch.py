@@ -76,6 +76,14 @@ class Watch:
                 self._drop_stream()
         return self._pending.popleft()
 
+    def ready(self) -> list[WatchEvent]:
+        """The events already received and not yet returned, taken now (no wait). etcd sends a revision's
+        events in one answer, so after an event this completes its transaction: a caller can apply a
+        transaction's keys together."""
+        events = list(self._pending)
+        self._pending.clear()
+        return events
+
     async def __aenter__(self) -> Watch:
         return self
 

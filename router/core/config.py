@@ -166,6 +166,37 @@ class WorkerSourcesConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class ClusterConfig:
+    """Router replicas sharing one fleet through etcd (docs/CLUSTER.md). No endpoints: a lone router."""
+
+    etcd_endpoints: tuple[str, ...] = ()
+    name: str = "pd-router"  # the key prefix /pd-router/<name>/v1/: one fleet per name
+    # A replica's keys (membership, the operations it runs) outlive it by at most this: the takeover delay.
+    lease_ttl_secs: int = 5
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.etcd_endpoints)
+
+    def problems(self) -> list[str]:
+        found = []
+        for endpoint in self.etcd_endpoints:
+            try:
+                parts = urlsplit(endpoint)
+                parts.port  # noqa: B018 (raises on a bad port)
+            except ValueError as exc:
+                found.append(f"--etcd-endpoints: invalid URL {endpoint!r}: {exc}")
+                continue
+            if parts.scheme not in ("http", "https") or not parts.hostname:
+                found.append(f"--etcd-endpoints: {endpoint!r} must be http(s)://host:port")
+        if not CLUSTER_NAME.fullmatch(self.name):
+            found.append(f"--cluster-name must be letters, digits, '.', '_' or '-', got {self.name!r}")
+        if not 2 <= self.lease_ttl_secs <= 300:
+            found.append(f"--etcd-lease-ttl-secs must be in 2..300, got {self.lease_ttl_secs}")
+        return found
+
+
+@dataclass(frozen=True, slots=True)
 class RouterConfig:
     prefill: tuple[WorkerSpec, ...] = ()
     decode: tuple[WorkerSpec, ...] = ()
@@ -226,6 +257,7 @@ class RouterConfig:
     # directory, removed at exit; given: the fleet's state outlives a restart of the whole group).
     etcd_data_dir: str | None = None
     worker_sources: WorkerSourcesConfig = field(default_factory=WorkerSourcesConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
 
     def with_(self, **changes) -> "RouterConfig":
         return replace(self, **changes)
@@ -280,7 +312,7 @@ class RouterConfig:
             found.append("--max-payload-size must be at least 1")
         if self.admission.max_admin_payload_size < 1:
             found.append("--max-admin-payload-size must be at least 1")
-        for group in (self.policy_params, self.load_monitor, self.rebalance, self.worker_sources):
+        for group in (self.policy_params, self.load_monitor, self.rebalance, self.worker_sources, self.cluster):
             found.extend(group.problems())
         found.extend(CallerAllowList.problems(self.admin_allow_cidrs))
         found.extend(WorkerAllowList.problems(self.worker_allow))

@@ -187,12 +187,16 @@ class Registry:
         healthy: bool = True,
         reason: str = "registered",
         source: str = "",
+        worker_id: str | None = None,
     ) -> Worker:
+        """`worker_id`: the id to give it when free (the one another router replica gave it), else a new one."""
         url = normalize_url(url)
         if url in self._by_url:
             raise DuplicateWorker(f"worker {url} is already registered")
+        if not worker_id or worker_id in self._workers:
+            worker_id = self._new_id()
         worker = Worker(
-            id=f"w{next(self._ids)}",
+            id=worker_id,
             url=url,
             role=role,
             bootstrap_port=bootstrap_port,
@@ -212,6 +216,11 @@ class Registry:
         if worker.routable:
             self._emit_routable(worker)
         return worker
+
+    def _new_id(self) -> str:
+        while (worker_id := f"w{next(self._ids)}") in self._workers:
+            pass  # taken by an id given from outside
+        return worker_id
 
     def remove(self, worker: Worker) -> None:
         if self._workers.pop(worker.id, None) is None:

@@ -94,6 +94,10 @@ def create_app(config: RouterConfig, *, registry: Registry | None = None,
     app[COORDINATOR] = LocalCoordinator()  # replaced by the cluster's when replicas share the fleet
     app[WORKER_SOURCES] = worker_sources.build(app)
     app.cleanup_ctx.append(_session_ctx)
+    if config.cluster.enabled:
+        from router.server import cluster_setup  # etcd's modules only where a cluster is configured
+
+        cluster_setup.setup(app)
     app.cleanup_ctx.append(_workers_ctx)
 
     for route, upstream_path in GENERATE_ROUTES.items():
@@ -108,6 +112,8 @@ def create_app(config: RouterConfig, *, registry: Registry | None = None,
     api_control.setup(app)
     api_rl.setup(app)
     replica_info.setup(app, replica if replica is not None else ReplicaInfo())
+    if config.cluster.enabled:
+        cluster_setup.attach_flows(app)
     return app
 
 
@@ -153,6 +159,15 @@ def _forget_removed(legs: UpstreamPool):
     return listener
 
 
+def _known(registry: Registry, url: str) -> bool:
+    """Already in the fleet (router replicas: the cluster's record wins over the command line)."""
+    worker = registry.find(url)
+    if worker is not None:
+        logger.info("%s is in the fleet already (as %s, %s): its command-line flag is not applied", url,
+                    worker.role, worker.state)
+    return worker is not None
+
+
 async def _workers_ctx(app: web.Application):
     """Register the command line's workers, pending until their servers have been read (their live role,
     bootstrap port, weight version and readiness: `Discovery.start_up`, bounded) before the router serves."""
@@ -161,10 +176,13 @@ async def _workers_ctx(app: web.Application):
     app[DISCOVERY] = discovery
     for spec in config.prefill:
         given = spec.bootstrap_port is not DISCOVER
+        if _known(registry, spec.url):
+            continue
         discovery.register(spec.url, Role.PREFILL, spec.bootstrap_port if given else None, port_given=given,
                            source="--prefill")
     for spec in config.decode:
-        discovery.register(spec.url, Role.DECODE, None, port_given=True, source="--decode")
+        if not _known(registry, spec.url):
+            discovery.register(spec.url, Role.DECODE, None, port_given=True, source="--decode")
     sources = app[WORKER_SOURCES]
     await sources.load()
     if not sources.sources and (not config.prefill or not config.decode):

@@ -123,6 +123,13 @@ SETTING_FLAGS: list[Flag] = [
     flag("--weight-update-retry-aborted",
          help="re-send requests a weight update aborted before their first token (default: abort answer)"),
     flag("--no-inject-rid", path="inject_rid", help="do not add a router-made rid to requests without one"),
+    # replicas sharing one fleet through etcd (docs/CLUSTER.md)
+    flag("--etcd-endpoints", path="cluster.etcd_endpoints",
+         help="etcd client URLs: router replicas started with the same --cluster-name share one fleet through "
+              "this etcd (membership, roles, holds, operations); without it the router runs alone"),
+    flag("--cluster-name", path="cluster.name", help="the fleet's name in etcd (keys under /pd-router/NAME/v1/)"),
+    flag("--etcd-lease-ttl-secs", path="cluster.lease_ttl_secs",
+         help="a replica's lease: its membership and the operations it runs outlive it by at most this long"),
     # process
     flag("--shutdown-grace-secs",
          help="SIGTERM/SIGINT: stop accepting, let requests finish, abort what is left and exit 0 within this "

@@ -1,0 +1,351 @@
+"""Three pd-router processes (`python -m router ... --etcd-endpoints`) in front of one simulated 2P+2D fleet,
+coordinated through a real etcd, with load spread over all three while the fleet changes:
+
+- a conversion at replica 1 is seen (new role, new bootstrap port) by the other two within 2 s; a weight
+  update with abort_all_requests at replica 2 succeeds, and after it returns no replica answers on the old
+  version; a worker added at replica 3 is routed by the others within 2 s; no request fails;
+- replica 1 SIGKILLed while its conversion drains: within 15 s the others agree on the server's live role
+  and route it; replica 1 restarted agrees with them within 3 s; replica 1 SIGKILLed while its weight update
+  is updating the servers: the others take it over, serve the version the servers report, and release the
+  hold, with no failed request;
+- etcd stopped (for longer than the leases' TTL) and started again under load: no request fails.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+from types import SimpleNamespace
+
+import aiohttp
+import orjson
+import pytest
+
+from simulator.fleet import Fleet
+
+from ..helpers import wait_for
+from ..router_process import RouterProcess
+from .replicas import SIM
+
+TTL = 2
+BODY = {"text": "the quick brown fox", "sampling_params": {"max_new_tokens": 16, "temperature": 0}}
+
+
+@dataclass
+class Answer:
+    replica: int
+    stream: bool
+    status: int
+    finish: str
+    weight_version: str | None
+    sent: float
+    ended: float
+
+
+class Load:
+    """`per_replica` clients on each replica sending requests back to back (every other one streaming)."""
+
+    def __init__(self, urls: list[str], per_replica: int = 2) -> None:
+        self.urls = urls
+        self.per_replica = per_replica
+        self.answers: list[Answer] = []
+        self._stop = asyncio.Event()
+        self._tasks: list[asyncio.Task] = []
+        self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60))
+
+    async def _one(self, replica: int, stream: bool) -> Answer:
+        sent = time.monotonic()
+        try:
+            async with self._session.post(self.urls[replica] + "/generate", json={**BODY, "stream": stream}) as r:
+                raw, status = await r.read(), r.status
+        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            return Answer(replica, stream, 0, f"{type(exc).__name__}: {exc}", None, sent, time.monotonic())
+        ended = time.monotonic()
+        if status != 200:
+            return Answer(replica, stream, status, raw[:200].decode(errors="replace"), None, sent, ended)
+        if stream:
+            events = [b[6:] for b in raw.split(b"\n\n") if b.startswith(b"data: ")]
+            if not events or events[-1] != b"[DONE]" or b'"error"' in events[-2]:
+                return Answer(replica, stream, status, f"broken stream {events[-2:]}", None, sent, ended)
+            last = orjson.loads(events[-2])
+        else:
+            last = orjson.loads(raw)
+        meta = last["meta_info"]
+        return Answer(replica, stream, status, meta["finish_reason"]["type"], meta.get("weight_version"), sent, ended)
+
+    async def _user(self, replica: int, index: int) -> None:
+        n = 0
+        while not self._stop.is_set():
+            n += 1
+            self.answers.append(await self._one(replica, stream=(index + n) % 2 == 0))
+
+    def start(self) -> "Load":
+        self._tasks = [asyncio.ensure_future(self._user(r, i)) for r in range(len(self.urls))
+                       for i in range(self.per_replica)]
+        return self
+
+    def failed(self) -> list[Answer]:
+        """Errors, and aborts a client could have been spared: the router re-sends what it aborted
+        (retry_aborted) unless the client already saw tokens of it (a stream); such a stream ends with
+        SGLang's clean abort answer (finish_reason abort, then [DONE])."""
+        return [a for a in self.answers if a.status != 200
+                or a.finish not in ("length", "stop", *(("abort",) if a.stream else ()))]
+
+    async def finish(self) -> list[Answer]:
+        self._stop.set()
+        await asyncio.gather(*self._tasks)
+        await self._session.close()
+        return self.answers
+
+    async def close(self) -> None:
+        """At the end of a test that failed before finish()."""
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self._session.close()
+
+
+class Cluster:
+    """etcd, a fleet, and router processes that name the fleet's first two prefill and decode servers."""
+
+    def __init__(self, etcd, fleet: Fleet, tmp_path) -> None:
+        self.etcd, self.fleet, self.tmp_path = etcd, fleet, tmp_path
+        self.command_line = SimpleNamespace(prefill=fleet.prefill[:2], decode=fleet.decode[:2])
+        self.routers: list[RouterProcess] = []
+        self.loads: list[Load] = []
+        self.started = 0
+
+    def load(self, routers: list[RouterProcess], per_replica: int = 2) -> Load:
+        load = Load([r.url for r in routers], per_replica).start()
+        self.loads.append(load)
+        return load
+
+    def flags(self) -> list[str]:
+        return ["--log-level", "info", "--etcd-endpoints", *self.etcd.endpoints, "--cluster-name", "e2e",
+                "--etcd-lease-ttl-secs", str(TTL), "--health-check-interval-secs", "1"]
+
+    async def start(self, count: int) -> list[RouterProcess]:
+        new = []
+        for _ in range(count):
+            self.started += 1
+            router = RouterProcess(self.command_line, *self.flags(), log_path=self.tmp_path / f"r{self.started}.log")
+            new.append(router)
+        self.routers += new
+        await asyncio.gather(*(r.__aenter__() for r in new))
+        return new
+
+    async def close(self) -> None:
+        for load in self.loads:
+            await load.close()
+        await asyncio.gather(*(r.__aexit__(None, None, None) for r in self.routers), return_exceptions=True)
+
+
+async def get(router: RouterProcess, path: str) -> dict:
+    async with router.session.get(router.url + path) as resp:
+        assert resp.status == 200, (path, resp.status, await resp.text())
+        return await resp.json()
+
+
+async def worker_view(router: RouterProcess, url: str) -> dict | None:
+    async with router.session.get(f"{router.url}/workers/{url}") as resp:
+        return await resp.json() if resp.status == 200 else None
+
+
+async def fleet_view(router: RouterProcess) -> list[tuple]:
+    workers = (await get(router, "/workers"))["workers"]
+    return sorted((w["url"], w["role"], w["bootstrap_port"], w["state"], w["weight_version"]) for w in workers)
+
+
+async def all_agree(routers: list[RouterProcess], url: str, condition) -> bool:
+    views = await asyncio.gather(*(worker_view(r, url) for r in routers))
+    return all(view is not None and condition(view) for view in views)
+
+
+@pytest.fixture
+async def cluster(etcd, tmp_path):
+    fleet = await Fleet(2, 3, **{**SIM, "decode_step_s": 0.005}).start()
+    cluster = Cluster(etcd, fleet, tmp_path)
+    try:
+        yield cluster
+    finally:
+        await cluster.close()
+        await fleet.stop()
+
+
+async def test_conversion_update_and_new_worker_reach_every_replica_under_load(cluster):
+    r1, r2, r3 = await cluster.start(3)
+    fleet = cluster.fleet
+    load = cluster.load([r1, r2, r3])
+    await wait_for(lambda: {a.replica for a in load.answers} == {0, 1, 2}, timeout=20, message="load everywhere")
+
+    # a conversion at replica 1: the others see the new role and bootstrap port within 2 s
+    handle = fleet.decode[1]
+    status, record = await r1.call("/admin/workers/" + handle.url + "/convert", {})
+    converted = time.monotonic()
+    assert status == 200 and record["outcome"] == "converted", record
+    port = record["bootstrap_port"]
+    assert port is not None
+    await wait_for(lambda: all_agree([r2, r3], handle.url, lambda w: w["role"] == "prefill"
+                                     and w["bootstrap_port"] == port and w["routable"]), timeout=2,
+                   interval=0.05, message="the new role and port on the other replicas")
+    assert time.monotonic() - converted < 2
+    print(f"the other replicas route the converted server {time.monotonic() - converted:.3f} s after the answer")
+
+    # a weight update with abort_all_requests at replica 2: after it returns, nobody answers on the old weights
+    status, answer = await r2.call("/update_weights_from_disk", {
+        "model_path": "sim/tiny-llama-v2", "weight_version": "v2", "abort_all_requests": True,
+        "retry_aborted": True})
+    returned = time.monotonic()
+    assert status == 200 and answer["weight_version"] == "v2", answer
+    assert [w["success"] for w in answer["workers"]] == [True] * 4
+    await wait_for(lambda: {a.replica for a in load.answers if a.sent > returned} == {0, 1, 2}, timeout=20)
+
+    # a worker added at replica 3 (on the fleet's weights: one on others is not routed): routed by the others
+    # within 2 s
+    extra = fleet.decode[2]
+    async with r3.session.post(extra.url + "/update_weights_from_disk",
+                               json={"model_path": "sim/tiny-llama-v2", "weight_version": "v2"}) as resp:
+        assert resp.status == 200
+    status, answer = await r3.call("/workers", {"url": extra.url, "worker_type": "decode"})
+    added = time.monotonic()
+    assert status == 200, answer
+    await wait_for(lambda: all_agree([r1, r2], extra.url, lambda w: w["routable"]), timeout=2, interval=0.05,
+                   message="the added worker is routable on the other replicas")
+    assert time.monotonic() - added < 2
+    print(f"the other replicas route the added worker {time.monotonic() - added:.3f} s after the answer")
+    await wait_for(lambda: all_agree([r1, r2], extra.url, lambda w: w["requests_total"] > 0), timeout=10,
+                   interval=0.1, message="the other replicas route the added worker")
+
+    answers = await load.finish()
+    assert load.failed() == [], load.failed()[:5]
+    late = [a for a in answers if a.ended > returned]
+    assert late and {a.weight_version for a in late} == {"v2"}, "an answer on the old weights after the update"
+    assert {a.replica for a in late} == {0, 1, 2}
+    views = await asyncio.gather(*(fleet_view(r) for r in (r1, r2, r3)))
+    assert views[0] == views[1] == views[2] and len(views[0]) == 5
+
+
+async def test_a_killed_replicas_conversion_is_taken_over_and_a_restarted_replica_agrees(cluster):
+    r1, r2, r3 = await cluster.start(3)
+    fleet = cluster.fleet
+    handle = fleet.decode[1]
+    # a request of replica 1 held on the server (~3 s of decoding), so that its drain waits
+    long = {**BODY, "sampling_params": {"max_new_tokens": 600, "temperature": 0}}
+    held: list[asyncio.Task] = []
+    while (await worker_view(r1, handle.url))["inflight"] == 0:
+        held.append(asyncio.ensure_future(r1.session.post(r1.url + "/generate", json=long)))
+        await asyncio.sleep(0.05)
+    load = cluster.load([r2, r3])
+    status, record = await r1.call("/admin/workers/" + handle.url + "/convert", {"wait": False})
+    assert status == 202, record
+    await wait_for(lambda: all_agree([r2, r3], handle.url, lambda w: w["state"] == "draining"), timeout=2,
+                   interval=0.05, message="the others stopped routing to the draining server")
+    await r1.kill()  # SIGKILL: its lease is left to expire
+    killed = time.monotonic()
+    await wait_for(lambda: all_agree([r2, r3], handle.url, lambda w: w["state"] == "active"
+                                     and w["role"] == "decode" and w["routable"]), timeout=15, interval=0.1,
+                   message="the others agree on the server's live role and route it")
+    taken_over_in = time.monotonic() - killed
+    print(f"taken over and routed by the others {taken_over_in:.2f} s after the kill")
+    assert taken_over_in < 15
+    routed = (await worker_view(r2, handle.url))["requests_total"] + (await worker_view(r3, handle.url))["requests_total"]
+    await wait_for(lambda: _routed_more(r2, r3, handle.url, routed), timeout=10, interval=0.1,
+                   message="routed again")
+    views = [await get(r, "/admin/cluster") for r in (r2, r3)]
+    taken = [t for view in views for t in view["taken_over"]]
+    assert [(t["kind"], t["outcome"]) for t in taken] == [("conversion", "restored")], taken
+    assert (await fleet.state(handle))["counters"]["role_switches"] == 0
+
+    # replica 1 started again (same flags, same port): it agrees with the others within 3 s of serving
+    launched = time.monotonic()
+    await r1.start()
+    serving = time.monotonic()
+    await wait_for(lambda: _same_views(r1, r2), timeout=3, interval=0.05, message="the restarted replica agrees")
+    assert time.monotonic() - serving < 3
+    print(f"the restarted replica agreed {time.monotonic() - serving:.2f} s after serving "
+          f"({time.monotonic() - launched:.2f} s after its launch)")
+    await load.finish()
+    assert load.failed() == [], load.failed()[:5]
+    for task in held:
+        task.cancel()
+    await asyncio.gather(*held, return_exceptions=True)
+
+
+async def test_a_killed_replicas_weight_update_is_taken_over_from_the_servers_live_versions(cluster):
+    r1, r2, r3 = await cluster.start(3)
+    fleet = cluster.fleet
+    for handle in fleet.workers[:4]:  # each server takes 2 s to load new weights
+        await fleet.set_faults(handle, update_delay_s=2.0)
+    load = cluster.load([r2, r3])
+    await wait_for(lambda: {a.replica for a in load.answers} == {0, 1}, timeout=20)
+    update = asyncio.ensure_future(r1.call("/update_weights_from_disk", {
+        "model_path": "sim/tiny-llama-v2", "weight_version": "v2"}))
+
+    async def updating() -> bool:
+        operations = (await get(r2, "/admin/cluster"))["operations"]
+        return [(o["kind"], o["step"]) for o in operations] == [("update_weights_from_disk", "update")]
+
+    await wait_for(updating, timeout=10, interval=0.02, message="the update reaches its update step")
+
+    async def loading() -> bool:
+        return all([(await fleet.state(h))["weight_lock"]["writer"] for h in fleet.workers[:4]])
+
+    await wait_for(loading, timeout=10, interval=0.02, message="every server is loading the new weights")
+    await r1.kill()
+    killed = time.monotonic()
+    update.cancel()
+    await asyncio.gather(update, return_exceptions=True)
+
+    async def taken_over() -> bool:
+        views = await asyncio.gather(get(r2, "/weight_updates"), get(r3, "/weight_updates"))
+        return all(v["fleet_weight_version"] == "v2" and v["admission"]["open"] for v in views)
+
+    await wait_for(taken_over, timeout=15, interval=0.1, message="the others serve v2, admission open again")
+    print(f"update taken over {time.monotonic() - killed:.2f} s after the kill")
+    after = time.monotonic()
+    await wait_for(lambda: sum(a.sent > after for a in load.answers) >= 8, timeout=20)
+    answers = await load.finish()
+    assert load.failed() == [], load.failed()[:5]
+    assert {a.weight_version for a in answers if a.sent > after} == {"v2"}
+    taken = [t for r in (r2, r3) for t in (await get(r, "/admin/cluster"))["taken_over"]]
+    assert [(t["kind"], t["outcome"]) for t in taken] == [("update_weights_from_disk", "succeeded")], taken
+    states = [await fleet.state(h) for h in fleet.workers[:4]]
+    assert [state["weight_version"] for state in states] == ["v2"] * 4
+
+
+async def _routed_more(r2, r3, url: str, before: int) -> bool:
+    views = await asyncio.gather(worker_view(r2, url), worker_view(r3, url))
+    return sum(v["requests_total"] for v in views) > before
+
+
+async def _same_views(a: RouterProcess, b: RouterProcess) -> bool:
+    return await fleet_view(a) == await fleet_view(b)
+
+
+async def test_etcd_stopped_and_started_again_under_load_fails_no_request(cluster):
+    routers = await cluster.start(3)
+    load = cluster.load(routers)
+    await wait_for(lambda: {a.replica for a in load.answers} == {0, 1, 2}, timeout=20)
+    await cluster.etcd.stop()
+    stopped = time.monotonic()
+    status, answer = await routers[0].call("/admin/workers/" + cluster.fleet.decode[0].url + "/convert", {})
+    assert status == 503 and answer["error"]["type"] == "unavailable", answer
+    served = len(load.answers)
+    # longer than the leases' TTL: every replica loses its lease, and joins again once etcd is back
+    await wait_for(lambda: time.monotonic() - stopped > TTL + 1 and len(load.answers) > served + 10, timeout=20)
+    await cluster.etcd.start()
+
+    async def rejoined() -> bool:
+        views = await asyncio.gather(*(get(r, "/admin/cluster") for r in routers))
+        return all(v["etcd"]["reachable"] and v["lease"]["id"] and v["watch"]["connected"]
+                   and v["lease"]["joins"] == 2 for v in views)
+
+    await wait_for(rejoined, timeout=15, interval=0.1, message="every replica joined again")
+    await load.finish()
+    assert load.failed() == [], load.failed()[:5]
+    assert len(load.answers) > served
+    status, record = await routers[1].call("/admin/workers/" + cluster.fleet.decode[0].url + "/convert", {})
+    assert status == 200, record
+    await wait_for(lambda: all_agree(routers, cluster.fleet.decode[0].url, lambda w: w["role"] == "prefill"),
+                   timeout=2, interval=0.05)
