@@ -174,8 +174,11 @@ class Watch:
                     raise _StreamEnded(str(error.get("message") if isinstance(error, dict) else error))
                 return message.get("result", message)
             try:
-                # readany() gives up nothing when cancelled, so a timeout here loses no byte of the stream
-                chunk = await asyncio.wait_for(response.content.readany(), self.probe_interval)
+                # readany() gives up nothing when cancelled, so a timeout here loses no byte of the stream. Not
+                # asyncio.wait_for: on 3.11 it returns the result when a cancellation comes as the bytes do,
+                # swallowing the cancellation (the replica's shutdown then waited for ever on this task).
+                async with asyncio.timeout(self.probe_interval):
+                    chunk = await response.content.readany()
             except TimeoutError:
                 if not await self.client.healthy(self.endpoint, timeout=min(2.0, self.probe_interval)):
                     raise _StreamEnded("the endpoint failed its health probe") from None

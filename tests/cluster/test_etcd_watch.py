@@ -164,3 +164,32 @@ async def test_closing_the_client_ends_its_watches(etcd):
     await client.close()
     await asyncio.wait_for(watch.task, 5.0)  # the iteration stopped
     assert watch.events == [] and not watch.watch.connected
+
+
+async def test_a_watch_cancelled_as_an_event_arrives_still_ends(etcd_client):
+    """Cancelling the task that iterates a watch ends it even when the cancellation comes with an event's bytes
+    (the replicas of one host stop at once, each seeing the others leave): a swallowed cancellation left a
+    replica's shutdown waiting for ever. The cancellation is sent 0-11 loop turns after a put, three times each."""
+    swallowed = []
+    for turns in range(12):
+        for _ in range(3):
+            watch = etcd_client.watch("/race")
+
+            async def iterate(watch=watch):
+                async for _ in watch:
+                    pass
+
+            task = asyncio.create_task(iterate())
+            await wait_for(lambda: watch.connected, timeout=10)
+            await etcd_client.put("/race", b"x")
+            for _ in range(turns):
+                await asyncio.sleep(0)  # one loop turn each: where the event's bytes are, not a wait
+            task.cancel()
+            done, _ = await asyncio.wait({task}, timeout=1.0)
+            if not done:
+                swallowed.append(turns)
+                await watch.close()
+                task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            await watch.close()
+    assert not swallowed, f"cancellations swallowed after {swallowed} loop turns"
