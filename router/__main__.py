@@ -49,6 +49,8 @@ def serve(argv: list[str] | None = None) -> int:
     if place is not None and not supervisor.die_with_supervisor(place):
         logger.error("replica %d: its supervisor (pid %d) is gone; not serving", place.index, place.supervisor_pid)
         return 1
+    if place is not None and config.prometheus_port is not None:  # one metrics port per replica of the host
+        config = config.with_(prometheus_port=config.prometheus_port + place.index)
     replica = ReplicaInfo(place=place)
     app = create_app(config, replica=replica)
     logger.info("pd-router on %s:%d%s: %d prefill, %d decode; policies %s/%s", config.host, config.port,
@@ -65,24 +67,41 @@ def serve(argv: list[str] | None = None) -> int:
 
 
 def supervise(argv: list[str], config) -> int:
-    """`--replicas N`: start N routers on one port and keep them running (router/server/supervisor.py)."""
+    """`--replicas N`: start N routers on one port and keep them running (router/server/supervisor.py), with a
+    private etcd for them when no --etcd-endpoints is given (router/server/private_etcd.py)."""
     import asyncio
     import os
 
     from router.server.supervisor import Supervisor, reserve_port
 
+    etcd, etcd_errors = None, ()
+    if config.cluster.enabled and config.etcd_data_dir is not None:
+        print("pd-router: error: --etcd-data-dir is for the private etcd of --replicas N; with --etcd-endpoints "
+              "the replicas use that etcd", file=sys.stderr)
+        return 2
+    if not config.cluster.enabled:
+        from router.cluster.etcd_process import EtcdStartError
+        from router.server.private_etcd import PrivateEtcd, PrivateEtcdMissing
+
+        etcd_errors = (EtcdStartError,)
+        try:
+            etcd = PrivateEtcd(config.etcd_data_dir, config.replicas)
+        except PrivateEtcdMissing as exc:
+            print(f"pd-router: error: {exc}", file=sys.stderr)
+            return 2
     try:
         reserved = reserve_port(config.host, config.port)
     except OSError as exc:
         logger.error("cannot serve on %s:%d: %s", config.host, config.port, exc)
         return 1
-    logger.info("pd-router supervisor (pid %d): %d replicas on %s:%d", os.getpid(), config.replicas,
-                config.host, config.port)
-    if not config.cluster.enabled:
-        logger.warning("the replicas do not share the fleet's state (no --etcd-endpoints): a conversion, a weight "
-                       "update or a worker added at one of them is not seen by the others")
+    logger.info("pd-router supervisor (pid %d): %d replicas on %s:%d, cluster %r (%s)", os.getpid(),
+                config.replicas, config.host, config.port, config.cluster.name,
+                "a private etcd" if etcd is not None else "etcd at " + " ".join(config.cluster.etcd_endpoints))
     try:
-        return asyncio.run(Supervisor(argv, config.replicas, metrics_port=config.prometheus_port).run())
+        return asyncio.run(Supervisor(argv, config.replicas, etcd=etcd).run())
+    except etcd_errors as exc:
+        logger.error("supervisor: the private etcd did not start: %s", exc)
+        return 1
     finally:
         for sock in reserved:
             sock.close()

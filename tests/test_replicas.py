@@ -1,6 +1,7 @@
 """`--replicas N`: a supervisor and N router processes serving one port (SO_REUSEPORT), as real processes in
 front of a simulated fleet: connections spread over the children, a killed child is restarted, SIGTERM stops
-them all gracefully, and the supervisor's death takes its children with it."""
+them all gracefully, and the supervisor's death takes its children with it. (Their cluster, through the
+supervisor's private etcd or a given one: tests/cluster/test_replicas_on_one_host.py.)"""
 
 from __future__ import annotations
 
@@ -24,6 +25,12 @@ REPLICAS = 2
 GRACE_S = 4.0
 EXIT_SLACK_S = 2.0  # the interpreters' own exits after the routers have closed everything
 START_S = 60.0  # children import the router on a loaded 2-core machine
+
+
+def replica_flags(tmp_path) -> list[str]:
+    """The private etcd's data under the test's directory: a test that ends by SIGKILLing the supervisor
+    (which leaves a temporary data directory behind) leaves nothing in /tmp."""
+    return ["--replicas", str(REPLICAS), "--etcd-data-dir", str(tmp_path / "etcd")]
 
 
 def free_ports_in_a_row(count: int) -> int:
@@ -88,7 +95,7 @@ def alive(pid: int) -> bool:
 
 async def test_children_share_the_port_each_a_replica_in_its_own_process_group_and_connections_spread(tmp_path):
     async with Fleet(1, 1, **SIM) as fleet, \
-            RouterProcess(fleet, "--replicas", str(REPLICAS), log_path=tmp_path / "router.log") as router, \
+            RouterProcess(fleet, *replica_flags(tmp_path), log_path=tmp_path / "router.log") as router, \
             fresh_connections() as session:
         children = await all_children(session, router.url)
         supervisor = router.proc.pid
@@ -112,7 +119,7 @@ async def test_children_share_the_port_each_a_replica_in_its_own_process_group_a
 async def test_a_killed_child_is_restarted_and_serves_again(tmp_path):
     metrics_port = free_ports_in_a_row(REPLICAS)
     async with Fleet(1, 1, **SIM) as fleet, \
-            RouterProcess(fleet, "--replicas", str(REPLICAS), "--prometheus-port", str(metrics_port),
+            RouterProcess(fleet, *replica_flags(tmp_path), "--prometheus-port", str(metrics_port),
                           log_path=tmp_path / "router.log") as router, \
             fresh_connections() as session:
         before = await all_children(session, router.url)
@@ -141,7 +148,7 @@ async def test_a_killed_child_is_restarted_and_serves_again(tmp_path):
 
 async def test_sigterm_stops_every_child_gracefully_and_the_supervisor_exits_0_within_the_grace(tmp_path):
     async with Fleet(1, 2, **SIM) as fleet, \
-            RouterProcess(fleet, "--replicas", str(REPLICAS), "--shutdown-grace-secs", str(GRACE_S),
+            RouterProcess(fleet, *replica_flags(tmp_path), "--shutdown-grace-secs", str(GRACE_S),
                           log_path=tmp_path / "router.log") as router, \
             fresh_connections() as session:
         children = await all_children(session, router.url)
@@ -167,7 +174,7 @@ async def test_sigterm_stops_every_child_gracefully_and_the_supervisor_exits_0_w
 
 async def test_a_killed_supervisor_takes_its_children_with_it(tmp_path):
     async with Fleet(1, 1, **SIM) as fleet, \
-            RouterProcess(fleet, "--replicas", str(REPLICAS), log_path=tmp_path / "router.log") as router, \
+            RouterProcess(fleet, *replica_flags(tmp_path), log_path=tmp_path / "router.log") as router, \
             fresh_connections() as session:
         children = await all_children(session, router.url)
         router.send(signal.SIGKILL)
@@ -179,7 +186,7 @@ async def test_a_killed_supervisor_takes_its_children_with_it(tmp_path):
 
 async def test_a_port_already_taken_is_refused_once_by_the_supervisor(tmp_path):
     async with Fleet(1, 1, **SIM) as fleet:
-        router = RouterProcess(fleet, "--replicas", str(REPLICAS), log_path=tmp_path / "router.log")
+        router = RouterProcess(fleet, *replica_flags(tmp_path), log_path=tmp_path / "router.log")
         with socket.socket() as squatter, open(router.log_path, "wb") as log:
             squatter.bind(("127.0.0.1", router.port))
             squatter.listen(1)

@@ -1,8 +1,11 @@
 """router/server/supervisor.py's parts: a child's place from its environment, the restart back-off, the port
-reservation, and `--replicas` on the command line. (The processes themselves: tests/test_replicas.py.)"""
+reservation, `--replicas` on the command line, and the supervisor with stand-in children (shell scripts in
+place of `python -m router`). (Routers as its children: tests/test_replicas.py.)"""
 
 from __future__ import annotations
 
+import asyncio
+import signal
 import socket
 
 import pytest
@@ -10,7 +13,9 @@ import pytest
 from router.core.config import ConfigError
 from router.server.cli import config_from_args
 from router.server.supervisor import (REPLICA_ENV, RESTART_BACKOFF_S, STABLE_AFTER_S, Child, ReplicaPlace,
-                                      replica_place, reserve_port)
+                                      Supervisor, replica_place, reserve_port)
+
+from .helpers import wait_for
 
 
 def test_a_child_reads_its_place_and_a_router_started_directly_has_none():
@@ -89,3 +94,48 @@ def test_with_replicas_each_serves_metrics_on_its_own_port_so_the_ports_must_fit
     with pytest.raises(ConfigError, match="would reach 65536"):
         config_from_args(["--replicas", "2", "--prometheus-port", "65535"], env={})
     config_from_args(["--port", "9001", "--prometheus-port", "9000"], env={})  # alone: one metrics port
+
+
+async def test_a_child_refusing_its_command_line_stops_them_all_rather_than_restarting_it(tmp_path):
+    """Exit status 2 is a refused command line: the same one would be refused again, forever."""
+    refusing = tmp_path / "python"
+    refusing.write_text("#!/bin/sh\necho 'pd-router: error: no' >&2\nexit 2\n")
+    refusing.chmod(0o755)
+    supervisor = Supervisor(["--port", "1"], 2, python=str(refusing))
+    assert await asyncio.wait_for(supervisor.run(), 30) == 2
+    assert [child.starts for child in supervisor.children] == [1, 1]
+    assert supervisor.refused in (0, 1)
+
+
+async def test_a_child_ending_on_its_own_is_started_again(tmp_path):
+    """The second start of this stand-in serves until it is signalled (SIGTERM ends it with status 0)."""
+    marker = tmp_path / "started-once"
+    flaky = tmp_path / "python"
+    flaky.write_text(f"#!/bin/sh\nif [ -e {marker} ]; then exec sleep 60; fi\ntouch {marker}\nexit 1\n")
+    flaky.chmod(0o755)
+    supervisor = Supervisor([], 1, python=str(flaky))
+    running = asyncio.ensure_future(supervisor.run())
+    child = supervisor.children[0]
+    await wait_for(lambda: child.starts == 2, timeout=10)
+    supervisor._on_signal(signal.SIGTERM)
+    # sleep died of the SIGTERM, as a router still starting (no handlers yet, nothing in flight): a clean stop
+    assert await asyncio.wait_for(running, 10) == 0
+    assert child.exit_code == -signal.SIGTERM
+
+
+async def test_a_child_that_fails_its_shutdown_makes_the_supervisor_exit_1(tmp_path):
+    failing = tmp_path / "python"
+    failing.write_text(f"#!/bin/sh\ntrap 'kill $!; exit 3' TERM\ntouch {tmp_path}/trapped.$$\nsleep 60 &\nwait\n")
+    failing.chmod(0o755)
+    supervisor = Supervisor([], 2, python=str(failing))
+    running = asyncio.ensure_future(supervisor.run())
+    await wait_for(lambda: len(list(tmp_path.glob("trapped.*"))) == 2, timeout=10)  # both trap SIGTERM now
+    supervisor._on_signal(signal.SIGTERM)
+    assert await asyncio.wait_for(running, 10) == 1
+    assert [child.exit_code for child in supervisor.children] == [3, 3]
+
+
+def test_an_etcd_data_dir_is_for_the_private_etcd_of_several_replicas():
+    assert config_from_args(["--replicas", "2", "--etcd-data-dir", "/x"], env={}).etcd_data_dir == "/x"
+    with pytest.raises(ConfigError, match="--etcd-data-dir is for the private etcd of --replicas N"):
+        config_from_args(["--etcd-data-dir", "/x"], env={})

@@ -294,6 +294,8 @@ class RouterConfig:
             found.append("--rl-fanout-concurrency must be at least 1")
         if self.replicas < 1:
             found.append(f"--replicas must be at least 1, got {self.replicas}")
+        if self.etcd_data_dir is not None and self.replicas < 2:
+            found.append("--etcd-data-dir is for the private etcd of --replicas N (N > 1)")
         if self.replicas > 1 and self.prometheus_port is not None:
             # each replica serves its own /metrics on the next port: --prometheus-port + its index
             last = self.prometheus_port + self.replicas - 1

@@ -3,7 +3,9 @@
 Why processes: a router is one event loop on one core; N replicas use N cores. Each child is a whole router
 (`python -m router` with the supervisor's command line) that binds the port with SO_REUSEPORT: the kernel
 spreads new connections over the children's accept queues, and a connection stays with the child that
-accepted it. The children are replicas of one cluster, sharing the fleet through etcd (docs/CLUSTER.md).
+accepted it. The children are replicas of one cluster, sharing the fleet through etcd (docs/CLUSTER.md): the
+one `--etcd-endpoints` names, else a private one the supervisor starts first and stops last
+(router/server/private_etcd.py).
 
 The supervisor serves nothing itself. It
 - reserves the port (`reserve_port`: a port already taken fails once, here, rather than in every child over
@@ -12,7 +14,8 @@ The supervisor serves nothing itself. It
 - forwards SIGTERM/SIGINT to every child: the first starts each child's graceful shutdown
   (`--shutdown-grace-secs`), a second makes them hurry, a third ends them at once;
 - restarts a child that ends on its own (a crash, an OOM kill) after a back-off that doubles from
-  `RESTART_BACKOFF_S[0]` to `[1]`, back to the shortest once a child has run `STABLE_AFTER_S`;
+  `RESTART_BACKOFF_S[0]` to `[1]`, back to the shortest once a child has run `STABLE_AFTER_S`; a child that
+  refuses its command line (exit status 2) would refuse it again: the supervisor stops them all, exit 2;
 - exits once every child has ended after a signal: 0 when each of them exited 0.
 
 A child learns its place from `REPLICA_ENV` ("index/count/supervisor-pid"); it asks the kernel to send it
@@ -32,7 +35,10 @@ import socket
 import sys
 import time
 from dataclasses import dataclass
-from typing import Mapping, Sequence
+from typing import TYPE_CHECKING, Mapping, Sequence
+
+if TYPE_CHECKING:
+    from router.server.private_etcd import PrivateEtcd
 
 logger = logging.getLogger("router.supervisor")
 
@@ -40,6 +46,7 @@ REPLICA_ENV = "PD_ROUTER_REPLICA"
 RESTART_BACKOFF_S = (0.5, 30.0)
 STABLE_AFTER_S = 60.0
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+USAGE_ERROR = 2  # a router's exit status when its command line is refused (argparse's too)
 
 _PR_SET_PDEATHSIG = 1
 
@@ -143,31 +150,52 @@ class Child:
 
 class Supervisor:
     def __init__(self, argv: Sequence[str], count: int, *, child_args: Sequence[str] = (),
-                 metrics_port: int | None = None, python: str = sys.executable) -> None:
-        """`argv`: the command line the children run (`python -m router ARGV CHILD_ARGS`); `metrics_port`:
-        `--prometheus-port`, which child i serves on `metrics_port + i` (one port each: a scrape of a shared
-        port would reach any one of them)."""
+                 etcd: PrivateEtcd | None = None, python: str = sys.executable) -> None:
+        """`argv`: the command line the children run (`python -m router ARGV CHILD_ARGS`); `etcd`: a private
+        etcd to start first (the children are given its URL), keep running, and stop after them."""
         self.argv = list(argv)
         self.child_args = list(child_args)
         self.count = count
-        self.metrics_port = metrics_port
+        self.etcd = etcd
         self.python = python
         self.children = [Child(i) for i in range(count)]
         self.signals: list[signal.Signals] = []
         self.stopping = asyncio.Event()
+        self.refused: int | None = None  # a child that exited USAGE_ERROR: its command line is refused
 
     async def run(self) -> int:
         loop = asyncio.get_running_loop()
         for signum in STOP_SIGNALS:
             loop.add_signal_handler(signum, self._on_signal, signum)
+        keeper = None
         try:
-            for child in self.children:
-                await self._start(child)
-            await asyncio.gather(*(self._keep(child) for child in self.children))
+            if self.etcd is not None:
+                self.child_args += ["--etcd-endpoints", await self.etcd.start()]
+                keeper = asyncio.ensure_future(self.etcd.keep(self.stopping))
+            if not self.stopping.is_set():
+                for child in self.children:
+                    await self._start(child)
+                await asyncio.gather(*(self._keep(child) for child in self.children if child.process is not None))
+            return self._outcome()
         finally:
+            self.stopping.set()  # the children have all ended: the etcd keeper ends too
+            if keeper is not None:
+                await keeper
+            if self.etcd is not None:
+                await self.etcd.close()
             for signum in STOP_SIGNALS:
                 loop.remove_signal_handler(signum)
-        failed = [f"replica {c.index} exited {c.exit_code}" for c in self.children if c.exit_code]
+
+    def _outcome(self) -> int:
+        if self.refused is not None:
+            logger.error("supervisor: every replica stopped: replica %d refused its command line (exit status 2; "
+                         "its log says why), so none is started again", self.refused)
+            return 2
+        # a child that died of the very signal forwarded to it was still starting (its handlers not installed
+        # yet): it had nothing in flight, so that is a clean stop too
+        clean = {0, *(-signum for signum in self.signals)}
+        failed = [f"replica {c.index} exited {c.exit_code}" for c in self.children
+                  if c.exit_code is not None and c.exit_code not in clean]
         if failed:
             logger.warning("supervisor: every replica stopped (%s)", ", ".join(failed))
             return 1
@@ -175,11 +203,14 @@ class Supervisor:
         return 0
 
     def _on_signal(self, signum: signal.Signals) -> None:
+        logger.info("supervisor: %s (#%d): forwarding it to %d replica(s)", signal.Signals(signum).name,
+                    len(self.signals) + 1, sum(c.process is not None and c.process.returncode is None
+                                               for c in self.children))
+        self._stop_all(signum)
+
+    def _stop_all(self, signum: signal.Signals) -> None:
         self.signals.append(signal.Signals(signum))
         self.stopping.set()
-        name = signal.Signals(signum).name
-        logger.info("supervisor: %s (#%d): forwarding it to %d replica(s)", name, len(self.signals),
-                    sum(c.process is not None and c.process.returncode is None for c in self.children))
         for child in self.children:
             self._send(child, signum)
 
@@ -193,9 +224,8 @@ class Supervisor:
     async def _start(self, child: Child) -> None:
         place = ReplicaPlace(child.index, self.count, os.getpid())
         env = {**os.environ, REPLICA_ENV: place.env_value()}
-        own = ["--prometheus-port", str(self.metrics_port + child.index)] if self.metrics_port is not None else []
         child.process = await asyncio.create_subprocess_exec(
-            self.python, "-m", "router", *self.argv, *self.child_args, *own, env=env,
+            self.python, "-m", "router", *self.argv, *self.child_args, env=env,
             stdin=asyncio.subprocess.DEVNULL, process_group=0)  # its own group: Ctrl-C is forwarded once, by us
         child.started = time.monotonic()
         child.starts += 1
@@ -213,6 +243,11 @@ class Supervisor:
                 logger.info("supervisor: replica %d (pid %d) exited %d", child.index, child.pid, code)
                 return
             ran_s = time.monotonic() - child.started
+            if code == USAGE_ERROR:  # the same command line would be refused again: stop them all
+                self.refused = child.index
+                child.exit_code = code
+                self._stop_all(signal.SIGTERM)
+                return
             wait = child.next_backoff(ran_s)
             logger.error("supervisor: replica %d (pid %d) ended on its own after %.1f s (%s); restarting it in "
                          "%.1f s", child.index, child.pid, ran_s, _describe_exit(code), wait)
