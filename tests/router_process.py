@@ -59,8 +59,12 @@ class RouterProcess:
             except aiohttp.ClientError:
                 return False
 
-        await wait_for(ready, timeout=START_TIMEOUT_S, interval=0.02 if not serving else 0.1,
-                       message="the router to serve" if serving else "the router's port to answer")
+        try:
+            await wait_for(ready, timeout=START_TIMEOUT_S, interval=0.02 if not serving else 0.1,
+                           message="the router to serve" if serving else "the router's port to answer")
+        except BaseException:  # `async with` runs no __aexit__ when entering fails: leave no process behind
+            await self.__aexit__(None, None, None)
+            raise
         return self
 
     async def kill(self) -> None:

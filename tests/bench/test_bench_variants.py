@@ -45,19 +45,24 @@ def test_a_variant_is_compared_with_plain_pd_router_and_the_peers():
 
 @pytest.mark.skipif(shutil.which("wrk") is None or shutil.which("nginx", path="/usr/sbin:/usr/bin") is None,
                     reason="nginx and wrk not installed (python -m bench.setup)")
-def test_ceiling_run_with_a_two_replica_variant(tmp_path):
+def test_ceiling_run_with_a_two_replica_variant_and_a_cluster_variant(tmp_path):
     out = tmp_path / "result.json"
     done = subprocess.run(
         [sys.executable, "-m", "bench.routers", "--setup", "ceiling", "--routers", "pd-router",
-         "--variant", "x2=--replicas 2", "--concurrency", "8", "--duration", "1", "--warmup", "0",
+         "--variant", "x2=--replicas 2", "--variant", "cluster=--etcd-endpoints {etcd} --cluster-name bench",
+         "--concurrency", "8", "--duration", "1", "--warmup", "0",
          "--interleave", "--out", str(out)],
         cwd=REPO_ROOT, capture_output=True, text=True, timeout=180)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     result = orjson.loads(out.read_text())
     best = {r["router"]: r for r in result["best"]}
-    assert set(best) == {"direct", "pd-router", "x2"}
-    assert best["x2"]["errors"] == 0 and best["x2"]["rps"] > 0
-    assert best["x2"]["router_cpu_ms_per_req"] > 0  # the supervisor's whole tree is metered
-    assert result["variants"] == {"x2": ["--replicas", "2"]}
-    assert any(r["router"] == "x2" and r["vs"] == "pd-router" for r in result["ratios"])
-    assert "x2 vs pd-router" in done.stdout
+    assert set(best) == {"direct", "pd-router", "x2", "cluster"}
+    for name in ("x2", "cluster"):
+        assert best[name]["errors"] == 0 and best[name]["rps"] > 0
+        assert best[name]["router_cpu_ms_per_req"] > 0  # x2: the supervisor's whole tree is metered
+        assert any(r["router"] == name and r["vs"] == "pd-router" for r in result["ratios"])
+        assert f"{name} vs pd-router" in done.stdout
+    assert result["variants"]["x2"] == ["--replicas", "2"]
+    (etcd_flag, endpoint, *_) = result["variants"]["cluster"]  # {etcd}: the etcd this run started
+    assert etcd_flag == "--etcd-endpoints" and endpoint.startswith("http://127.0.0.1:")
+    assert "# etcd " in done.stdout
