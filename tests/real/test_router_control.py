@@ -149,7 +149,8 @@ def test_pause_and_continue(router, fleet, mode):
     assert status == 200 and answer["output_ids"] == reference(fleet)
     if mode != "abort":
         last = final_event(running.join(timeout=120))
-        assert last["meta_info"]["finish_reason"]["type"] == "length"
+        # the reason in full: an abort here names its origin (seen once under load: not reproduced in 22 runs)
+        assert last["meta_info"]["finish_reason"]["type"] == "length", last["meta_info"]["finish_reason"]
         assert last["meta_info"]["num_retractions"] == (1 if mode == "retract" else 0)
         # Nothing lost or repeated across the pause: the full length, and what was streamed before continue is
         # the reference's. Beyond that, exact identity of a long output is not asserted: on this tiny random
