@@ -134,6 +134,10 @@ async def run(args: argparse.Namespace) -> dict:
                                 raise RuntimeError(f"bootstrap ports {ports}, the server reports {port}")
                         print(orjson.dumps(change).decode(), flush=True)
                         changes.append(change)
+            except BaseException:
+                for replica in replicas:  # what each replica logged, for the failure's cause
+                    print(f"# ---- {replica.name} log tail\n{replica.log_tail(6000)}", file=sys.stderr)
+                raise
             finally:
                 await asyncio.gather(*(r.stop() for r in replicas))
     summary = summarize(changes, baseline)

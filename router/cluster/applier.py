@@ -60,7 +60,8 @@ class Applier:
                 continue
             if self.publisher.pending(change.key):
                 continue  # changed here meanwhile: the publisher's swap decides which of the two stands
-            self.publisher.seen(change.key, change.new.mod_revision if change.new is not None else 0)
+            mod_revision = change.new.mod_revision if change.new is not None else 0
+            self.publisher.seen(change.key, mod_revision, change.revision)
             record = decode(change.new.value) if change.new is not None else None
             if kind == "worker":
                 workers[name] = record
@@ -80,7 +81,7 @@ class Applier:
         """One key as etcd has it (a change of this replica that lost)."""
         kind, name = self.keys.kind_of(key)
         record = decode(kv.value) if kv is not None else None
-        self.publisher.seen(key, kv.mod_revision if kv is not None else 0)
+        self.publisher.seen(key, kv.mod_revision if kv is not None else 0, as_of=None)  # read just now
         with self._applying():
             if kind == "worker":
                 self._apply_versions({name: record}, None)

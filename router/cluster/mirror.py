@@ -31,6 +31,7 @@ class Change:
     key: str
     old: KeyValue | None  # None: the key is new
     new: KeyValue | None  # None: the key was deleted
+    revision: int  # when etcd held this: the put's or the delete's revision (a reload's, for a key gone)
 
 
 Listener = Callable[[list[Change]], None]
@@ -86,9 +87,9 @@ class Mirror:
         """Read the whole prefix at one revision; tell the differences with what was kept as changes."""
         snapshot = await self.client.get_prefix(self.prefix)
         fresh = {kv.key: kv for kv in snapshot.kvs}
-        changes = [Change(key, self.kvs.get(key), kv) for key, kv in fresh.items()
+        changes = [Change(key, self.kvs.get(key), kv, kv.mod_revision) for key, kv in fresh.items()
                    if self.kvs.get(key) != kv]
-        changes += [Change(key, kv, None) for key, kv in self.kvs.items() if key not in fresh]
+        changes += [Change(key, kv, None, snapshot.revision) for key, kv in self.kvs.items() if key not in fresh]
         if self.loaded:
             self.reloads += 1
         self.kvs = fresh
@@ -137,12 +138,12 @@ class Mirror:
                 if old is None:
                     continue
                 del self.kvs[event.key]
-                changes.append(Change(event.key, old, None))
+                changes.append(Change(event.key, old, None, event.mod_revision))
             else:
                 new = KeyValue(event.key, event.value, event.create_revision, event.mod_revision, event.version,
                                event.lease)
                 self.kvs[event.key] = new
-                changes.append(Change(event.key, old, new))
+                changes.append(Change(event.key, old, new, event.mod_revision))
             self.revision = max(self.revision, event.mod_revision)
         self.last_event_at = time.monotonic()
         self._tell(changes)

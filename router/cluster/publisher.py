@@ -71,7 +71,10 @@ class Publisher:
         self.converge: Callable[[str, KeyValue | None], None] = lambda key, kv: None
         self._dirty: dict[str, None] = {}  # keys to write, in the order they changed
         self._written: dict[str, int] = {}  # key -> the revision of this replica's last write of it
-        self._seen: dict[str, int] = {}  # key -> the revision of the record this replica last applied
+        # key -> (the record's mod revision, 0 when absent; the revision at which etcd held that): what this
+        # replica's state of the key is based on, i.e. the compare of its next swap. The newest wins, whether
+        # applied or written here: a record deleted after this replica wrote it is a swap from "absent" again.
+        self._base: dict[str, tuple[int, int]] = {}
         self._deleted: set[str] = set()  # records this replica deleted itself (a removed worker)
         self._writing = False
         self._wake = asyncio.Event()
@@ -110,10 +113,18 @@ class Publisher:
         """The watch brings back this replica's own write."""
         return self._written.get(key) == revision
 
-    def seen(self, key: str, revision: int) -> None:
-        """The applier made the registry say what etcd said at `revision` (0: the key is gone): a change made
-        here from now on is based on it (the compare-and-swap's revision)."""
-        self._seen[key] = revision
+    def seen(self, key: str, mod_revision: int, as_of: int | None) -> None:
+        """The applier made the registry say what etcd held at revision `as_of` (None: read just now, newer
+        than anything known here): the record at `mod_revision` (0: the key is gone). A change made here from
+        now on is based on it (the compare-and-swap's revision), unless this replica already knows a newer
+        state of the key (a late event older than its own write)."""
+        if as_of is None:
+            as_of = max(mod_revision, self._base.get(key, (0, 0))[1])
+        self._rebase(key, mod_revision, as_of)
+
+    def _rebase(self, key: str, mod_revision: int, as_of: int) -> None:
+        if as_of >= self._base.get(key, (0, 0))[1]:
+            self._base[key] = (mod_revision, as_of)
 
     async def flush(self, timeout: float) -> None:
         """Until every change noted so far is written (or refused and undone); ServiceUnavailable at timeout."""
@@ -196,6 +207,7 @@ class Publisher:
     def _wrote(self, writes: list[_Write], revision: int) -> None:
         for write in writes:
             self._written[write.key] = revision
+            self._rebase(write.key, revision if write.value is not None else 0, revision)
         self.writes += len(writes)
 
     def _undo(self, key: str, current: KeyValue | None) -> None:
@@ -209,7 +221,7 @@ class Publisher:
         """What to write for a noted key, under which condition; None when etcd already says it."""
         current = self.mirror.get(key)
         # what this replica's state is based on: the record it last applied, or its own last write of it
-        base = max(self._seen.get(key, 0), self._written.get(key, 0))
+        base = self._base.get(key, (0, 0))[0]
         kind, name = self.keys.kind_of(key)
         if kind == "fleet":
             value = self.fleet_now()

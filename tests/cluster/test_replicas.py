@@ -108,6 +108,14 @@ async def test_a_worker_added_at_one_replica_is_routed_by_the_other_and_removed_
     status, answer = await a.call("DELETE", f"/workers/{extra.url}")
     assert status == 200, answer
     await wait_for(lambda: b.worker(extra) is None, timeout=2, message="removed everywhere")
+    # added again where it was first added: that replica's own old write of the record is no longer what
+    # etcd holds (the other deleted it since), and the new record is created, not refused as a lost race
+    status, answer = await b.call("POST", "/workers", {"url": extra.url, "worker_type": "decode"})
+    assert status == 200, answer
+    await wait_for(lambda: a.worker(extra) is not None and a.worker(extra).routable, timeout=2,
+                   message="the other replica routes the worker added again")
+    assert b.worker(extra) is not None and b.worker(extra).routable
+    assert b.cluster.publisher.refused == 0
 
 
 # ---- one operation, every replica's requests -----------------------------------------------------------------
