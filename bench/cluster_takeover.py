@@ -139,19 +139,31 @@ async def one_kill(scenario: str, session, fleet: Fleet, replicas: list[RouterRe
     lease_gone = await leases.ended(victim_id)
     switched = None
     if scenario == "switch":
-        await wait_until(lambda: _role_is(fleet, target, "prefill"), "the server reporting prefill")
-        switched = time.monotonic()
-        new_port = (await fleet.state(target))["bootstrap_port"]
-        done = lambda view: (view is not None and view["role"] == "prefill" and view["routable"]
-                             and view["bootstrap_port"] == new_port)
+        # The kill may land after the step was recorded but before the switch call left the victim: then the
+        # server stays decode and the taker-over rolls back. Either way every survivor must route the server
+        # as it reports itself.
+        await wait_until(lambda: _switch_settled(fleet, target), "the server's switch settling")
+        state = await fleet.state(target)
+        if state["role"] == "prefill":
+            switched = time.monotonic()
+        done = lambda view: (view is not None and view["role"] == state["role"] and view["routable"]
+                             and view["bootstrap_port"] == state["bootstrap_port"])
     else:
         done = lambda view: view is not None and view["role"] == "decode" and view["routable"]
     seen = await seen_by_all(session, survivors, target.url, done, poll_s=POLL_S, timeout=TIMEOUT_S)
     routed = max(seen.values())
     since = max(lease_gone, switched or 0.0)
-    return {"scenario": scenario, "victim": victim.name, "lease_gone_ms": round((lease_gone - killed) * 1e3),
+    outcome = "decode" if scenario == "drain" else ("switched" if switched else "never switched")
+    return {"scenario": scenario, "victim": victim.name, "server": outcome,
+            "lease_gone_ms": round((lease_gone - killed) * 1e3),
             "server_switched_ms": round((switched - killed) * 1e3) if switched else None,
             "routed_by_all_ms": round((routed - killed) * 1e3), "takeover_ms": round((routed - since) * 1e3)}
+
+
+async def _switch_settled(fleet: Fleet, handle) -> bool:
+    """The server switched to prefill, or is not switching (the call never reached it)."""
+    state = await fleet.state(handle)
+    return state["role"] == "prefill" or not state.get("switching", False)
 
 
 async def _step_is(session, observer, url: str, step: str) -> bool:

@@ -46,6 +46,7 @@ class SimApi:
             "sglang_version": worker.config.sglang_version,
             "faults": worker.faults.faults.as_dict(),
             "convert_waiting_for_idle": bool(worker.role_switcher and worker.role_switcher.waiting_for_idle),
+            "switching": worker.engine.switch_in_progress,
         })
         return json_response(snap)
 
