@@ -335,7 +335,7 @@ class EtcdCoordinator:
             held = result.responses[0].kvs[0] if result.responses and result.responses[0].kvs else None
             raise Conflict(f"worker {worker.url}: {self._holder(held)} is running on it; wait for it to end",
                            cluster=self.keys.name)
-        self.publisher.deleted(key)
+        self.publisher.deleted(key, result.revision)
         self.status.saw(True)
 
     async def close(self) -> None:

@@ -101,9 +101,11 @@ class Publisher:
     def note_fleet(self) -> None:
         self.note(self.keys.fleet)
 
-    def deleted(self, key: str) -> None:
-        """This replica deleted the record itself (`remove_worker`): the local removal needs no write."""
+    def deleted(self, key: str, revision: int) -> None:
+        """This replica deleted the record itself (`remove_worker`) at `revision`: the local removal needs no
+        write, and a record created here later is a swap from "absent"."""
         self._deleted.add(key)
+        self._rebase(key, 0, revision)
 
     def pending(self, key: str) -> bool:
         """A change of this key made here is not written yet (the watch's older value must not undo it)."""
@@ -235,9 +237,12 @@ class Publisher:
         else:
             return None
         if current is not None and value is not None and same(decode(current.value), value):
+            self._rebase(key, current.mod_revision, self.mirror.revision)  # etcd says it already
             return None
         if value is None and (current is None or key in self._deleted):
             self._deleted.discard(key)
+            if current is None:
+                self._rebase(key, 0, self.mirror.revision)
             return None
         fence = self.fence_for(key)
         if fence is not None:

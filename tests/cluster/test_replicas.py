@@ -115,6 +115,15 @@ async def test_a_worker_added_at_one_replica_is_routed_by_the_other_and_removed_
     await wait_for(lambda: a.worker(extra) is not None and a.worker(extra).routable, timeout=2,
                    message="the other replica routes the worker added again")
     assert b.worker(extra) is not None and b.worker(extra).routable
+    # removed and added again at one replica, with no pause between for its watch to bring the deletion back
+    for _ in range(3):
+        status, answer = await b.call("DELETE", f"/workers/{extra.url}")
+        assert status == 200, answer
+        status, answer = await b.call("POST", "/workers", {"url": extra.url, "worker_type": "decode"})
+        assert status == 200, answer
+        await wait_for(lambda: a.worker(extra) is not None and a.worker(extra).routable, timeout=2,
+                       message="the other replica routes the worker removed and added again")
+        assert b.worker(extra) is not None and b.worker(extra).routable
     assert b.cluster.publisher.refused == 0
 
 
