@@ -56,8 +56,8 @@ class Applier:
             kind, name = self.keys.kind_of(change.key)
             if kind not in ("worker", "fleet"):
                 continue
-            if change.new is not None and self.publisher.echo(change.key, change.new.mod_revision):
-                continue
+            if self.publisher.known(change.key, change.revision):
+                continue  # its own write coming back, or older than what this replica wrote since
             if self.publisher.pending(change.key):
                 continue  # changed here meanwhile: the publisher's swap decides which of the two stands
             mod_revision = change.new.mod_revision if change.new is not None else 0

@@ -70,7 +70,6 @@ class Publisher:
         self.locked_elsewhere: Callable[[str], bool] = lambda key: False
         self.converge: Callable[[str, KeyValue | None], None] = lambda key, kv: None
         self._dirty: dict[str, None] = {}  # keys to write, in the order they changed
-        self._written: dict[str, int] = {}  # key -> the revision of this replica's last write of it
         # key -> (the record's mod revision, 0 when absent; the revision at which etcd held that): what this
         # replica's state of the key is based on, i.e. the compare of its next swap. The newest wins, whether
         # applied or written here: a record deleted after this replica wrote it is a swap from "absent" again.
@@ -111,9 +110,11 @@ class Publisher:
         """A change of this key made here is not written yet (the watch's older value must not undo it)."""
         return key in self._dirty
 
-    def echo(self, key: str, revision: int) -> bool:
-        """The watch brings back this replica's own write."""
-        return self._written.get(key) == revision
+    def known(self, key: str, revision: int) -> bool:
+        """This replica's state of the key is already as of `revision` or newer: the watch brings back its own
+        write, or one of its earlier writes after a later one (a conversion writes each of its states; the
+        watch may lag behind), which must not take the registry back."""
+        return revision <= self._base.get(key, (0, 0))[1]
 
     def seen(self, key: str, mod_revision: int, as_of: int | None) -> None:
         """The applier made the registry say what etcd held at revision `as_of` (None: read just now, newer
@@ -208,7 +209,6 @@ class Publisher:
 
     def _wrote(self, writes: list[_Write], revision: int) -> None:
         for write in writes:
-            self._written[write.key] = revision
             self._rebase(write.key, revision if write.value is not None else 0, revision)
         self.writes += len(writes)
 

@@ -13,6 +13,10 @@ import pytest
 
 from router.cluster.etcd import EtcdClient
 from router.cluster.etcd_process import EtcdProcess, find_etcd_binary
+from simulator.fleet import Fleet
+
+from .processes import Cluster
+from .replicas import SIM
 
 
 def require_etcd_binary() -> None:
@@ -42,3 +46,15 @@ async def etcd():
 async def etcd_client(etcd):
     async with EtcdClient(etcd.endpoints, timeout=5.0) as client:
         yield client
+
+
+@pytest.fixture
+async def cluster(etcd, tmp_path):
+    """etcd, a simulated 2P+3D fleet, and router processes started with `await cluster.start(n)`."""
+    fleet = await Fleet(2, 3, **{**SIM, "decode_step_s": 0.005}).start()
+    cluster = Cluster(etcd, fleet, tmp_path)
+    try:
+        yield cluster
+    finally:
+        await cluster.close()
+        await fleet.stop()

@@ -12,6 +12,7 @@ import time
 
 import pytest
 
+from router.cluster.keys import decode
 from router.core.keys import COORDINATOR, REBALANCER, WEIGHTS
 from router.core.registry import Role, WorkerState
 from simulator.fleet import Fleet
@@ -125,6 +126,25 @@ async def test_a_worker_added_at_one_replica_is_routed_by_the_other_and_removed_
                        message="the other replica routes the worker removed and added again")
         assert b.worker(extra) is not None and b.worker(extra).routable
     assert b.cluster.publisher.refused == 0
+
+
+async def test_a_replicas_own_earlier_write_arriving_late_from_the_watch_does_not_take_it_back(replicas, fleet):
+    """A conversion writes each of its states; a watch that lags may bring one back after the next was written:
+    the replica that wrote both keeps the newer (it once went back to `verifying` as decode and stayed so)."""
+    a, = await replicas(1)
+    handle = fleet.decode[1]
+    key = a.cluster.keys.worker(handle.url)
+    delivered = []
+    a.cluster.mirror.listeners.append(lambda changes: delivered.extend(c for c in changes if c.key == key))
+    status, record = await a.call("POST", f"/admin/workers/{handle.url}/convert", {})
+    assert status == 200 and record["outcome"] == "converted", record
+    await wait_for(lambda: a.cluster.publisher.pending_count == 0 and len(delivered) >= 2, timeout=2,
+                   message="the conversion's writes came back")
+    earlier = [c for c in delivered if c.new is not None and decode(c.new.value)["role"] == "decode"]
+    assert earlier, [decode(c.new.value) for c in delivered if c.new is not None]
+    a.cluster.applier.on_changes([earlier[0]])  # as a lagging watch would deliver it now
+    worker = a.worker(handle)
+    assert (worker.role, worker.state, worker.routable) == (Role.PREFILL, WorkerState.ACTIVE, True)
 
 
 # ---- one operation, every replica's requests -----------------------------------------------------------------
