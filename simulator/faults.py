@@ -27,6 +27,9 @@ class Faults:
     conversion_failure: str | None = None  # role switch fails: "safe" (unchanged) or "unsafe" (broken)
     update_failure: bool = False  # weight updates answer 400 and change nothing
     update_delay_s: float = 0.0  # weight updates take this long once they hold the lock
+    # the next /pd_role_switch call (one) waits this long before the server looks at it (a slow network, a
+    # busy HTTP front); dropped if its client leaves meanwhile: it never reached the scheduler
+    switch_arrival_delay_s: float = 0.0
     bootstrap_unreachable: bool = False  # the bootstrap listener answers 503 to KV pulls
 
     def __post_init__(self) -> None:

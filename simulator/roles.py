@@ -58,6 +58,7 @@ class RoleSwitcher:
         self.waiting_for_idle = False  # a /convert_pd_role with check_idle false is waiting for the drain
         self.patched_conversion: dict | None = None  # --api patched: the conversion in progress
         worker.role_switcher = self
+        self.arriving = 0  # switch calls held by the switch_arrival_delay_s fault
 
     # ------------------------------------------------------------ 0.5.23
 
@@ -67,6 +68,8 @@ class RoleSwitcher:
                              200 if success else 400)
 
     async def pd_role_switch(self, request: web.Request) -> web.Response:
+        if not await self._arrived(request):
+            return web.Response(status=499)  # nobody reads it: its client is gone
         body = await read_json(request, handler="pd_role_switch")
         if is_response(body):
             return body
@@ -111,6 +114,22 @@ class RoleSwitcher:
         finally:
             engine.switch_in_progress = False
         return self._answer(True, "ok", old, new, False)
+
+    async def _arrived(self, request: web.Request) -> bool:
+        """After the `switch_arrival_delay_s` fault: False when the caller left meanwhile."""
+        faults = self.worker.faults.faults
+        delay, faults.switch_arrival_delay_s = faults.switch_arrival_delay_s, 0.0  # one call's
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + delay
+        self.arriving += delay > 0
+        try:
+            while loop.time() < deadline:
+                if request.transport is None or request.transport.is_closing():
+                    return False
+                await asyncio.sleep(0.01)  # a cadence: a closed connection says nothing to a waiting handler
+            return True
+        finally:
+            self.arriving -= delay > 0
 
     def _reject_reason(self, new: str) -> tuple[str, bool] | None:
         engine = self.engine

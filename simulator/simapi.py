@@ -47,6 +47,7 @@ class SimApi:
             "faults": worker.faults.faults.as_dict(),
             "convert_waiting_for_idle": bool(worker.role_switcher and worker.role_switcher.waiting_for_idle),
             "switching": worker.engine.switch_in_progress,
+            "switch_calls_arriving": worker.role_switcher.arriving if worker.role_switcher else 0,
         })
         return json_response(snap)
 

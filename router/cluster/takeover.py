@@ -9,7 +9,9 @@ server's live state, within a few seconds of the owner's death (its lease's TTL)
   back to its pool, active (or to the pool of the role the server reports, if someone else switched it);
 - conversion in its switch (step `switch`): the server may still be switching; its live role is read until it
   reports the new role (active there, with its live bootstrap port) or the switch's deadline passes (back
-  in its old pool if it reports the old role and answers /health, else `failed` with the reason);
+  in its old pool if it reports the old role and answers /health, else `failed` with the reason). A 0.5.23
+  server that reports its old role is asked whether a switch is running (`prepare_only`, which changes
+  nothing): if not, the owner died before its call reached it, and it goes back to its old pool at once;
 - weight update: every server's live version is read; the fleet serves the version chosen from them (one a
   prefill and a decode server hold, the most common first), servers on another one are held out (`weights`),
   and the update's hold on admission is released;
@@ -39,6 +41,7 @@ from router.core.routability import HoldKind, choose_fleet_version
 
 logger = logging.getLogger(__name__)
 
+PD_ROLE_SWITCH = "pd_role_switch"  # the switch API of 0.5.23 servers (LiveState.switch_api)
 UPDATE_KINDS = frozenset({"update_weights_from_disk", "update_weights_from_distributed",
                           "update_weights_from_tensor", "update_weight_version"})
 POLL_S = 0.2
@@ -157,6 +160,12 @@ class Takeover:
         deadline = time.monotonic() + float(details.get("switch_timeout_s") or DEFAULT_SWITCH_S)
         live = await read_live_state(self.upstream, url)
         while live.role is not new and time.monotonic() < deadline:
+            if live.role is old and await self._no_switch_running(url, live, new):
+                # the owner died between recording the step and its call: nothing changed on the server
+                self._restore(worker, old, live, f"{why} before its switch reached the server: back in the "
+                                                 f"{old} pool")
+                return "restored", (f"{why} before its switch reached the server (it reports role {old} and "
+                                    f"no switch running); {url} is back in the {old} pool")
             # a polling cadence: the server says nothing when its switch ends
             await asyncio.sleep(POLL_S)
             live = await read_live_state(self.upstream, url)
@@ -170,6 +179,22 @@ class Takeover:
                   f"remove it")
         self.registry.set_state(worker, WorkerState.FAILED, reason)
         return "failed", reason
+
+    async def _no_switch_running(self, url: str, live: LiveState, new: Role) -> bool:
+        """Whether a 0.5.23 server is not switching now, asked without changing anything: `prepare_only`
+        runs every check of a switch (another switch in progress first) and stops there. A server that takes
+        requests one after another answers after a switch under way, "already in target role": running.
+        Servers of the convert API cannot tell: the taker-over waits for them as before."""
+        if live.switch_api != PD_ROLE_SWITCH:
+            return False
+        reply = await self.upstream.post(url, "/pd_role_switch", {"new_role": new.value, "prepare_only": True},
+                                         timeout=HEALTH_TIMEOUT)
+        answer = reply.data if isinstance(reply.data, dict) else {}
+        if reply.status == 200:
+            return answer.get("success") is True and answer.get("message") == "ready"
+        # refused before anything changed (busy, a check failed), but not because a switch is running
+        return (reply.status == 400 and answer.get("safe_to_restore") is True
+                and "in progress" not in str(answer.get("message", "")))
 
     def _activate(self, worker: Worker, live: LiveState, role: Role, reason: str) -> tuple[str, str]:
         port = live.bootstrap_port if role is Role.PREFILL else None

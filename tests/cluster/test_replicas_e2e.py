@@ -120,6 +120,40 @@ async def test_a_killed_replicas_conversion_is_taken_over_and_a_restarted_replic
     await asyncio.gather(*held, return_exceptions=True)
 
 
+async def test_a_replica_killed_before_its_recorded_switch_reached_the_server_is_rolled_back_at_once(cluster):
+    """The owner records the `switch` step, then calls the server; killed between the two, the server never
+    switches. The taker-over asks the server whether a switch runs (without changing anything) instead of
+    waiting out the switch's deadline (minutes), and puts it back in its pool within the lease's TTL."""
+    r1, r2, r3 = await cluster.start(3)
+    fleet = cluster.fleet
+    handle = fleet.decode[1]
+    await fleet.set_faults(handle, switch_arrival_delay_s=60)  # r1's switch call is still on its way when it dies
+    status, record = await r1.call("/admin/workers/" + handle.url + "/convert", {"wait": False})
+    assert status == 202, record
+
+    async def step_seen() -> bool:
+        ops = (await get(r2, "/admin/cluster"))["operations"]
+        return any(op.get("scope") == f"worker/{handle.url}" and op.get("step") == "switch" for op in ops)
+
+    await wait_for(step_seen, timeout=5, interval=0.02, message="the conversion at its switch step")
+    await wait_for(lambda: _arriving(fleet, handle), timeout=5, interval=0.02, message="r1's switch call sent")
+    await r1.kill()
+    killed = time.monotonic()
+    await wait_for(lambda: all_agree([r2, r3], handle.url, lambda w: w["state"] == "active"
+                                     and w["role"] == "decode" and w["routable"]), timeout=15, interval=0.1,
+                   message="the others put the server back in its pool")
+    assert time.monotonic() - killed < TTL + 5  # the lease's end and one question, not the switch's deadline
+    taken = [t for r in (r2, r3) for t in (await get(r, "/admin/cluster"))["taken_over"]]
+    assert [(t["kind"], t["outcome"]) for t in taken] == [("conversion", "restored")], taken
+    assert "before its switch reached the server" in taken[0]["message"], taken
+    state = await fleet.state(handle)
+    assert state["role"] == "decode" and state["counters"]["role_switches"] == 0
+
+
+async def _arriving(fleet, handle) -> bool:
+    return (await fleet.state(handle))["switch_calls_arriving"] == 1
+
+
 async def test_a_killed_replicas_weight_update_is_taken_over_from_the_servers_live_versions(cluster):
     r1, r2, r3 = await cluster.start(3)
     fleet = cluster.fleet

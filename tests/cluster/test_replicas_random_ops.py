@@ -3,8 +3,9 @@ replica must route every server as the server itself reports (role, bootstrap po
 gone everywhere, and no request may fail.
 
 The calls: a conversion (now and then the same one at two replicas at once: one runs, the other answers 409),
-a spare decode server added or removed, pause at one replica and continue at another, a weight update, and a
-replica restarted (SIGTERM, then a new process that joins from etcd). Seeded: a failure names its seed and
+a spare decode server added or removed, pause at one replica and continue at another, a weight update, a
+replica restarted (SIGTERM, then a new process that joins from etcd), a replica SIGKILLed a random moment
+into a conversion it runs (another completes or rolls it back), and etcd restarted (stopped or killed). Seeded: a failure names its seed and
 step, and `PDR_RANDOM_OPS_SEED` / `PDR_RANDOM_OPS_STEPS` replay or lengthen a run.
 """
 
@@ -24,7 +25,8 @@ from .processes import Cluster, worker_view
 STEPS = int(os.environ.get("PDR_RANDOM_OPS_STEPS", "24"))
 SEED = int(os.environ.get("PDR_RANDOM_OPS_SEED", "14"))
 AGREE_TIMEOUT_S = 10.0
-KINDS = ("convert", "convert", "convert_at_two", "spare", "pause", "update", "restart")
+KINDS = ("convert", "convert", "convert_at_two", "spare", "pause", "update", "restart", "kill", "etcd_restart")
+TAKEOVER_TIMEOUT_S = 15.0  # issue 14: the others agree on a killed replica's server within 15 s
 
 
 async def call(router, method: str, path: str, body: dict | None = None) -> tuple[int, dict | None]:
@@ -51,8 +53,8 @@ async def disagreements(cluster: Cluster, routers, members: list[WorkerHandle], 
     return found
 
 
-async def until_agreed(cluster, routers, members, removed, what: str) -> None:
-    deadline = time.monotonic() + AGREE_TIMEOUT_S
+async def until_agreed(cluster, routers, members, removed, what: str, timeout: float = AGREE_TIMEOUT_S) -> None:
+    deadline = time.monotonic() + timeout
     while found := await disagreements(cluster, routers, members, removed):
         assert time.monotonic() < deadline, f"{what}: replicas disagree with the servers: {found}"
         await asyncio.sleep(0.05)  # the poll interval of a wait with a deadline
@@ -68,12 +70,37 @@ async def test_random_control_calls_at_random_replicas_keep_every_replica_on_the
         model_path = (await resp.json())["model_path"]
     load = cluster.load(routers, per_replica=1)
     steps: list[tuple[float, str]] = []  # when each began: a failed request is shown beside them
+
+    async def move_load_off(at: int) -> None:
+        """Its client's request under way ends and the next goes elsewhere, as a balancer would do."""
+        load.urls[at] = routers[(at + 1) % 3].url
+        moved = time.monotonic()
+        await wait_for(lambda: any(a.replica == at and a.sent > moved for a in load.answers), timeout=10,
+                       message="the load moved off the replica")
+
     for step in range(STEPS):
         kind, at = rng.choice(KINDS), rng.randrange(3)
         what = f"seed {SEED} step {step}: {kind} at replica {at}"
         steps.append((time.monotonic(), what))
         router = routers[at]
-        if kind in ("convert", "convert_at_two"):
+        agree_within = AGREE_TIMEOUT_S
+        if kind == "kill":
+            roles = {h.url: (await fleet.state(h))["role"] for h in members}
+            handle = rng.choice(members)
+            if list(roles.values()).count(roles[handle.url]) < 2:
+                continue
+            await move_load_off(at)
+            status, answer = await call(router, "POST", f"/admin/workers/{quote(handle.url, safe='')}/convert",
+                                        {"mode": "drain", "wait": False})
+            assert status == 202, (what, answer)
+            await asyncio.sleep(rng.uniform(0, 0.08))  # the kill's moment, chosen at random (not a wait)
+            await router.kill()
+            routers[at] = (await cluster.start(1))[0]
+            load.urls[at] = routers[at].url
+            agree_within = TAKEOVER_TIMEOUT_S
+        elif kind == "etcd_restart":
+            await cluster.etcd.restart(kill=rng.random() < 0.5)
+        elif kind in ("convert", "convert_at_two"):
             roles = {h.url: (await fleet.state(h))["role"] for h in members}
             handle = rng.choice(members)
             if list(roles.values()).count(roles[handle.url]) < 2:
@@ -112,18 +139,14 @@ async def test_random_control_calls_at_random_replicas_keep_every_replica_on_the
                                          "abort_all_requests": rng.random() < 0.5, "retry_aborted": True})
             assert status == 200 and answer["success"], (what, answer)
         else:  # restart: the load moves to the others first, so no request meets a stopping replica
-            load.urls[at] = routers[(at + 1) % 3].url
-            moved = time.monotonic()
-            # its client's request under way ended (a later one went elsewhere): a balancer would have moved off
-            await wait_for(lambda: any(a.replica == at and a.sent > moved for a in load.answers), timeout=10,
-                           message="the load moved off the replica")
+            await move_load_off(at)
             router.send()  # SIGTERM: what it serves ends first
             assert await router.exited(30) == 0, what
             await router.__aexit__(None, None, None)
             routers[at] = (await cluster.start(1))[0]
             load.urls[at] = routers[at].url
         await until_agreed(cluster, routers, members + ([spare] if spare_in else []),
-                           [] if spare_in else [spare], what)
+                           [] if spare_in else [spare], what, agree_within)
     answers = await load.finish()
     failed = [(a, [w for t, w in steps if t <= a.ended][-2:]) for a in load.failed()]
     assert answers and not failed, failed[:5]
