@@ -108,3 +108,17 @@ def test_decode_reaches_a_server_back_in_prefill_after_a_round_trip(pd_pair):
     _convert_ok(p, "prefill")
     after = pd_generate(p.url, d.url, p.bootstrap_port, PROMPTS[0], timeout=30)
     assert output_ids(after) == before
+
+
+def test_a_prepare_only_switch_answers_without_changing_anything(pd_pair):
+    """What a taker-over relies on (router/cluster/takeover.py): `prepare_only` runs a switch's checks and
+    stops; "ready" means no switch is running and the server is idle; a refused check changes nothing."""
+    p = pd_pair.prefill
+    status, answer = request_json("POST", f"{p.url}/pd_role_switch",
+                                  {"new_role": "decode", "prepare_only": True, "decode_cuda_graph_memory_gb": 0})
+    assert status == 200 and answer["success"] is True and answer["message"] == "ready", answer
+    status, answer = request_json("POST", f"{p.url}/pd_role_switch", {"new_role": "decode", "prepare_only": True})
+    assert status == 400 and answer["safe_to_restore"] is True, answer
+    assert "in progress" not in answer["message"]
+    assert live_role(p.url) == "prefill"
+    assert output_ids(pd_generate(p.url, pd_pair.decode.url, p.bootstrap_port, PROMPTS[0]))
