@@ -35,7 +35,7 @@ from urllib.parse import quote
 import aiohttp
 import orjson
 
-from bench.cluster_setup import RouterReplica, call, cluster_flags, fleet_flags, seen_by_all, worker_view
+from bench.cluster_setup import RouterReplica, call, cluster_flags, fleet_flags, report, seen_by_all, worker_view
 from bench.etcd_client import watch_delivery
 from router.cluster.etcd import EtcdClient
 from router.cluster.etcd_process import EtcdProcess
@@ -157,9 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, help="also write the summary (JSON) here")
     args = parser.parse_args(argv)
     summary = asyncio.run(run(args))
-    print(orjson.dumps(summary, option=orjson.OPT_INDENT_2).decode())
-    if args.out:
-        args.out.write_text(orjson.dumps(summary, option=orjson.OPT_INDENT_2).decode())
+    report(summary, args.out)
     return 0
 
 

@@ -131,3 +131,11 @@ def fleet_flags(prefill: list, decode: list) -> list[str]:
     for handle in decode:
         flags += ["--decode", handle.url]
     return flags
+
+
+def report(summary: dict, out: Path | None) -> None:
+    """The summary on stdout, and in `out` (JSON) when given."""
+    text = orjson.dumps(summary, option=orjson.OPT_INDENT_2).decode()
+    print(text)
+    if out:
+        out.write_text(text)

@@ -35,7 +35,7 @@ from urllib.parse import quote
 import aiohttp
 import orjson
 
-from bench.cluster_setup import RouterReplica, call, cluster_flags, fleet_flags, seen_by_all
+from bench.cluster_setup import RouterReplica, call, cluster_flags, fleet_flags, report, seen_by_all
 from router.cluster.etcd import EtcdClient
 from router.cluster.etcd_process import EtcdProcess
 from simulator.fleet import Fleet
@@ -257,9 +257,7 @@ def main(argv: list[str] | None = None) -> int:
         if scenario not in ("drain", "switch"):
             parser.error(f"unknown scenario {scenario!r}")
     summary = asyncio.run(run(args))
-    print(orjson.dumps(summary, option=orjson.OPT_INDENT_2).decode())
-    if args.out:
-        args.out.write_text(orjson.dumps(summary, option=orjson.OPT_INDENT_2).decode())
+    report(summary, args.out)
     return 0
 
 
