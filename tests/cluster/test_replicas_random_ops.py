@@ -50,6 +50,10 @@ async def disagreements(cluster: Cluster, routers, members: list[WorkerHandle], 
         for index, router in enumerate(routers):
             if await worker_view(router, handle.url) is not None:
                 found.append((index, handle.url, "still there"))
+    for index, router in enumerate(routers):  # and no operation still ending (a taker-over releases its lock last)
+        status, view = await call(router, "GET", "/admin/cluster")
+        if status != 200 or view["operations"]:
+            found.append((index, "operations running", status, view.get("operations")))
     return found
 
 
