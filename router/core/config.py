@@ -134,6 +134,21 @@ class LoadMonitorConfig:
 CLUSTER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 
 
+def etcd_endpoint_problems(flag: str, endpoints: tuple[str, ...]) -> list[str]:
+    """What is wrong with etcd client URLs given to `flag` (each must be http(s)://host:port)."""
+    found = []
+    for endpoint in endpoints:
+        try:
+            parts = urlsplit(endpoint)
+            parts.port  # noqa: B018 (raises on a bad port)
+        except ValueError as exc:
+            found.append(f"{flag}: invalid URL {endpoint!r}: {exc}")
+            continue
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            found.append(f"{flag}: {endpoint!r} must be http(s)://host:port")
+    return found
+
+
 @dataclass(frozen=True, slots=True)
 class WorkerSourcesConfig:
     """Workers listed outside the command line and the API (router/control/worker_sources.py)."""
@@ -150,15 +165,7 @@ class WorkerSourcesConfig:
             found.append(f"--discovery-file-interval-secs must be positive, got {self.file_interval_secs}")
         if self.file is not None and not self.file:
             found.append("--discovery-file must name a file")
-        for endpoint in self.etcd_endpoints:
-            try:
-                parts = urlsplit(endpoint)
-                parts.port  # noqa: B018 (raises on a bad port)
-            except ValueError as exc:
-                found.append(f"--discovery-etcd-endpoints: invalid URL {endpoint!r}: {exc}")
-                continue
-            if parts.scheme not in ("http", "https") or not parts.hostname:
-                found.append(f"--discovery-etcd-endpoints: {endpoint!r} must be http(s)://host:port")
+        found += etcd_endpoint_problems("--discovery-etcd-endpoints", self.etcd_endpoints)
         if not CLUSTER_NAME.fullmatch(self.etcd_cluster_name):
             found.append(f"--discovery-cluster-name must be letters, digits, '.', '_' or '-', "
                          f"got {self.etcd_cluster_name!r}")
@@ -180,15 +187,7 @@ class ClusterConfig:
 
     def problems(self) -> list[str]:
         found = []
-        for endpoint in self.etcd_endpoints:
-            try:
-                parts = urlsplit(endpoint)
-                parts.port  # noqa: B018 (raises on a bad port)
-            except ValueError as exc:
-                found.append(f"--etcd-endpoints: invalid URL {endpoint!r}: {exc}")
-                continue
-            if parts.scheme not in ("http", "https") or not parts.hostname:
-                found.append(f"--etcd-endpoints: {endpoint!r} must be http(s)://host:port")
+        found += etcd_endpoint_problems("--etcd-endpoints", self.etcd_endpoints)
         if not CLUSTER_NAME.fullmatch(self.name):
             found.append(f"--cluster-name must be letters, digits, '.', '_' or '-', got {self.name!r}")
         if not 2 <= self.lease_ttl_secs <= 300:
