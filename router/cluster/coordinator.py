@@ -348,6 +348,3 @@ class EtcdCoordinator:
         found = [decode(kv.value) for kv in self.mirror.under(self.keys.ops)]
         return sorted((r for r in found if r.get("state") == "running"), key=lambda r: r.get("started_at", 0))
 
-    def releases_pending(self) -> int:
-        return len(self._releasing)
-

@@ -183,3 +183,15 @@ def test_an_etcd_data_dir_beside_etcd_endpoints_is_refused():
                           env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=60)
     assert done.returncode == 2, done.stderr
     assert "--etcd-data-dir is for the private etcd of --replicas N; with --etcd-endpoints" in done.stderr
+
+
+def test_bad_cluster_flags_are_refused_together_before_anything_starts():
+    done = subprocess.run([sys.executable, "-m", "router", "--port", "30997", "--etcd-endpoints", "ftp://e1:2379",
+                           "http://e2:notaport", "--cluster-name", "a/b", "--etcd-lease-ttl-secs", "1"], cwd=REPO,
+                          env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2, done.stderr
+    for problem in ("--etcd-endpoints: 'ftp://e1:2379' must be http(s)://host:port",
+                    "--etcd-endpoints: invalid URL 'http://e2:notaport'",
+                    "--cluster-name must be letters, digits", "--etcd-lease-ttl-secs must be in 2..300, got 1"):
+        assert problem in done.stderr, done.stderr
+    assert "serving on" not in done.stderr + done.stdout
