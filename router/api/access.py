@@ -28,7 +28,8 @@ from aiohttp import web
 
 from router.core.config import RouterConfig
 from router.core.allowlists import CallerAllowList
-from router.core.errors import Forbidden, PayloadTooLarge, Unauthorized, parse_json_object
+from router.core.errors import Forbidden, Unauthorized, parse_json_object
+from router.core.request_body import read_bounded
 from router.core.request_shape import GENERATE_ROUTES
 
 
@@ -99,24 +100,6 @@ def key_matches(token: bytes | None, keys: Iterable[bytes]) -> bool:
 LARGE_ADMIN_BODIES = frozenset({"/update_weights_from_tensor", "/v1/rl/engine/update_weights_from_tensor"})
 
 
-async def read_bounded(request: web.Request, limit: int, flag: str) -> bytes:
-    """The body, or 413 as soon as it is known to be over `limit` bytes (from Content-Length before reading
-    anything, else while reading), so an oversized body is never buffered whole."""
-    if request.content_length is not None and request.content_length > limit:
-        raise _too_large(request, limit, flag)
-    chunks, size = [], 0
-    async for chunk in request.content.iter_any():
-        size += len(chunk)
-        if size > limit:
-            raise _too_large(request, limit, flag)
-        chunks.append(chunk)
-    return b"".join(chunks)
-
-
-def _too_large(request: web.Request, limit: int, flag: str) -> PayloadTooLarge:
-    return PayloadTooLarge(f"{request.method} {request.path}: the body is over {limit} bytes ({flag})", limit=limit)
-
-
 async def checked_json_body(request: web.Request, config: RouterConfig) -> dict | None:
     """A control call's body: None when empty, a dict when a JSON object, else 400; 413 when over its bound."""
     if not request.body_exists:
@@ -124,9 +107,10 @@ async def checked_json_body(request: web.Request, config: RouterConfig) -> dict 
     limits = config.admission
     if request.match_info.route.resource.canonical in LARGE_ADMIN_BODIES \
             or limits.max_payload_size <= limits.max_admin_payload_size:  # the app's bound is the tighter one
-        raw = await read_bounded(request, limits.max_payload_size, "--max-payload-size")
+        limit, flag = limits.max_payload_size, "--max-payload-size"
     else:
-        raw = await read_bounded(request, limits.max_admin_payload_size, "--max-admin-payload-size")
+        limit, flag = limits.max_admin_payload_size, "--max-admin-payload-size"
+    raw = await read_bounded(request, limit, flag)
     return parse_json_object(raw) if raw.strip() else None
 
 

@@ -94,7 +94,10 @@ def json_response(body, status: int = 200, headers: dict | None = None) -> web.R
 
 
 def error_response(error: RouterError) -> web.Response:
-    return json_response(error.body(), status=error.status, headers=error.headers)
+    response = json_response(error.body(), status=error.status, headers=error.headers)
+    if error.status == 413:
+        response.force_close()  # the rest of an oversized body is not read (aiohttp would drain it first)
+    return response
 
 
 @web.middleware

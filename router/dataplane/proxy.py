@@ -22,6 +22,7 @@ from policies import Policy, RequestInfo
 from router.core.config import RouterConfig
 from router.core.errors import GatewayTimeout, RouterError, ServiceUnavailable, parse_json_object
 from router.core.records import RequestObserver, RequestRecord
+from router.core.request_body import check_declared_size
 from router.core.registry import Registry, Role, Worker
 from router.core.request_shape import assign_rid, inject_bootstrap, prompt_text, shape_of
 from router.dataplane.aborts import abort_response
@@ -68,12 +69,13 @@ class Proxy:
         self._needs_text = prefill_policy.needs_text or decode_policy.needs_text
         self._timeout = config.request_timeout_secs
         self._retry = config.retry
+        self._max_payload = config.admission.max_payload_size
 
     # ---- entry point -----------------------------------------------------------------------------
     async def handle(self, request: web.Request, route: str, upstream_path: str) -> web.StreamResponse:
         record = RequestRecord(route=route, stream=False, started=time.monotonic())
         try:
-            body = parse_json_object(await request.read())
+            body = await self._read_body(request)
             shape = shape_of(route, body)
             record.stream = shape.stream
             forwarded = {h: v for h in FORWARDED_HEADERS if (v := request.headers.get(h)) is not None}
@@ -116,6 +118,11 @@ class Proxy:
             record.e2e_s = time.monotonic() - record.started
             for observe in self.request_observers:
                 observe(record)
+
+    async def _read_body(self, request: web.Request) -> dict:
+        """The client's JSON object: a declared size over --max-payload-size is 413 before a byte is read."""
+        check_declared_size(request, self._max_payload, "--max-payload-size")
+        return parse_json_object(await request.read())  # bounded by the app's client_max_size (the same limit)
 
     # ---- pair selection ----------------------------------------------------------------------------
     def select_pair(self, info: RequestInfo, avoid: set[Worker] | None = None) -> tuple[Worker, Worker]:
