@@ -4,6 +4,7 @@ import os
 
 import aiohttp
 import pytest
+from aiohttp.test_utils import TestServer
 
 from router.server.app import create_app
 from router.core.config import DISCOVER, RouterConfig, WorkerSpec
@@ -14,6 +15,9 @@ from simulator.fleet import Fleet
 from .fakes import FakeWorker
 from .sim_support import FAST
 
+# As router/server/serving.py runs the app (the test server cancels a handler whose client leaves, as it does):
+# bodies are decoded by the app. These go to the runner: `aiohttp_client(app, server_kwargs=...)` drops them.
+RUNNER_KWARGS = {"auto_decompress": False}
 REAL_TIER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "real")
 
 
@@ -67,7 +71,9 @@ async def make_router(aiohttp_client):
             decode=tuple(WorkerSpec(w.url) for w in decodes),
             **overrides,
         ).validated()
-        client = await aiohttp_client(create_app(config), server_kwargs={"handler_cancellation": True})
+        server = TestServer(create_app(config))
+        await server.start_server(**RUNNER_KWARGS)
+        client = await aiohttp_client(server)
         client.registry = client.app[REGISTRY]
         return client
 

@@ -29,7 +29,7 @@ from aiohttp import web
 from router.core.config import RouterConfig
 from router.core.allowlists import CallerAllowList
 from router.core.errors import Forbidden, Unauthorized, parse_json_object
-from router.core.request_body import read_bounded
+from router.core.request_body import check_reserializable, decode_content, read_bounded
 from router.core.request_shape import GENERATE_ROUTES
 
 
@@ -110,8 +110,12 @@ async def checked_json_body(request: web.Request, config: RouterConfig) -> dict 
         limit, flag = limits.max_payload_size, "--max-payload-size"
     else:
         limit, flag = limits.max_admin_payload_size, "--max-admin-payload-size"
-    raw = await read_bounded(request, limit, flag)
-    return parse_json_object(raw) if raw.strip() else None
+    raw = decode_content(request, await read_bounded(request, limit, flag), limit, flag)
+    if not raw.strip():
+        return None
+    body = parse_json_object(raw)
+    check_reserializable(body)  # admin bodies are small: a second pass over them costs nothing
+    return body
 
 
 def make_access_middleware(config: RouterConfig):

@@ -20,9 +20,9 @@ from aiohttp import web
 
 from policies import Policy, RequestInfo
 from router.core.config import RouterConfig
-from router.core.errors import GatewayTimeout, RouterError, ServiceUnavailable, parse_json_object
+from router.core.errors import BadRequest, GatewayTimeout, RouterError, ServiceUnavailable, parse_json_object
 from router.core.records import RequestObserver, RequestRecord
-from router.core.request_body import check_declared_size
+from router.core.request_body import NESTING_LIMIT, check_declared_size, decode_content
 from router.core.registry import Registry, Role, Worker
 from router.core.request_shape import assign_rid, inject_bootstrap, prompt_text, shape_of
 from router.dataplane.aborts import abort_response
@@ -120,9 +120,14 @@ class Proxy:
                 observe(record)
 
     async def _read_body(self, request: web.Request) -> dict:
-        """The client's JSON object: a declared size over --max-payload-size is 413 before a byte is read."""
-        check_declared_size(request, self._max_payload, "--max-payload-size")
-        return parse_json_object(await request.read())  # bounded by the app's client_max_size (the same limit)
+        """The client's JSON object: a declared size over --max-payload-size is 413 before a byte is read, the
+        body is decoded from its content coding (gzip, deflate) and bounded again once decoded."""
+        limit = self._max_payload
+        check_declared_size(request, limit, "--max-payload-size")
+        raw = await request.read()  # bounded by the app's client_max_size (the same limit) while it is read
+        if "Content-Encoding" in request.headers:
+            raw = decode_content(request, raw, limit, "--max-payload-size")
+        return parse_json_object(raw)
 
     # ---- pair selection ----------------------------------------------------------------------------
     def select_pair(self, info: RequestInfo, avoid: set[Worker] | None = None) -> tuple[Worker, Worker]:
@@ -160,8 +165,11 @@ class Proxy:
             payload_body = dict(body)
             inject_bootstrap(payload_body, shape, prefill)
             rids = assign_rid(payload_body, shape, self.config.inject_rid)
-            attempt = Attempt(prefill, decode, orjson.dumps(payload_body), rids,
-                              (prefill.abort_epoch, decode.abort_epoch))
+            try:
+                payload = orjson.dumps(payload_body)
+            except orjson.JSONEncodeError:  # read, but too deep to write back: the same on every attempt
+                raise BadRequest(f"request body is {NESTING_LIMIT}") from None
+            attempt = Attempt(prefill, decode, payload, rids, (prefill.abort_epoch, decode.abort_epoch))
             record.prefill, record.decode = prefill, decode
             record.attempts += 1
             self.live.add(attempt)

@@ -182,7 +182,8 @@ def run(app: web.Application, *, host: str, port: int, loop: asyncio.AbstractEve
     On SIGTERM/SIGINT: stop listening, `await wind_down(signals)`, then close: handlers still running get
     `shutdown_timeout` seconds before they are cancelled."""
     runner = web.AppRunner(app, handler_cancellation=True,  # a client that disconnects cancels its handler
-                           access_log=None, shutdown_timeout=shutdown_timeout)
+                           access_log=None, shutdown_timeout=shutdown_timeout,
+                           auto_decompress=False)  # the app decodes bodies itself (core/request_body.py)
     signals = StopSignals()
 
     async def serve() -> None:

@@ -5,6 +5,8 @@ Every probe is answered with a JSON error, at once, and leaves no traceback in t
 
 from __future__ import annotations
 
+import gzip
+
 import pytest
 
 from .wire import WireRouter, request
@@ -31,3 +33,25 @@ def test_a_declared_body_over_the_bound_is_refused_before_it_is_sent(wire, path)
     answer = wire.exchange(request("POST", path, Content_Length=str(10**12), Content_Type="application/json"),
                            timeout=5)
     assert_json_error(answer, 413)
+
+
+@pytest.mark.parametrize("coding, body", [("gzip", b'{"text": "x"}'), ("br", b"\x1b\x03junk"),
+                                          ("zstd", b"\x28\xb5\x2f\xfdjunk"), ("deflate", b"junk")])
+@pytest.mark.parametrize("path", ["/generate", "/v1/rl/engine/update_weights_from_disk"])
+def test_bodies_their_coding_does_not_describe_are_json_errors(wire, path, coding, body):
+    answer = wire.exchange(request("POST", path, body, Content_Encoding=coding, Content_Type="application/json"))
+    assert_json_error(answer, 400)
+
+
+def test_a_gzip_body_is_decoded_by_the_router(wire):
+    """Decoded, then judged: no worker here, so the valid request gets the router's 503 for an empty pool."""
+    body = gzip.compress(b'{"text": "hello", "sampling_params": {"max_new_tokens": 1}}')
+    answer = wire.exchange(request("POST", "/generate", body, Content_Encoding="gzip"))
+    assert answer.status == 503 and "no routable" in assert_json_error(answer, 503)["message"]
+
+
+def test_json_nested_too_deep_is_400(wire):
+    """(The generation routes judge it once a pair is chosen: test_bodies.py, with workers.)"""
+    deep = b'{"text": "x", "a": ' + b"[" * 300 + b"]" * 300 + b"}"
+    for path in ("/update_weights_from_disk", "/v1/rl/engine/pause_generation", "/workers"):
+        assert "nested deeper" in assert_json_error(wire.exchange(request("POST", path, deep)), 400)["message"]
