@@ -19,14 +19,16 @@ import asyncio
 import itertools
 import logging
 import time
-from typing import Sequence
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
 
 from router.cluster.etcd import EtcdClient
 from router.cluster.etcd_status import EtcdStatus
+from router.cluster.etcd_lease import LeaseKeeper
 from router.cluster.etcd_types import Compare, EtcdError, EtcdOutcomeUnknown, KeyValue, Op, RangeResult
 from router.cluster.keys import ClusterKeys, decode, encode
 from router.cluster.leadership import Leadership
-from router.cluster.mirror import Mirror
+from router.cluster.mirror import Change, Mirror
 from router.cluster.publisher import Fence, Publisher
 from router.cluster.replica import Membership
 from router.core.coordination import FLEET, StopAction, StopReport, Ticket
@@ -37,6 +39,23 @@ logger = logging.getLogger(__name__)
 
 HISTORY = 100  # finished operation records kept in etcd
 RELEASE_RETRY_S = 0.5
+
+
+@dataclass(eq=False)
+class _Owned:
+    """An operation this replica runs: its lock (the fence of every write for it), its record as last written,
+    and the lease both are on. It stops being this replica's the moment that lease is lost, or its lock is seen
+    deleted or another's (`ended`, with why): from then on nothing is written for it, and its waits end."""
+
+    op_id: str
+    scope: str
+    fence: Fence
+    record: dict
+    lease: LeaseKeeper
+    seq: int = 0  # its last barrier
+    finishing: bool = False  # its lock is being deleted by this replica (the deletion is no loss)
+    ended: asyncio.Event = field(default_factory=asyncio.Event)
+    why: str = ""
 
 
 class EtcdCoordinator:
@@ -56,12 +75,11 @@ class EtcdCoordinator:
         self.flush_timeout_s = flush_timeout_s
         self.me = membership.identity.id
         self._ids = itertools.count(1)
-        self._fences: dict[str, Fence] = {}  # scope -> the lock this replica holds
-        self._records: dict[str, dict] = {}  # op id -> its record as this replica last wrote it
-        self._seq: dict[str, int] = {}  # op id -> its last barrier
+        self._owned: dict[str, _Owned] = {}  # scope -> the operation this replica runs on it
         self._releasing: set[asyncio.Task] = set()
         publisher.fence_for = self.fence_for
         publisher.locked_elsewhere = self.locked_elsewhere
+        membership.on_lost.append(self._lease_lost)
 
     # ---- availability --------------------------------------------------------------------------------
     async def check_available(self, what: str) -> None:
@@ -72,11 +90,19 @@ class EtcdCoordinator:
             raise self._unavailable(what, exc) from exc
         self.status.saw(True)
 
-    def _check_lease(self, what: str) -> None:
-        if not self.membership.alive:
-            raise ServiceUnavailable(f"{what}: this replica has no etcd lease now (etcd unreachable: "
-                                     f"{self.status.last_error or 'not joined yet'}); the replicas cannot agree "
-                                     f"on a control operation, try again when etcd answers", cluster=self.keys.name)
+    def _check_lease(self, what: str) -> LeaseKeeper:
+        """The lease to act on; 503 while there is none, or it cannot be trusted (a renewal is overdue)."""
+        lease = self.membership.trusted()
+        if lease is not None:
+            return lease
+        if self.membership.alive:
+            overdue = self.membership.ttl - self.membership.lease.time_left()
+            why = (f"its etcd lease was not renewed for {overdue:.1f} s of its {self.membership.ttl} s TTL (etcd not "
+                   f"answering: {self.status.last_error or 'no answer'})")
+        else:
+            why = f"this replica has no etcd lease now (etcd unreachable: {self.status.last_error or 'not joined yet'})"
+        raise ServiceUnavailable(f"{what}: {why}; the replicas cannot agree on a control operation, try again when "
+                                 f"etcd answers", cluster=self.keys.name)
 
     def _unavailable(self, what: str, exc: EtcdError) -> ServiceUnavailable:
         self.status.saw(False, str(exc))
@@ -86,20 +112,97 @@ class EtcdCoordinator:
     def leading(self) -> bool:
         return self.leadership.leading
 
+    # ---- what this replica owns ----------------------------------------------------------------------
+    def _mine(self, scope: str) -> _Owned | None:
+        """The operation this replica runs on `scope`, while it is still this replica's."""
+        owned = self._owned.get(scope)
+        if owned is not None and not owned.lease.alive:
+            self._end(owned, f"its etcd lease ended ({owned.lease.lost_reason or 'lost'})")
+            return None
+        return owned
+
+    def _of(self, ticket: Ticket) -> _Owned | None:
+        owned = self._mine(ticket.scope)
+        return owned if owned is not None and owned.op_id == ticket.op_id else None
+
+    def _end(self, owned: _Owned, why: str) -> None:
+        """It is no longer this replica's: nothing more is written for it, its waits end (503 naming why)."""
+        if self._owned.get(owned.scope) is owned:
+            del self._owned[owned.scope]
+        if not owned.ended.is_set():
+            owned.why = why
+            owned.ended.set()
+            logger.warning("cluster: %s %s is no longer this replica's: %s", owned.record.get("kind"), owned.op_id,
+                           why)
+
+    def _lease_lost(self, lease: LeaseKeeper) -> None:
+        for owned in [o for o in self._owned.values() if o.lease is lease]:
+            self._end(owned, f"its etcd lease ended ({lease.lost_reason or 'lost'})")
+
+    def on_changes(self, changes: list[Change]) -> None:
+        """A mirror listener: a lock of this replica deleted or another's (its lease ended in etcd, or it was
+        revoked when this replica joined again) means the operation is not this replica's any more."""
+        for change in changes:
+            kind, scope = self.keys.kind_of(change.key)
+            owned = self._owned.get(scope) if kind == "lock" else None
+            if owned is None or owned.finishing or change.revision <= owned.fence.revision:
+                continue
+            if change.new is None or change.new.create_revision != owned.fence.revision:
+                self._end(owned, "its lock was deleted in etcd (its lease ended there)" if change.new is None
+                          else "its lock is another operation's now")
+
+    def lost_error(self, ticket: Ticket, why: str) -> ServiceUnavailable:
+        return ServiceUnavailable(f"{ticket.kind} {ticket.op_id}: this replica lost it ({why}); another replica "
+                                  f"takes it over (GET /admin/cluster shows it)", cluster=self.keys.name,
+                                  lost=ticket.op_id)
+
+    async def wait_lost(self, ticket: Ticket) -> ServiceUnavailable:
+        owned = self._of(ticket)
+        if owned is None:
+            return self.lost_error(ticket, "this replica no longer runs it")
+        lease, ended = asyncio.ensure_future(owned.lease.wait_lost()), asyncio.ensure_future(owned.ended.wait())
+        try:
+            await asyncio.wait((lease, ended), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            lease.cancel()
+            ended.cancel()
+        self._mine(owned.scope)  # ends it, if its lease is what ended
+        return self.lost_error(ticket, owned.why or "its etcd lease ended")
+
+    async def _wait(self, ticket: Ticket, condition: Callable[[], bool], timeout: float) -> bool:
+        """mirror.wait_for(condition, timeout), ended early (ServiceUnavailable) when the operation stops being
+        this replica's: no wait of an operation outlives its owner's lease."""
+        owned = self._of(ticket)
+        if owned is None:
+            raise self.lost_error(ticket, "this replica no longer runs it")
+        met = asyncio.ensure_future(self.mirror.wait_for(condition, timeout))
+        lost = asyncio.ensure_future(self.wait_lost(ticket))
+        try:
+            await asyncio.wait((met, lost), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            met.cancel()
+            lost.cancel()
+        if met.done() and not met.cancelled():
+            return met.result()
+        raise lost.result()
+
     # ---- locks -------------------------------------------------------------------------------------
     def fence_for(self, key: str) -> Fence | None:
         """The lock this replica holds that covers a worker's or the fleet's record."""
         kind, name = self.keys.kind_of(key)
-        if kind == "worker" and (fence := self._fences.get(f"worker/{name}")) is not None:
-            return fence
-        return self._fences.get(FLEET)
+        if kind == "worker" and (owned := self._mine(f"worker/{name}")) is not None:
+            return owned.fence
+        owned = self._mine(FLEET)
+        return owned.fence if owned is not None else None
 
     def locked_elsewhere(self, key: str) -> bool:
+        """A lock covering the record is in etcd and not this replica's (a lock of an operation this replica
+        lost counts as another's: its record stands, what this replica changed under it is undone)."""
         kind, name = self.keys.kind_of(key)
         scopes = [FLEET] + ([f"worker/{name}"] if kind == "worker" else [])
         for scope in scopes:
             kv = self.mirror.get(self.keys.lock(scope))
-            if kv is not None and self._fences.get(scope) is None:
+            if kv is not None and self._mine(scope) is None:
                 return True
         return False
 
@@ -111,29 +214,26 @@ class EtcdCoordinator:
 
     def fleet_operation_elsewhere(self) -> str | None:
         kv = self.mirror.get(self.keys.lock(FLEET))
-        if kv is None or FLEET in self._fences:
+        if kv is None or self._mine(FLEET) is not None:
             return None
         return self._holder(kv)
 
     # ---- acquire / progress / release --------------------------------------------------------------
     async def acquire(self, kind: str, scope: str, details: dict, *, wait_s: float = 0.0) -> Ticket:
-        self._check_lease(kind)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + wait_s
         lock_key = self.keys.lock(scope)
         needed = [lock_key] + ([self.keys.lock(FLEET)] if scope.startswith("worker/") else [])
         while True:
+            lease = self._check_lease(kind)  # a lease lost or overdue: refused before anything is written
             op_id = f"{self.me}.{next(self._ids)}"
             record = {"id": op_id, "kind": kind, "scope": scope, "owner": self.me, "state": "running",
                       "step": "start", "started_at": round(time.time(), 3), "details": details, "barrier": None}
             lock = {"op": op_id, "kind": kind, "replica": self.me}
-            lease = self.membership.lease_id
-            if not lease:
-                raise ServiceUnavailable(f"{kind}: this replica has no etcd lease now", cluster=self.keys.name)
             try:
                 result = await self.client.txn(
                     [Compare.absent(key) for key in needed],
-                    [Op.put(lock_key, encode(lock), lease=lease), Op.put(self.keys.op(op_id), encode(record))],
+                    [Op.put(lock_key, encode(lock), lease=lease.id), Op.put(self.keys.op(op_id), encode(record))],
                     [Op.get(key) for key in needed])
             except EtcdOutcomeUnknown as exc:
                 current = await self._read(lock_key, kind)
@@ -147,8 +247,14 @@ class EtcdCoordinator:
                 self.status.saw(True)
                 revision = result.revision
             if result is None or result.succeeded:
-                self._fences[scope] = Fence(lock_key, revision)
-                self._records[op_id] = record
+                fence = Fence(lock_key, revision)
+                if not lease.alive or self.membership.lease is not lease:
+                    # etcd answered after this replica had called the lease lost: the lock is on a lease that
+                    # may end any moment, and whatever it guards may be another's by then. Given back.
+                    await self._give_back(fence, op_id, record, kind)
+                    raise ServiceUnavailable(f"{kind}: this replica's etcd lease ended while it acquired {scope}; "
+                                             f"nothing was changed, try again", cluster=self.keys.name)
+                self._owned[scope] = _Owned(op_id, scope, fence, record, lease)
                 logger.info("cluster: %s %s acquired %s", kind, op_id, scope)
                 return Ticket(op_id, kind, scope, details=details)
             holders = [r.kvs[0] for r in result.responses if isinstance(r, RangeResult) and r.kvs]
@@ -157,7 +263,30 @@ class EtcdCoordinator:
                 raise Conflict(f"{kind} refused: {self._holder(holders[0] if holders else None)} is running "
                                f"(one operation per server, and none while a fleet-wide operation runs)",
                                cluster=self.keys.name)
-            await self.mirror.wait_for(lambda: all(self.mirror.get(k) is None for k in needed), left)
+            lost = asyncio.ensure_future(lease.wait_lost())
+            free = asyncio.ensure_future(self.mirror.wait_for(lambda: all(self.mirror.get(k) is None for k in needed),
+                                                              left))
+            try:  # the turn comes, or the lease ends (then refused at once, above)
+                await asyncio.wait((lost, free), return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                lost.cancel()
+                free.cancel()
+
+    async def _give_back(self, fence: Fence, op_id: str, record: dict, kind: str) -> None:
+        """A lock just taken on a lease called lost: deleted, its record finished. When the lock went first
+        (the lease revoked as this replica joined again), the record is finished unless another replica
+        already adopted it (then that replica closes it)."""
+        key = self.keys.op(op_id)
+        done = encode({**record, "state": "done", "outcome": "refused", "ended_at": round(time.time(), 3),
+                       "message": "acquired on a lease that had ended meanwhile; given back"})
+        try:
+            result = await self.client.txn([Compare.create_revision(fence.key, "==", fence.revision)],
+                                           [Op.delete(fence.key), Op.put(key, done)])
+            if not result.succeeded:
+                await self.client.txn([Compare.mod_revision(key, "==", fence.revision)], [Op.put(key, done)])
+        except EtcdError as exc:
+            logger.warning("cluster: %s %s taken on a lost lease not given back (%s): it goes with the lease, and "
+                           "its record is closed by a replica taking it over", kind, op_id, exc)
 
     async def _read(self, key: str, what: str) -> KeyValue | None:
         try:
@@ -170,65 +299,69 @@ class EtcdCoordinator:
 
     async def _update(self, ticket: Ticket, **changes) -> None:
         """Write the operation's record again, only while its lock is this replica's."""
-        fence = self._fences.get(ticket.scope)
-        record = self._records.get(ticket.op_id)
-        if fence is None or record is None:
-            raise ServiceUnavailable(f"{ticket.kind} {ticket.op_id}: this replica no longer runs it",
-                                     cluster=self.keys.name)
-        record.update(changes)
+        owned = self._of(ticket)
+        if owned is None:
+            raise self.lost_error(ticket, "this replica no longer runs it")
+        owned.record.update(changes)
         try:
-            result = await self.client.txn([Compare.create_revision(fence.key, "==", fence.revision)],
-                                           [Op.put(self.keys.op(ticket.op_id), encode(record))])
+            result = await self.client.txn([Compare.create_revision(owned.fence.key, "==", owned.fence.revision)],
+                                           [Op.put(self.keys.op(ticket.op_id), encode(owned.record))])
         except EtcdError as exc:
             raise self._unavailable(f"{ticket.kind} {ticket.op_id}", exc) from exc
         if not result.succeeded:
-            self._fences.pop(ticket.scope, None)
-            raise ServiceUnavailable(f"{ticket.kind} {ticket.op_id}: this replica lost it (its lease ended; another "
-                                     f"replica may have taken it over)", cluster=self.keys.name)
+            self._end(owned, "its lock is gone (its lease ended)")
+            raise self.lost_error(ticket, "its lock is gone: its lease ended")
+        if self._of(ticket) is None:  # the lease was called lost while etcd took the write
+            raise self.lost_error(ticket, owned.why or "its etcd lease ended")
 
     async def release(self, ticket: Ticket, outcome: str, message: str = "") -> None:
+        owned = self._of(ticket)
+        if owned is None:  # lost: nothing of it is this replica's to write; the replica taking it over ends it
+            logger.warning("cluster: %s %s ended here (%s) after this replica lost it; its record is left to the "
+                           "replica that takes it over", ticket.kind, ticket.op_id, outcome)
+            return
         if ticket.scope == FLEET:
             self.publisher.note_fleet()  # the flow's shared flags (pause mode, released memory) as they end
         try:
             await self.publisher.flush(self.flush_timeout_s)
         except ServiceUnavailable as exc:
             logger.warning("cluster: %s %s ends with changes not yet shared: %s", ticket.kind, ticket.op_id, exc)
-        if not await self._finish(ticket, outcome, message):
-            task = asyncio.ensure_future(self._finish_later(ticket, outcome, message))
+        if not await self._finish(owned, outcome, message):
+            task = asyncio.ensure_future(self._finish_later(owned, outcome, message))
             self._releasing.add(task)
             task.add_done_callback(self._releasing.discard)
 
-    async def _finish(self, ticket: Ticket, outcome: str, message: str) -> bool:
+    async def _finish(self, owned: _Owned, outcome: str, message: str) -> bool:
         """Delete the lock and finish the record together; True when done (or no longer ours)."""
-        fence = self._fences.get(ticket.scope)
-        record = self._records.get(ticket.op_id)
-        if fence is None or record is None:
+        if self._mine(owned.scope) is not owned:
             return True
-        record.update(state="done", outcome=outcome, message=message[:1000], ended_at=round(time.time(), 3))
+        owned.record.update(state="done", outcome=outcome, message=message[:1000], ended_at=round(time.time(), 3))
         old = self._finished_to_forget()
+        owned.finishing = True
         try:
             result = await self.client.txn(
-                [Compare.create_revision(fence.key, "==", fence.revision)],
-                [Op.delete(fence.key), Op.put(self.keys.op(ticket.op_id), encode(record)),
+                [Compare.create_revision(owned.fence.key, "==", owned.fence.revision)],
+                [Op.delete(owned.fence.key), Op.put(self.keys.op(owned.op_id), encode(owned.record)),
                  *(Op.delete(key) for key in old)])
         except EtcdError as exc:
+            owned.finishing = False
             self.status.saw(False, str(exc))
-            logger.warning("cluster: releasing %s %s failed (%s); retrying", ticket.kind, ticket.op_id, exc)
+            logger.warning("cluster: releasing %s %s failed (%s); retrying", owned.record.get("kind"), owned.op_id,
+                           exc)
             return False
         if not result.succeeded:
-            logger.warning("cluster: %s %s was no longer this replica's when it ended (%s)", ticket.kind,
-                           ticket.op_id, outcome)
-        self._fences.pop(ticket.scope, None)
-        self._records.pop(ticket.op_id, None)
-        self._seq.pop(ticket.op_id, None)
+            logger.warning("cluster: %s %s was no longer this replica's when it ended (%s)",
+                           owned.record.get("kind"), owned.op_id, outcome)
+        if self._owned.get(owned.scope) is owned:
+            del self._owned[owned.scope]
         return True
 
-    async def _finish_later(self, ticket: Ticket, outcome: str, message: str) -> None:
+    async def _finish_later(self, owned: _Owned, outcome: str, message: str) -> None:
         """etcd did not answer: keep trying while the lease lives (after it, the lock is gone anyway)."""
-        while self.membership.alive and not await self._finish(ticket, outcome, message):
+        while owned.lease.alive and not await self._finish(owned, outcome, message):
             # a retry cadence, not a wait for a condition: etcd is not answering
             await asyncio.sleep(RELEASE_RETRY_S)
-        self._fences.pop(ticket.scope, None)
+        self._mine(owned.scope)
 
     def _finished_to_forget(self) -> list[str]:
         done = [kv for kv in self.mirror.under(self.keys.ops) if decode(kv.value).get("state") == "done"]
@@ -243,24 +376,28 @@ class EtcdCoordinator:
 
     def _acks(self, ticket: Ticket) -> dict[str, dict]:
         """The current barrier's acks of the live replicas, by replica."""
-        seq = self._seq.get(ticket.op_id, 0)
+        owned = self._of(ticket)
+        if owned is None:
+            return {}
         acks = {}
         for replica in self.replicas():
             kv = self.mirror.get(self.keys.ack(ticket.op_id, replica))
             ack = decode(kv.value) if kv is not None else {}
-            if ack.get("seq") == seq:
+            if ack.get("seq") == owned.seq:
                 acks[replica] = ack
         return acks
 
     async def stop_routing(self, ticket: Ticket, workers: Sequence[Worker] | None, action: StopAction) -> StopReport:
         await self.publisher.flush(self.flush_timeout_s)
-        seq = self._seq.get(ticket.op_id, 0) + 1
-        self._seq[ticket.op_id] = seq
-        barrier = {"seq": seq, "action": action.value, "at": round(time.time(), 3),
+        owned = self._of(ticket)
+        if owned is None:
+            raise self.lost_error(ticket, "this replica no longer runs it")
+        owned.seq += 1
+        barrier = {"seq": owned.seq, "action": action.value, "at": round(time.time(), 3),
                    "workers": None if workers is None else [w.url for w in workers]}
         await self._update(ticket, barrier=barrier)
-        confirmed = await self.mirror.wait_for(lambda: set(self._acks(ticket)) >= set(self.replicas()),
-                                               self.ack_timeout_s)
+        confirmed = await self._wait(ticket, lambda: set(self._acks(ticket)) >= set(self.replicas()),
+                                     self.ack_timeout_s)
         acks = self._acks(ticket)
         if not confirmed:
             missing = sorted(set(self.replicas()) - set(acks))
@@ -278,30 +415,30 @@ class EtcdCoordinator:
         def idle() -> bool:
             acks = self._acks(ticket)
             return all(int(acks.get(r, {}).get("inflight", 1)) == 0 for r in self.replicas())
-        while not await self.mirror.wait_for(idle, 3600.0):
+        while not await self._wait(ticket, idle, 3600.0):
             pass
 
     async def wait_worker_operations_elsewhere(self, timeout: float) -> list[str]:
         """Conversions and reinstates of other replicas, and those whose owner died until they are taken over."""
         def running() -> list[str]:
+            mine = {o.op_id for o in self._owned.values()}
             return [f"{r.get('kind')} {r.get('id')} of replica {r.get('owner')}" for r in self.running()
-                    if str(r.get("scope", "")).startswith("worker/") and r.get("id") not in self._records]
+                    if str(r.get("scope", "")).startswith("worker/") and r.get("id") not in mine]
         await self.mirror.wait_for(lambda: not running(), timeout)
         return running()
 
     def fleet_op_id(self) -> str | None:
         """The fleet-wide operation this replica runs now (its holds are that operation's)."""
-        fence = self._fences.get(FLEET)
-        return next((op_id for op_id, r in self._records.items() if r.get("scope") == FLEET), None) \
-            if fence is not None else None
+        owned = self._mine(FLEET)
+        return owned.op_id if owned is not None else None
 
     # ---- takeover ----------------------------------------------------------------------------------------
     async def adopt(self, kv: KeyValue) -> Ticket | None:
         """Take over a running operation whose lock is gone (its owner's lease ended): its lock again, on this
         replica's lease, and its record naming this replica, if nobody did first. None when another did."""
         record = decode(kv.value)
-        scope, op_id, lease = str(record.get("scope", "")), str(record.get("id", "")), self.membership.lease_id
-        if not scope or not op_id or not lease:
+        scope, op_id, lease = str(record.get("scope", "")), str(record.get("id", "")), self.membership.trusted()
+        if not scope or not op_id or lease is None:
             return None
         lock_key = self.keys.lock(scope)
         adopted = {**record, "owner": self.me, "taken_over_from": record.get("owner"),
@@ -310,14 +447,15 @@ class EtcdCoordinator:
         try:
             result = await self.client.txn(
                 [Compare.absent(lock_key), Compare.mod_revision(kv.key, "==", kv.mod_revision)],
-                [Op.put(lock_key, encode(lock), lease=lease), Op.put(kv.key, encode(adopted))])
+                [Op.put(lock_key, encode(lock), lease=lease.id), Op.put(kv.key, encode(adopted))])
         except EtcdError as exc:
             self.status.saw(False, str(exc))
             return None
         if not result.succeeded:
             return None
-        self._fences[scope] = Fence(lock_key, result.revision)
-        self._records[op_id] = adopted
+        self._owned[scope] = owned = _Owned(op_id, scope, Fence(lock_key, result.revision), adopted, lease)
+        if not lease.alive or self.membership.lease is not lease:
+            self._end(owned, "its etcd lease ended while it took the operation over")
         return Ticket(op_id, str(record.get("kind")), scope, details=record.get("details") or {})
 
     # ---- workers ---------------------------------------------------------------------------------------
@@ -347,4 +485,3 @@ class EtcdCoordinator:
         """The operations running in the cluster now (their records), oldest first."""
         found = [decode(kv.value) for kv in self.mirror.under(self.keys.ops)]
         return sorted((r for r in found if r.get("state") == "running"), key=lambda r: r.get("started_at", 0))
-

@@ -39,6 +39,10 @@ class LeaseKeeper:
     def alive(self) -> bool:
         return not self._lost.is_set()
 
+    def time_left(self) -> float:
+        """Seconds until the local deadline (the lease is called lost then unless a renewal is answered)."""
+        return self.deadline - asyncio.get_running_loop().time() if self.alive else 0.0
+
     async def wait_lost(self) -> str:
         """Wait until the lease is lost; why."""
         await self._lost.wait()

@@ -194,6 +194,32 @@ class EtcdProcess:
         """SIGKILL: etcd dies at once, mid-write if it was writing; the data and ports stay."""
         await self._end(signal.SIGKILL, 10.0)
 
+    async def freeze(self, timeout: float = 5.0) -> None:
+        """SIGSTOP: etcd stops answering with its connections open (a hung host, a long GC pause), where a stop
+        refuses connections; `thaw` resumes it. Returns once every thread of etcd is stopped (the signal takes
+        effect a few milliseconds after it is sent: etcd still answers meanwhile)."""
+        self._signal(signal.SIGSTOP)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while not self._stopped():
+            if loop.time() > deadline:
+                raise EtcdStartError(f"etcd (pid {self.pid}) did not stop within {timeout} s of SIGSTOP")
+            await asyncio.sleep(0.001)  # the poll interval of a wait with a deadline
+
+    def _stopped(self) -> bool:
+        """Every thread of the etcd process is stopped (state T in /proc)."""
+        if self._process is None:
+            return True
+        tasks = Path(f"/proc/{self._process.pid}/task")
+        try:
+            states = [(task / "stat").read_text().rsplit(")", 1)[1].split()[0] for task in tasks.iterdir()]
+        except (FileNotFoundError, ProcessLookupError):
+            return True  # gone meanwhile
+        return all(state in ("T", "t") for state in states)
+
+    def thaw(self) -> None:
+        self._signal(signal.SIGCONT)
+
     async def restart(self, *, kill: bool = False) -> None:
         await (self.kill() if kill else self.stop())
         await self.start()

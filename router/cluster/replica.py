@@ -73,6 +73,8 @@ class Membership:
         self._lost = 0  # a lease given up (no renewal answered in time) that etcd may still hold
         self.joins = 0
         self.rejoined: list[Callable[[], Awaitable[None]]] = []  # told after each join but the first
+        # told at once (synchronously) when a lease is lost: what it held may belong to another replica now
+        self.on_lost: list[Callable[[LeaseKeeper], None]] = []
         self.joined_at: float | None = None  # monotonic, the last join
 
     @property
@@ -84,6 +86,16 @@ class Membership:
     @property
     def alive(self) -> bool:
         return self.lease_id != 0
+
+    def trusted(self) -> LeaseKeeper | None:
+        """The live lease, if it can be trusted to outlast a short operation step: renewed recently enough
+        that a quarter of its TTL is left (renewals come every third of it; one overdue that long means etcd
+        is not answering, and the lease may be called lost any moment: nothing new is started on it). None
+        otherwise."""
+        lease = self.lease
+        if lease is None or not lease.alive or lease.time_left() < self.ttl / 4:
+            return None
+        return lease
 
     async def join(self, *, timeout: float | None = None) -> None:
         """Take a lease and put this replica's key on it (raises EtcdError when etcd does not answer)."""
@@ -111,7 +123,9 @@ class Membership:
                 logger.warning("cluster %s: replica %s lost its lease (%s): what it held may belong to another "
                                "replica now; joining again", self.keys.name, self.identity.id, reason)
                 self._lost = self.lease.id
-                self.lease = None
+                lost, self.lease = self.lease, None
+                for listener in self.on_lost:
+                    listener(lost)
             try:
                 await self.join()
                 delay = REJOIN_BACKOFF_S[0]

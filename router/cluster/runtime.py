@@ -74,7 +74,8 @@ class Cluster:
         self.barrier = BarrierResponder(self.client, self.keys, registry, traffic, self.membership, spawn)
         self.takeover = Takeover(self.keys, self.mirror, self.membership, self.coordinator, registry, upstream,
                                  self.holds, spawn, update_timeout_s=config.weight_update_timeout_secs)
-        self.mirror.listeners += [self.applier.on_changes, self.barrier.on_changes, self.takeover.on_changes]
+        self.mirror.listeners += [self.coordinator.on_changes, self.applier.on_changes, self.barrier.on_changes,
+                                  self.takeover.on_changes]
         self.membership.rejoined.append(self.barrier.rejoined)
         self.publisher.converge = self.applier.converge
         self.publisher.fleet_now = self.fleet_record

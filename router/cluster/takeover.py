@@ -35,7 +35,8 @@ from router.cluster.mirror import Change, Mirror
 from router.cluster.replica import Membership
 from router.control.discovery import HEALTH_TIMEOUT, LiveState, read_live_state
 from router.control.upstream import Upstream
-from router.core.coordination import Ticket
+from router.core.coordination import Ticket, while_owned
+from router.core.errors import RouterError
 from router.core.registry import Registry, Role, Worker, WorkerState
 from router.core.routability import HoldKind, choose_fleet_version
 
@@ -117,13 +118,16 @@ class Takeover:
         outcome, message = "failed", "taken over: nothing to finish"
         try:
             if ticket.kind == "conversion":
-                outcome, message = await self._conversion(ticket, record)
+                # its waits end if this replica loses it in turn (the next replica takes it over then)
+                outcome, message = await while_owned(self.coordinator, ticket, self._conversion(ticket, record))
             elif ticket.kind in UPDATE_KINDS:
-                outcome, message = await self._weights(ticket, record)
+                outcome, message = await while_owned(self.coordinator, ticket, self._weights(ticket, record))
                 self._release_holds_of(ticket)  # the update's own hold (a pause's or a memory hold stays)
             else:
                 message = (f"its owner {record.get('owner')} died during {ticket.kind}; closed by replica "
                            f"{self.membership.identity.id} (repeat the call if it is still wanted)")
+        except RouterError as exc:  # lost in turn: left to the next replica
+            message = exc.message
         except Exception as exc:  # the record must still end; the worker's state says what is known
             logger.exception("cluster: taking over %s %s failed", ticket.kind, ticket.op_id)
             message = f"takeover failed: {type(exc).__name__}: {exc}"

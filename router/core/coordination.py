@@ -13,6 +13,8 @@ flows behave exactly as they do alone. Replicas sharing a fleet get the etcd imp
     progress       before an irreversible step (a role switch, a weight update): recorded for a replica that
                    takes the operation over, and refused when this replica no longer owns it
     release        the operation's outcome is published and its right to run given back
+    wait_lost      until this replica no longer owns a running operation (its lease ended: another replica may
+                   take it over); `while_owned` runs an operation's waits under it, so none outlives the lease
 
 Besides: `leading` (the singleton loops, rebalancer and reconciler, run on one replica), `check_available`
 (a control call answers 503 while the replicas cannot agree), `publish` (what this replica changed in the
@@ -21,14 +23,19 @@ registry is shared before a call answers) and `remove_worker`.
 
 from __future__ import annotations
 
+import asyncio
 import enum
 import itertools
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol, Sequence
+from typing import TYPE_CHECKING, Awaitable, Callable, Protocol, Sequence, TypeVar
+
+from router.core.errors import RouterError
 
 if TYPE_CHECKING:
     from router.core.registry import Worker
+
+T = TypeVar("T")
 
 FLEET = "fleet"  # weight updates, pause/continue, memory release/resume: one at a time, fleet-wide
 ABORT = "abort"  # abort_all
@@ -86,7 +93,12 @@ class Coordinator(Protocol):
         owns it (its lease ended: another replica may have taken it over)."""
 
     async def release(self, ticket: Ticket, outcome: str, message: str = "") -> None:
-        """Publish what the operation changed and its outcome; give its scope back. Never raises."""
+        """Publish what the operation changed and its outcome; give its scope back. Never raises. An operation
+        this replica lost is left as it stands (the replica taking it over ends it)."""
+
+    async def wait_lost(self, ticket: Ticket) -> RouterError:
+        """Return (not raise) the error its caller answers with, once this replica stops owning the operation:
+        its lease ended or its lock went to another replica. Never returns for a lone router."""
 
     async def stop_routing(self, ticket: Ticket, workers: Sequence[Worker] | None, action: StopAction) -> StopReport:
         """Once every live replica has applied what this one published (a worker's state, the fleet's hold)
@@ -139,6 +151,10 @@ class LocalCoordinator:
     async def release(self, ticket: Ticket, outcome: str, message: str = "") -> None:
         return None
 
+    async def wait_lost(self, ticket: Ticket) -> RouterError:
+        await asyncio.Event().wait()  # a lone router owns what it runs until it ends
+        raise AssertionError("unreachable")
+
     async def stop_routing(self, ticket: Ticket, workers: Sequence[Worker] | None, action: StopAction) -> StopReport:
         return StopReport()
 
@@ -162,3 +178,31 @@ class LocalCoordinator:
 
     async def remove_worker(self, worker: Worker) -> None:
         return None
+
+
+async def while_owned(coordinator: Coordinator, ticket: Ticket | None, work: Awaitable[T],
+                      on_lost: Callable[[RouterError], None] = lambda error: None) -> T:
+    """`work` (an operation's steps), cancelled the moment this replica stops owning `ticket`'s operation; then
+    the coordinator's error (503, naming why) is raised, after `on_lost(error)` (told before the cancellation:
+    the steps' clean-up can tell a loss from a shutdown). No wait of an operation outlives its owner's lease.
+    Calls already sent to servers are the work's to shield (a weight update's): a replica taking the operation
+    over reads where they ended."""
+    if ticket is None or not coordinator.clustered:
+        return await work
+    task = asyncio.ensure_future(work)
+    lost = asyncio.ensure_future(coordinator.wait_lost(ticket))
+    try:
+        await asyncio.wait((task, lost), return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        task.cancel()
+        lost.cancel()
+        await asyncio.gather(task, lost, return_exceptions=True)
+        raise
+    if task.done():
+        lost.cancel()
+        return task.result()
+    error = lost.result()
+    on_lost(error)
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    raise error

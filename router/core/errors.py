@@ -105,6 +105,9 @@ async def error_middleware(request: web.Request, handler):
     try:
         return await handler(request)
     except RouterError as error:
+        if error.status == 503 and error.details.get("cluster"):
+            # an expected refusal (the router replicas cannot agree now: etcd), one line per call
+            logger.warning("%s %s answered 503: %s", request.method, request.path, error.message)
         return error_response(error)
     except web.HTTPException as exc:
         if exc.status < 400:

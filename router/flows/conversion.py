@@ -29,7 +29,7 @@ from typing import Any, Awaitable, Callable
 
 from router.control.discovery import rejoin_check
 from router.control.upstream import Upstream
-from router.core.coordination import Coordinator, LocalCoordinator, StopAction, Ticket, worker_scope
+from router.core.coordination import Coordinator, LocalCoordinator, StopAction, Ticket, while_owned, worker_scope
 from router.core.errors import Conflict, RouterError, ServiceUnavailable
 from router.core.registry import Registry, Role, Worker, WorkerState
 from router.flows.conversion_record import Conversion, ConversionOutcome, DrainMode, Plan
@@ -157,7 +157,9 @@ class Conversions:
         self._finish(conversion, ConversionOutcome.REFUSED, refusal, status)
         conversion.settled.set()
         self._remember(conversion)
-        logger.warning("conversion %s of %s refused: %s", conversion.id, conversion.worker_url, refusal)
+        # a 503 (the replicas cannot agree now: etcd) is logged where it is answered
+        logger.log(logging.INFO if status == 503 else logging.WARNING, "conversion %s of %s refused: %s",
+                   conversion.id, conversion.worker_url, refusal)
 
     def _busy(self, worker: Worker) -> str | None:
         if self.registry.find(worker.id) is not worker:
@@ -209,10 +211,12 @@ class Conversions:
             try:
                 empty_timeout = _positive(plan.empty_timeout_s, self.drain_timeout_s)
                 if plan.mode is DrainMode.DRAIN:
-                    await self._step(conversion, "drain", empty_timeout, lambda s: self._drain(conversion, worker, s),
+                    await self._step(conversion, "drain", empty_timeout,
+                                     lambda s: self._owned(conversion, self._drain(conversion, worker, s)),
                                      on_timeout=lambda s: self._empty_timeout(worker, s, "drain"))
                 else:
-                    await self._step(conversion, "abort", empty_timeout, lambda s: self._abort(conversion, worker, s),
+                    await self._step(conversion, "abort", empty_timeout,
+                                     lambda s: self._owned(conversion, self._abort(conversion, worker, s)),
                                      on_timeout=lambda s: self._empty_timeout(worker, s, "abort"))
                 await self._progress(conversion, "switch")  # another replica taking it over knows from here on
                 self._set(worker, conversion, WorkerState.CONVERTING, "switch", "the server is switching role")
@@ -288,6 +292,14 @@ class Conversions:
         except ServiceUnavailable as exc:
             raise StepFailed(exc.message, safe=True, status=503) from None
         return report.inflight if action is StopAction.EPOCH else report.marked
+
+    async def _owned(self, conversion: Conversion, work: Awaitable[None]) -> None:
+        """An emptying step's waits, ended the moment this replica stops owning the conversion (its lease
+        ended): nothing was asked of the server yet, so the step fails safely (503, naming why)."""
+        try:
+            await while_owned(self.coordinator, self._tickets.get(conversion.id), work)
+        except ServiceUnavailable as exc:
+            raise StepFailed(exc.message, safe=True, status=503) from None
 
     async def _progress(self, conversion: Conversion, step: str) -> None:
         ticket = self._tickets.get(conversion.id)
@@ -422,7 +434,7 @@ class Conversions:
         ticket = await self.coordinator.acquire("reinstate", worker_scope(worker.url), {"worker_url": worker.url})
         outcome, message = "failed", ""
         try:
-            message = await self._reinstate(worker, timeout)
+            message = await while_owned(self.coordinator, ticket, self._reinstate(worker, timeout))
             outcome = "reinstated"
             return message
         except RouterError as error:

@@ -11,7 +11,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Awaitable, Callable
 
-from router.core.coordination import FLEET, Coordinator, LocalCoordinator, Ticket
+from router.core.coordination import FLEET, Coordinator, LocalCoordinator, Ticket, while_owned
 from router.core.errors import Conflict, RouterError, ServiceUnavailable
 from router.flows.steps import Step
 
@@ -41,6 +41,11 @@ class Operation:
     workers: list[dict] = field(default_factory=list)
     duration_s: float | None = None
     ticket: Ticket | None = None  # its right to run, given by the coordinator (fleet-wide across replicas)
+    lost: str | None = None  # why this replica stopped owning it mid-way (its lease ended), if it did
+
+    def reached(self, name: str) -> bool:
+        """Whether the operation got to its step `name` (e.g. `update`: servers may have changed)."""
+        return any(step.name == name for step in self.steps)
 
     def step(self, name: str, deadline_s: float | None = None) -> Step:
         step = Step(name, deadline_s)
@@ -78,6 +83,15 @@ def _round(value: float | None) -> float | None:
 Body = Callable[[Operation], Awaitable[tuple[int, dict]]]  # runs the operation: (HTTP status, answer)
 
 
+async def _answered(run: Awaitable[tuple[int, dict]]) -> tuple[int, dict] | RouterError:
+    """An operation's outcome as its owned task's result: a refusal (409, 503) is the caller's answer (logged
+    once, where it is answered), not a background task that failed."""
+    try:
+        return await run
+    except RouterError as error:
+        return error
+
+
 class OperationRunner:
     """One operation at a time (on every router replica of the fleet: the coordinator's); a caller waits for
     its turn up to `timeout_s`, then gets 409."""
@@ -106,7 +120,10 @@ class OperationRunner:
     async def run(self, kind: str, options: dict, body: Body, *, shutting_down: bool = False) -> tuple[int, dict]:
         """Run an operation as an owned task: a client that disconnects does not cancel a fleet update
         half-way. `shutting_down`: the shutdown's own operation, which runs while others are refused."""
-        return await asyncio.shield(self.spawn(self._run(kind, options, body, shutting_down)))
+        outcome = await asyncio.shield(self.spawn(_answered(self._run(kind, options, body, shutting_down))))
+        if isinstance(outcome, RouterError):
+            raise outcome
+        return outcome
 
     # ---- shutdown ------------------------------------------------------------------------------------
     async def wait_current(self) -> None:
@@ -148,8 +165,13 @@ class OperationRunner:
         self.current = op
         self._task = asyncio.current_task()
         status, answer = 500, {}
+
+        def lost(error: RouterError) -> None:
+            op.lost = error.message
+
         try:
-            status, answer = await body(op)
+            # every wait of the operation ends when this replica stops owning it (503 naming why)
+            status, answer = await while_owned(self.coordinator, op.ticket, body(op), lost)
             return status, answer
         except asyncio.CancelledError:
             if not self._rolling_back:

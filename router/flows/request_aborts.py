@@ -8,7 +8,7 @@ import time
 from typing import Callable
 
 from router.control.upstream import Upstream, fan_out
-from router.core.coordination import ABORT, Coordinator, LocalCoordinator, StopAction
+from router.core.coordination import ABORT, Coordinator, LocalCoordinator, StopAction, Ticket, while_owned
 from router.core.registry import Worker
 from router.core.traffic import AbortAction, LiveRequest, RequestPathControl
 from router.flows.fleet import ABORT_REPEAT_SECS, INFO_TIMEOUT, WorkerResult, summary
@@ -45,22 +45,27 @@ class RequestAborts:
         """Every request of every router replica of the fleet: each marks its own (answered with their abort)
         before the servers abort everything; the answer comes once they have all ended."""
         ticket = await self.coordinator.acquire("abort_all", ABORT, {})
-        outcome, left_elsewhere = "failed", 0
+        outcome = "failed"
         try:
-            aborted = self.traffic.mark_all(AbortAction.ANSWER)
-            await self.coordinator.stop_routing(ticket, None, StopAction.ALL)
-            results = await fan_out(self.targets(), lambda w: self._abort_call(w, {"abort_all": True}))
-            pending = await self._wait_ended(aborted, deadline)
-            try:
-                async with asyncio.timeout(max(deadline - time.monotonic(), 0.0)):
-                    await self.coordinator.wait_idle_elsewhere(ticket)
-            except TimeoutError:
-                left_elsewhere = 1
-            answer = self._answer(results, pending, left_elsewhere)
+            # its waits end when this replica stops owning it (503 naming why)
+            answer = await while_owned(self.coordinator, ticket, self._abort_everything(ticket, deadline))
             outcome = "succeeded" if answer[0] == 200 else "failed"
             return answer
         finally:
             await asyncio.shield(self.coordinator.release(ticket, outcome))
+
+    async def _abort_everything(self, ticket: Ticket, deadline: float) -> tuple[int, dict | None]:
+        aborted = self.traffic.mark_all(AbortAction.ANSWER)
+        await self.coordinator.stop_routing(ticket, None, StopAction.ALL)
+        results = await fan_out(self.targets(), lambda w: self._abort_call(w, {"abort_all": True}))
+        pending = await self._wait_ended(aborted, deadline)
+        left_elsewhere = 0
+        try:
+            async with asyncio.timeout(max(deadline - time.monotonic(), 0.0)):
+                await self.coordinator.wait_idle_elsewhere(ticket)
+        except TimeoutError:
+            left_elsewhere = 1
+        return self._answer(results, pending, left_elsewhere)
 
     def _answer(self, results: list[WorkerResult], pending: list[LiveRequest],
                 left_elsewhere: int = 0) -> tuple[int, dict | None]:

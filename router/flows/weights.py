@@ -84,6 +84,7 @@ class WeightFlow:
         # The other router replicas of the fleet (a lone router's does nothing): operations run once across
         # them, and every replica holds, marks and empties before a server changes.
         self.coordinator = coordinator or LocalCoordinator()
+        self.spawn = spawn
         self.operations = OperationRunner(config.weight_update_timeout_secs, spawn, self.coordinator)
         self.membership = FleetMembership(registry, upstream, self.operations.lock, config.health.interval_secs,
                                           spawn, self.coordinator)
@@ -180,7 +181,9 @@ class WeightFlow:
             await self._wait_for_conversions(op)
             yield
         finally:
-            if not keep:
+            # An update this replica lost once it had sent the servers their update keeps the fleet's hold:
+            # they may still be loading, and the replica taking it over releases the hold when they are done.
+            if not keep and not (op.lost and op.reached("update")):
                 self.traffic.release(reason)
             op.hold_s = time.monotonic() - started
             op.held_requests = self.traffic.held_total - held_before
@@ -211,6 +214,12 @@ class WeightFlow:
             step.end("timeout", f"role conversion of {names} still running")
             raise Conflict(f"a role conversion is still running ({names}); nothing was changed")
         step.end("ok", f"waited for the role conversion of {names}")
+
+    async def _sent(self, calls: Awaitable[list[WorkerResult]]) -> list[WorkerResult]:
+        """Calls that change the servers (an update, a pause): once sent they run to their own deadlines, even
+        if the operation is cut short (this replica lost it): the servers end them either way, and a replica
+        taking the operation over reads where they ended."""
+        return await asyncio.shield(self.spawn(calls))
 
     def _mark_aborted(self, workers: list[Worker], retry: bool) -> int:
         """Before the router aborts these servers: mark their requests so the request path re-sends them
@@ -273,7 +282,7 @@ class WeightFlow:
 
             await self.coordinator.progress(op.ticket, "update")  # a replica taking it over knows from here on
             step = op.step("update", self.config.weight_update_timeout_secs)
-            results = await fan_out(workers, lambda w: self._apply(kind, w, body, deadline))
+            results = await self._sent(fan_out(workers, lambda w: self._apply(kind, w, body, deadline)))
             step.end("ok" if all(o.success for o in results) else "failed", summary(results, kind))
 
             step = op.step("verify", INFO_TIMEOUT)
@@ -384,8 +393,8 @@ class WeightFlow:
         stopped = await self.coordinator.stop_routing(op.ticket, workers, action)
         op.aborted_requests += stopped.marked
         step = op.step("pause", self.config.abort_timeout_secs)
-        results = await fan_out(workers, lambda w: self._call(w, "/pause_generation", body,
-                                                               self.config.abort_timeout_secs))
+        results = await self._sent(fan_out(workers, lambda w: self._call(w, "/pause_generation", body,
+                                                                          self.config.abort_timeout_secs)))
         step.end("ok" if all(o.success for o in results) else "failed", summary(results, "pause_generation"))
         if mode == "abort":  # the servers answered once their requests were gone; so must the router's
             step = op.step("quiesce", self.config.abort_timeout_secs)
@@ -412,7 +421,7 @@ class WeightFlow:
         """Fan out a call that gives a server back its ability to serve (continue, memory resume): those
         that took it rejoin routing (at the fleet's weight version), the others are left out as `kind`."""
         step = op.step(step_name, timeout)
-        results = await fan_out(self.targets(), lambda w: self._call(w, "/" + call, body, timeout))
+        results = await self._sent(fan_out(self.targets(), lambda w: self._call(w, "/" + call, body, timeout)))
         step.end("ok" if all(o.success for o in results) else "failed", summary(results, call))
         for result in results:
             if result.success:
@@ -451,8 +460,9 @@ class WeightFlow:
                     self.traffic.release(MEMORY_HOLD)
                 return self._quiesce_timeout_answer(op, "release_memory_occupation")
             step = op.step("release", self.config.weight_update_timeout_secs)
-            results = await fan_out(workers, lambda w: self._call(w, "/release_memory_occupation", body,
-                                                                   self.config.weight_update_timeout_secs))
+            timeout = self.config.weight_update_timeout_secs
+            results = await self._sent(fan_out(workers, lambda w: self._call(w, "/release_memory_occupation", body,
+                                                                              timeout)))
             step.end("ok" if all(o.success for o in results) else "failed",
                      summary(results, "release_memory_occupation"))
             if any(o.success for o in results):
