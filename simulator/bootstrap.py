@@ -283,7 +283,7 @@ class KvClient:
         self.session = session
 
     async def fetch(self, engine: "Engine", req: "Req") -> FetchResult:
-        from .engine import HANDSHAKE, TRANSFER  # noqa: PLC0415 (cycle)
+        from .requests import HANDSHAKE, TRANSFER  # noqa: PLC0415
 
         cfg = engine.config
         attempts = 0
@@ -298,7 +298,7 @@ class KvClient:
                 attempts += 1
                 if attempts >= cfg.bootstrap_retries:
                     return FetchResult("handshake", "Aborted by AbortReq.")
-                await engine._sleep(req, cfg.bootstrap_retry_interval_s)
+                await engine.sleep(req, cfg.bootstrap_retry_interval_s)
                 continue
             if outcome.stage == "transfer" and outcome.reason == "timeout":
                 return FetchResult(TRANSFER, f"Request {req.room} timed out after {cfg.kv_wait_timeout_s:.1f}s "
@@ -307,7 +307,7 @@ class KvClient:
 
     async def _pull_once(self, req: "Req", timeout: float) -> FetchResult | None:
         """One long poll; None if the request was aborted meanwhile (its abort closes the connection)."""
-        from .engine import TRANSFER  # noqa: PLC0415
+        from .requests import TRANSFER  # noqa: PLC0415
 
         url = f"http://{req.bootstrap_addr}/_sim/kv/pull"
         body = orjson.dumps({"room": req.room, "rid": req.rid, "timeout": timeout})

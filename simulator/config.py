@@ -56,8 +56,16 @@ class WorkerConfig:
     max_total_tokens: int = 262144
     default_max_new_tokens: int = 128
     # Prefill compute: forwards that run at once on this worker (0: unbounded); the others wait in the
-    # waiting queue, so prefill throughput is bounded like a real server's (one batch at a time).
+    # waiting queue, so prefill throughput is bounded like a real server's (one batch at a time). A forward
+    # takes the waiting requests in order up to max_prefill_tokens prompt tokens (SGLang's --max-prefill-tokens).
     prefill_concurrency: int = 0
+    max_prefill_tokens: int = 16384
+    # Data-parallel ranks (SGLang's --dp-size): each rank schedules its own requests (a request goes to the rank
+    # of its bootstrap room) and /v1/loads has one row per rank; the token and running caps are per rank.
+    dp_size: int = 1
+    # A decode server admits a request (prealloc) when its prompt plus this many tokens fit in its KV pool
+    # (0.5.23's --num-reserved-decode-tokens); 0: its prompt plus max_new_tokens, like other roles.
+    num_reserved_decode_tokens: int = 512
     # Radix cache: tokens of computed prompt prefixes kept (0: none). A cached prefix is not computed again
     # (prefill time counts the uncached tokens) and is reported as meta_info.cached_tokens.
     prefix_cache_tokens: int = 0
@@ -96,6 +104,8 @@ class WorkerConfig:
             problems.append("max_running_requests and max_total_tokens must be positive")
         if self.prefill_concurrency < 0 or self.prefix_cache_tokens < 0:
             problems.append("prefill_concurrency and prefix_cache_tokens must not be negative")
+        if self.max_prefill_tokens < 1 or self.dp_size < 1:
+            problems.append("max_prefill_tokens and dp_size must be positive")
         if problems:
             raise ValueError("; ".join(problems))
 

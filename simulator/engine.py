@@ -3,11 +3,13 @@
 One ``Engine`` per worker. It mirrors what SGLang's TokenizerManager + Scheduler do with a
 request, with the same phases (the abort message a client gets depends on the phase):
 
-    prefill: bootstrap (wait for the decode leg) -> forward -> transfer (decode pulls the KV)
-    decode:  handshake (reach the prefill's bootstrap listener) -> transfer (wait for its KV) -> decode
+    prefill: bootstrap (wait for the decode leg) -> waiting -> forward -> transfer (decode pulls the KV)
+    decode:  handshake (reach the prefill's bootstrap listener) -> transfer (wait for its KV) -> queued -> decode
     null:    waiting (admission) -> forward -> decode
 
-Every wait has a deadline and wakes on abort, so nothing here can hang without an outcome.
+The compute that sets the pace (one prefill forward at a time, a continuously batched decode) is
+``capacity.py``'s; what the load report counts in each queue is ``loads.py``'s. Every wait has a deadline and
+wakes on abort, so nothing here can hang without an outcome.
 """
 
 from __future__ import annotations
@@ -15,167 +17,21 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
+from .capacity import DecodeBatch, PrefillForwards
 from .config import WorkerConfig
 from .faults import FaultInjector
 from .prefix_cache import PrefixCache
-from .tokens import Generator
+from .requests import (
+    ABORTED, BOOTSTRAP, DECODE, DONE, FORWARD, HANDSHAKE, RETRACTED, TRANSFER, WAITING,
+    Counters, Req, RequestFailed, RWLock, leg_failure,
+)
 
 if TYPE_CHECKING:
     from .bootstrap import KvClient, RoomStore
 
-# phases, in the order a request goes through them
-WAITING = "waiting"  # admission queue (running cap / KV token cap)
-BOOTSTRAP = "bootstrap"  # prefill: waiting for its decode partner to connect
-HANDSHAKE = "handshake"  # decode: reaching the prefill's bootstrap listener
-TRANSFER = "transfer"  # prefill: KV published, not yet taken / decode: waiting for the KV
-FORWARD = "forward"  # computing the prefill
-DECODE = "decode"  # emitting tokens
-RETRACTED = "retracted"  # paused with mode=retract: KV freed, back in the queue
-DONE = "done"
-
-ABORTED = {"type": "abort", "message": "Aborted", "status_code": None, "err_type": None}
-UNKNOWN_PEER_FAILURE = "Failed due to an unknown reason from another rank"
-
-
-class RequestFailed(Exception):
-    """An SGLang ``prepare_abort`` with a status code: 500 bodies, or an abort chunk in a stream."""
-
-    def __init__(self, message: str, status: int = 500) -> None:
-        super().__init__(message)
-        self.message = message
-        self.status = status
-
-
-@dataclass(eq=False)
-class Req:
-    """One scheduled item (a batch of N prompts is N of these)."""
-
-    rid: str
-    input_ids: list[int]
-    gen: Generator
-    route: str = "generate"
-    stream: bool = False
-    return_logprob: bool = False
-    top_logprobs_num: int = 0
-    logprob_start_len: int = -1
-    bootstrap_addr: str | None = None  # "host:port" of the prefill's listener (decode role)
-    room: int | None = None
-    parallel_sample: bool = False  # n > 1: a decode leg waits for a warm-up KV that never comes
-    phase: str = WAITING
-    finish_reason: dict | None = None
-    kv_tokens: int = 0
-    num_retractions: int = 0
-    created: float = field(default_factory=time.perf_counter)
-    first_output_sent: bool = False
-    spans: list[list] = field(default_factory=list)  # [version, start] each time weights changed
-    _wake: asyncio.Event | None = None  # made on first wait: most items never wait
-    on_abort: Callable[[], Any] | None = None  # interrupts what the item is blocked in (a KV pull)
-    done_failed: bool = False  # ended in a RequestFailed (5xx) outcome
-    dispatched: bool = False  # past the pause gate: the scheduler knows it (aborts reach it)
-    peer_acks: bool = True  # decode: its room's listener belongs to a live prefill (which acks aborts)
-    cached_tokens: int = 0  # prompt tokens found in the prefix cache when it was prefilled
-
-    @property
-    def done(self) -> bool:
-        return self.finish_reason is not None
-
-    @property
-    def output_ids(self) -> list[int]:
-        return self.gen.output_ids
-
-    @property
-    def wake(self) -> asyncio.Event:
-        """Set on abort, pause changes and partner events; waiting code clears it and waits."""
-        if self._wake is None:
-            self._wake = asyncio.Event()
-        return self._wake
-
-    def poke(self) -> None:
-        if self._wake is not None:
-            self._wake.set()
-
-    def abort(self, reason: dict) -> None:
-        if self.finish_reason is None:
-            self.finish_reason = reason
-        self.poke()
-        if self.on_abort is not None:
-            hook, self.on_abort = self.on_abort, None
-            hook()
-
-
-class RWLock:
-    """Writer-preferring async read/write lock (SGLang's ``model_update_lock``), fast path for readers."""
-
-    def __init__(self) -> None:
-        self.readers = 0
-        self.writer = False
-        self.waiting_writers = 0
-        self._waiters: list[asyncio.Future] = []
-
-    @property
-    def locked(self) -> bool:
-        return self.readers > 0 or self.writer
-
-    def _notify(self) -> None:
-        waiters, self._waiters = self._waiters, []
-        for fut in waiters:
-            if not fut.done():
-                fut.set_result(None)
-
-    async def _wait(self) -> None:
-        fut = asyncio.get_running_loop().create_future()
-        self._waiters.append(fut)
-        await fut
-
-    async def acquire_read(self) -> None:
-        while self.writer or self.waiting_writers:
-            await self._wait()
-        self.readers += 1
-
-    def release_read(self) -> None:
-        self.readers -= 1
-        if self.readers == 0:
-            self._notify()
-
-    async def acquire_write(self) -> None:
-        self.waiting_writers += 1
-        try:
-            while self.writer or self.readers:
-                await self._wait()
-        finally:
-            self.waiting_writers -= 1
-        self.writer = True
-
-    def release_write(self) -> None:
-        self.writer = False
-        self._notify()
-
-
-@dataclass
-class Counters:
-    requests_by_route: dict[str, int] = field(default_factory=dict)
-    items_started: int = 0
-    items_finished: int = 0
-    items_aborted: int = 0
-    items_failed: int = 0
-    abort_requests: int = 0  # POST /abort_request calls
-    abort_all_requests: int = 0
-    aborts_matched: int = 0  # items an abort call actually reached
-    client_disconnects: int = 0
-    faults_injected: int = 0
-    kv_pulls_served: int = 0  # prefill side: rooms handed to a decode worker
-    kv_pulls_made: int = 0  # decode side: rooms fetched from a prefill worker
-    kv_mismatches: int = 0  # decode got a room whose prompt differs from its own (router bug)
-    bootstrap_failures: int = 0
-    prompt_tokens: int = 0
-    prefill_tokens: int = 0  # prompt tokens of the forwards run (cached ones included)
-    cached_tokens: int = 0  # of those, found in the prefix cache
-    generation_tokens: int = 0
-    weight_updates: int = 0
-    role_switches: int = 0
+__all__ = ["ABORTED", "Counters", "Engine", "Req", "RequestFailed"]
 
 
 class Engine:
@@ -185,14 +41,17 @@ class Engine:
                  kv_client: "KvClient | None" = None) -> None:
         self.config = config
         self._timing_zero = config.timing.zero
+        self._steps_take_time = bool(config.timing.decode_step_s or config.timing.decode_step_per_running_s)
         self.role = config.role
         self.faults = faults
         self.rooms = rooms
         self.kv_client = kv_client
         self.requests: dict[str, Req] = {}  # live items by rid (SGLang's rid_to_state)
         self.waiting: deque[Req] = deque()
-        self.prefill_queue: deque[Req] = deque()  # admitted, waiting for a prefill compute slot
-        self.prefill_busy = 0
+        # One prefill forward loop and one decode batch per data-parallel rank (each rank is a scheduler).
+        self.forwards = [PrefillForwards(self) for _ in range(config.dp_size)]
+        self.batches = [DecodeBatch(self) for _ in range(config.dp_size)]
+        self._next_rank = 0
         self.decoding = 0  # requests in a decode loop: the batch whose size sets the decode step time
         self.prefix_cache = PrefixCache(config.prefix_cache_tokens) if config.prefix_cache_tokens else None
         self.running = 0
@@ -245,6 +104,11 @@ class Engine:
 
     def register(self, req: Req) -> None:
         self.requests[req.rid] = req
+        if self.config.dp_size > 1:  # SGLang's PD default: follow the bootstrap room; else round robin
+            if req.room is not None:
+                req.dp_rank = req.room % self.config.dp_size
+            else:
+                req.dp_rank, self._next_rank = self._next_rank, (self._next_rank + 1) % self.config.dp_size
         self.counters.items_started += 1
         self.counters.prompt_tokens += len(req.input_ids)
 
@@ -325,7 +189,7 @@ class Engine:
             req.gen.step(1)
             req.phase = TRANSFER
             if self.config.timing.kv_transfer_s:
-                await self._sleep(req, self.config.timing.kv_transfer_s)
+                await self.sleep(req, self.config.timing.kv_transfer_s)
             room.publish(first_token=req.gen.output_ids[0], weight_version=self.weight_version,
                          cached_tokens=req.cached_tokens)
             deadline = time.monotonic() + self.config.kv_wait_timeout_s
@@ -347,20 +211,11 @@ class Engine:
 
     def _prefill_failure(self, req: Req, stage: str, reason: str | None) -> RequestFailed:
         self.counters.bootstrap_failures += 1
-        req.done_failed = True
-        what = "Prefill bootstrap failed" if stage == "bootstrap" else "Prefill transfer failed"
-        return RequestFailed(
-            f"{what} for request rank=0 req.rid={req.rid!r} req.bootstrap_room={req.room} "
-            f"with exception KVTransferError(bootstrap_room={req.room}): {reason or UNKNOWN_PEER_FAILURE}")
+        return leg_failure(req, "prefill", stage, reason)
 
     def _decode_failure(self, req: Req, stage: str, reason: str | None) -> RequestFailed:
         self.counters.bootstrap_failures += 1
-        req.done_failed = True
-        what = "Decode handshake failed" if stage == "handshake" else "Decode transfer failed"
-        return RequestFailed(
-            f"{what} for request rank=0 decode_req.req.rid={req.rid!r} "
-            f"decode_req.req.bootstrap_room={req.room} "
-            f"with exception KVTransferError(bootstrap_room={req.room}): {reason or UNKNOWN_PEER_FAILURE}")
+        return leg_failure(req, "decode", stage, reason)
 
     async def _run_decode(self, req: Req, on_progress: Callable[[Req], Awaitable[None]] | None) -> None:
         req.phase = HANDSHAKE
@@ -407,9 +262,16 @@ class Engine:
 
     # ------------------------------------------------------------ phases
 
+    def _kv_need(self, req: Req) -> int:
+        """KV room a request takes at admission: its prompt and answer; on a decode server, as 0.5.23's
+        prealloc, its prompt and `num_reserved_decode_tokens` (512) whatever its answer's length."""
+        if self.role == "decode" and self.config.num_reserved_decode_tokens:
+            return len(req.input_ids) + self.config.num_reserved_decode_tokens
+        return len(req.input_ids) + max(req.gen.max_new_tokens, 0)
+
     async def _admit(self, req: Req) -> None:
-        """Wait for a running slot and KV room (input + max_new_tokens), or abort."""
-        need = len(req.input_ids) + max(req.gen.max_new_tokens, 0)
+        """Wait for a running slot and KV room (`_kv_need`), or abort."""
+        need = self._kv_need(req)
         if not self.waiting and self._fits(need):
             self._take(req, need)
             return
@@ -430,9 +292,12 @@ class Engine:
     def _fits(self, need: int) -> bool:
         if self.pause_mode is not None:
             return False
-        if self.running >= self.config.max_running_requests:
+        ranks = self.config.dp_size
+        # a decode server's request slots hold transfers beyond the running batch (SGLang's extra slots)
+        slots = self.config.max_running_requests * ranks * (2 if self.role == "decode" else 1)
+        if self.running >= slots:
             return False
-        return self.used_tokens + need <= self.config.max_total_tokens or self.running == 0
+        return self.used_tokens + need <= self.config.max_total_tokens * ranks or self.running == 0
 
     def _take(self, req: Req, need: int) -> None:
         self.running += 1
@@ -453,23 +318,10 @@ class Engine:
             self.waiting[0].poke()
 
     async def _forward(self, req: Req) -> None:
-        limit = self.config.prefill_concurrency
-        if limit and not await self._prefill_slot(req, limit):
-            return  # aborted while waiting for compute
-        req.phase = FORWARD
-        try:
-            self._match_prefix(req)
-            delay = self.config.timing.prefill_time(len(req.input_ids) - req.cached_tokens)
-            if delay:
-                await self._sleep(req, delay)
-        finally:
-            if limit:
-                self.prefill_busy -= 1
-                self._wake_prefill_queue()
-        if not req.done:
+        if await self.forwards[req.dp_rank].run(req) and not req.done:
             self._record_prefill(req)
 
-    def _match_prefix(self, req: Req) -> None:
+    def match_prefix(self, req: Req) -> None:
         if self.prefix_cache is not None:
             matched = self.prefix_cache.match(req.input_ids)
             if req.return_logprob and req.logprob_start_len >= 0:
@@ -494,11 +346,11 @@ class Engine:
         if (not self._timing_zero or self.config.prefill_concurrency or self.pause_mode is not None
                 or self.waiting or faults.hang_after_tokens is not None):
             return False
-        need = len(req.input_ids) + max(req.gen.max_new_tokens, 0)
+        need = self._kv_need(req)
         if not self._fits(need):
             return False
         self._take(req, need)
-        self._match_prefix(req)
+        self.match_prefix(req)
         self._record_prefill(req)
         req.phase = DECODE
         self.counters.generation_tokens += req.gen.step(1 << 30)
@@ -506,38 +358,52 @@ class Engine:
         req.finish_reason = req.gen.finish_reason
         return True
 
-    async def _prefill_slot(self, req: Req, limit: int) -> bool:
-        """Wait (first come, first served; in the waiting queue) for a prefill compute slot."""
-        if not self.prefill_queue and self.prefill_busy < limit:
-            self.prefill_busy += 1
-            return True
-        req.phase = WAITING
-        self.prefill_queue.append(req)
-        try:
-            while not req.done:
-                if self.prefill_queue[0] is req and self.prefill_busy < limit:
-                    self.prefill_busy += 1
-                    return True
-                req.wake.clear()
-                await req.wake.wait()
-            return False
-        finally:
-            if req in self.prefill_queue:
-                self.prefill_queue.remove(req)
-                self._wake_prefill_queue()
-
-    def _wake_prefill_queue(self) -> None:
-        if self.prefill_queue:
-            self.prefill_queue[0].poke()
-
     async def _decode_loop(self, req: Req, on_progress: Callable[[Req], Awaitable[None]] | None) -> None:
         # Only requests that are decoding make the batch: on a decode server, those still waiting for their
         # KV hold memory (self.running) but take no part in the forward passes.
+        if not self._steps_take_time:
+            self.decoding += 1
+            try:
+                await self._decode_steps(req, on_progress)
+            finally:
+                self.decoding -= 1
+            return
+        batch = self.batches[req.dp_rank]
+        if not await batch.join(req):
+            return
         self.decoding += 1
         try:
-            await self._decode_steps(req, on_progress)
+            await self._batched_steps(req, batch, on_progress)
         finally:
             self.decoding -= 1
+            batch.leave(req)
+
+    async def _batched_steps(self, req: Req, batch: DecodeBatch,
+                             on_progress: Callable[[Req], Awaitable[None]] | None) -> None:
+        """Emit the tokens the batch's steps give this request (capacity.DecodeBatch), until it finishes."""
+        req.phase = DECODE
+        while not req.done:
+            if self.pause_mode is not None:
+                if self.pause_mode == "retract" and req.kv_tokens:
+                    batch.leave(req)
+                    await self._hold_while_paused(req)
+                    if req.done or not await batch.join(req):
+                        return
+                    req.phase = DECODE
+                else:
+                    await self._hold_while_paused(req)
+                continue
+            if not req.step_tokens:
+                req.wake.clear()
+                await req.wake.wait()
+                continue
+            tokens, req.step_tokens = req.step_tokens, 0
+            self.counters.generation_tokens += req.gen.step(tokens)
+            self.last_output = time.monotonic()
+            if req.gen.finished:
+                req.finish_reason = req.gen.finish_reason
+            if on_progress is not None:
+                await on_progress(req)
 
     async def _decode_steps(self, req: Req, on_progress: Callable[[Req], Awaitable[None]] | None) -> None:
         req.phase = DECODE
@@ -556,7 +422,7 @@ class Engine:
                 continue
             step = 0.0 if zero else timing.decode_step_time(self.decoding)
             if step:
-                await self._sleep(req, step)
+                await self.sleep(req, step)
                 if req.done:
                     return
                 if self.pause_mode is not None:
@@ -565,6 +431,7 @@ class Engine:
             burst = 1 if (step or on_progress is not None or faults.hang_after_tokens is not None) else 1 << 30
             added = req.gen.step(burst)
             self.counters.generation_tokens += added
+            self.batches[req.dp_rank].account(1, step * 1e6, added)  # each emit counts as a step of one
             self.last_output = time.monotonic()
             if req.gen.finished:
                 req.finish_reason = req.gen.finish_reason
@@ -591,7 +458,7 @@ class Engine:
         req.wake.clear()
         await req.wake.wait()  # resume() and abort() wake every request
 
-    async def _sleep(self, req: Req, delay: float) -> None:
+    async def sleep(self, req: Req, delay: float) -> None:
         """Sleep ``delay`` unless the request is woken (abort, pause) first."""
         req.wake.clear()
         try:
@@ -622,6 +489,12 @@ class Engine:
     def wake_all(self) -> None:
         for req in list(self.requests.values()):
             req.poke()
+        for batch in self.batches:
+            batch.wake()
+
+    async def close(self) -> None:
+        for batch in self.batches:
+            await batch.close()
 
     # ------------------------------------------------------------ control
 
@@ -681,6 +554,8 @@ class Engine:
         self._scheduler_resumed.set()
         for req in list(self.requests.values()):
             req.poke()
+        for batch in self.batches:
+            batch.wake()
         self._wake_waiting()
 
     def is_fully_idle(self, *, ignore_waiting: bool = False) -> bool:
@@ -724,60 +599,7 @@ class Engine:
     # ------------------------------------------------------------ views
 
     def load(self) -> dict[str, int]:
-        running = waiting = 0
-        queues = {"prefill_bootstrap_queue_reqs": 0, "prefill_inflight_queue_reqs": 0,
-                  "decode_prealloc_queue_reqs": 0, "decode_transfer_queue_reqs": 0,
-                  "decode_retracted_queue_reqs": 0}
-        used = 0
-        for req in self.requests.values():
-            if not req.dispatched:
-                continue
-            phase = req.phase
-            if req.kv_tokens:
-                used += len(req.input_ids) + len(req.gen.output_ids)
-            if phase == DECODE or (phase == FORWARD and req.kv_tokens):
-                running += 1
-            elif phase in (WAITING, RETRACTED):
-                waiting += 1
-            elif phase == BOOTSTRAP:
-                queues["prefill_bootstrap_queue_reqs"] += 1
-            elif phase == TRANSFER and self.role == "prefill":
-                queues["prefill_inflight_queue_reqs"] += 1
-            elif phase == HANDSHAKE:
-                queues["decode_prealloc_queue_reqs"] += 1
-            elif phase == TRANSFER:
-                queues["decode_transfer_queue_reqs"] += 1
-            if phase == RETRACTED:
-                queues["decode_retracted_queue_reqs"] += self.role == "decode"
-        return {"running": running, "waiting": waiting, "used_tokens": used, **queues}
+        """What the load report counts over every DP rank (loads.py): running, waiting, used tokens, queues."""
+        from .loads import summary  # noqa: PLC0415 (loads reads the engine)
 
-    def snapshot(self) -> dict[str, Any]:
-        """Everything a router test may want to assert on (``GET /_sim/state``)."""
-        by_phase: dict[str, list[str]] = {}
-        undispatched = []
-        for req in self.requests.values():
-            if req.dispatched:
-                by_phase.setdefault(req.phase, []).append(req.rid)
-            else:
-                undispatched.append(req.rid)
-        return {
-            "role": self.role,
-            "paused": self.is_pause,
-            "pause_mode": self.pause_mode,
-            "weight_version": self.weight_version,
-            "model_version": self.model_version,
-            "unhealthy": self.unhealthy,
-            "inflight_calls": self.inflight_calls,
-            "running_rids": by_phase.get(DECODE, []) + by_phase.get(FORWARD, []),
-            "waiting_rids": by_phase.get(WAITING, []) + by_phase.get(RETRACTED, []),
-            "rids_by_phase": by_phase,
-            "undispatched_rids": undispatched,  # parked behind a pause or a weight update
-            "weight_lock": {"readers": self.lock.readers, "writer": self.lock.writer,
-                            "waiting_writers": self.lock.waiting_writers},
-            "weight_session_open": self.weight_session_open,
-            "released_memory": sorted(self.released_memory),
-            "rooms": self.rooms.snapshot(),
-            "kv_reserved_tokens": self.used_tokens,  # admission: input + max_new_tokens of each running item
-            "deferred_release_s": max(0.0, round(self.deferred_release_until - time.monotonic(), 3)),
-            "counters": self.counters.__dict__.copy(),
-        }
+        return summary(self)

@@ -12,7 +12,7 @@ import orjson
 from aiohttp import web
 
 from . import outputs
-from .engine import Req, RequestFailed
+from .requests import Req, RequestFailed
 from .httputil import http_error, json_response, value_error
 
 if TYPE_CHECKING:

@@ -1,4 +1,4 @@
-"""Info and load answers: ``/server_info``, ``/model_info``, ``/v1/loads``, ``/get_load``.
+"""Info answers: ``/server_info`` and ``/model_info`` (the load report is loads.py's).
 
 The field sets come from a real 0.5.23 server (``data/sglang_0_5_23_info.json``); the simulator
 fills in what it models. As on the real server, ``/server_info``'s top level is the launch
@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import copy
 import json
-import time
-from datetime import datetime, timezone
 from functools import lru_cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -131,57 +129,3 @@ def model_info(worker: "Worker") -> dict[str, Any]:
         "disaggregation_mode": engine.role,
     })
     return info
-
-
-def _load_row(worker: "Worker") -> dict[str, Any]:
-    cfg = worker.config
-    engine = worker.engine
-    load = engine.load()
-    row = copy.deepcopy(_template()["load"])
-    used = load["used_tokens"]
-    row.update({
-        "timestamp": time.time(),
-        "num_running_reqs": load["running"],
-        "num_waiting_reqs": load["waiting"],
-        "num_used_tokens": used,
-        "num_total_tokens": used,
-        "max_total_num_tokens": cfg.max_total_tokens,
-        "max_running_requests": cfg.max_running_requests,
-        "token_usage": round(used / cfg.max_total_tokens, 4),
-        "gen_throughput": engine.last_gen_throughput,
-        "cache_hit_rate": round(engine.counters.cached_tokens / engine.counters.prefill_tokens, 4)
-        if engine.counters.prefill_tokens else 0.0,
-        "decode_moments": row["decode_moments"] if cfg.role == "decode" else None,  # set up at launch
-    })
-    row["memory"]["token_capacity"] = cfg.max_total_tokens
-    disagg = row["disaggregation"]
-    disagg["mode"] = engine.role
-    for key in ("prefill_bootstrap_queue_reqs", "prefill_inflight_queue_reqs", "decode_prealloc_queue_reqs",
-                "decode_transfer_queue_reqs", "decode_retracted_queue_reqs"):
-        disagg[key] = load[key]
-    row["queues"]["waiting"] = load["waiting"]
-    row["queues"]["retracted"] = load["decode_retracted_queue_reqs"]
-    return row
-
-
-def v1_loads(worker: "Worker") -> dict[str, Any]:
-    return {
-        "timestamp": datetime.now(timezone.utc).isoformat(),
-        "version": worker.config.sglang_version,
-        "accelerator": None,
-        "num_accelerators": 1,
-        "loads": [_load_row(worker)],
-    }
-
-
-def get_load(worker: "Worker") -> Any:
-    """``/get_load`` of 0.4.9 (tokens) and 0.5.6 (one row per DP rank)."""
-    load = worker.engine.load()
-    queued_tokens = sum(len(r.input_ids) for r in worker.engine.requests.values()
-                        if not r.kv_tokens)
-    if worker.config.sglang_version == "0.4.9":
-        return {"load": load["used_tokens"] + queued_tokens}
-    waiting = load["waiting"] + load["prefill_bootstrap_queue_reqs"] + load["decode_prealloc_queue_reqs"] \
-        + load["decode_transfer_queue_reqs"]
-    return [{"rid": None, "http_worker_ipc": None, "dp_rank": 0, "num_reqs": load["running"] + waiting,
-             "num_waiting_reqs": waiting, "num_tokens": load["used_tokens"] + queued_tokens}]

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 from aiohttp import web
 
 from . import outputs
-from .engine import Req, RequestFailed
+from .requests import Req, RequestFailed
 from .httputil import json_response
 from .inputs import BodyError, GenerateCall, parse_generate
 from .tokens import apply_chat_template, encode, token_logprob, token_text

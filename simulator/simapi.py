@@ -9,14 +9,16 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import time
+from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
-from .engine import Counters
+from .requests import DECODE, FORWARD, QUEUED, RETRACTED, WAITING, Counters
 from .httputil import json_response, read_json, is_response
 
 if TYPE_CHECKING:
+    from .engine import Engine
     from .worker import Worker
 
 
@@ -35,7 +37,7 @@ class SimApi:
 
     async def state(self, request: web.Request) -> web.Response:
         worker = self.worker
-        snap = worker.engine.snapshot()
+        snap = engine_snapshot(worker.engine)
         snap.update({
             "url": worker.url,
             "port": worker.port,
@@ -75,3 +77,38 @@ class SimApi:
     async def reset_counters(self, request: web.Request) -> web.Response:
         self.worker.engine.counters = Counters()
         return json_response({"success": True})
+
+
+def engine_snapshot(engine: "Engine") -> dict[str, Any]:
+    """Everything a router test may want to assert on (``GET /_sim/state``)."""
+    by_phase: dict[str, list[str]] = {}
+    undispatched = []
+    for req in engine.requests.values():
+        if req.dispatched:
+            by_phase.setdefault(req.phase, []).append(req.rid)
+        else:
+            undispatched.append(req.rid)
+    return {
+        "role": engine.role,
+        "paused": engine.is_pause,
+        "pause_mode": engine.pause_mode,
+        "weight_version": engine.weight_version,
+        "model_version": engine.model_version,
+        "unhealthy": engine.unhealthy,
+        "inflight_calls": engine.inflight_calls,
+        "running_rids": by_phase.get(DECODE, []) + by_phase.get(FORWARD, []),
+        "waiting_rids": by_phase.get(WAITING, []) + by_phase.get(QUEUED, []) + by_phase.get(RETRACTED, []),
+        "rids_by_phase": by_phase,
+        "undispatched_rids": undispatched,  # parked behind a pause or a weight update
+        "weight_lock": {"readers": engine.lock.readers, "writer": engine.lock.writer,
+                        "waiting_writers": engine.lock.waiting_writers},
+        "weight_session_open": engine.weight_session_open,
+        "released_memory": sorted(engine.released_memory),
+        "rooms": engine.rooms.snapshot(),
+        "kv_reserved_tokens": engine.used_tokens,  # admission: input + max_new_tokens of each running item
+        "deferred_release_s": max(0.0, round(engine.deferred_release_until - time.monotonic(), 3)),
+        "counters": engine.counters.__dict__.copy(),
+        "capacity": [{"forwards": f.forwards, "waiting_for_forward": len(f.queue), "forwarding": f.running,
+                      "decode_batch": b.size, "queued_for_batch": len(b.queued), "decode_steps": int(b.moments[0])}
+                     for f, b in zip(engine.forwards, engine.batches)],
+    }

@@ -1,4 +1,5 @@
-"""The simulator's capacity knobs: prefill compute slots (a waiting queue in /v1/loads) and the prefix cache
+"""The simulator's capacity model (simulator/capacity.py): one prefill forward at a time batching the requests that
+waited, continuous-batching decode with a running cap, their counters in /v1/loads; and the prefix cache
 (cached_tokens, cache_hit_rate)."""
 
 from __future__ import annotations
@@ -23,31 +24,82 @@ async def load_of(session, handle) -> dict:
     return body["loads"][0]
 
 
-async def test_prefill_concurrency_queues_forwards_in_the_waiting_queue(session):
-    # one forward at a time, each long enough to be observed
-    async with Fleet(1, 2, prefill_concurrency=1, prefill_per_token_s=0.004, **FAST) as fleet:
-        body = {"text": LONG, "sampling_params": {"max_new_tokens": 2}}
-        both = asyncio.gather(pd_generate(session, fleet, body, d=0), pd_generate(session, fleet, body, d=1))
+async def state_of(fleet, handle) -> dict:
+    return await fleet.state(handle)
 
-        async def one_running_one_waiting():
-            load = await load_of(session, fleet.prefill[0])
-            return load["num_running_reqs"] == 1 and load["num_waiting_reqs"] == 1
-        await wait_for(one_running_one_waiting, timeout=10)
-        results = await both
-        assert [status for pair in results for status, _ in pair] == [200] * 4
+
+async def test_one_forward_at_a_time_batches_the_requests_that_waited(session):
+    """SGLang's prefill: one forward at a time; those that arrive meanwhile wait and go together in the next."""
+    async with Fleet(1, 3, prefill_concurrency=1, prefill_per_token_s=0.004, **FAST) as fleet:
+        body = {"text": LONG, "sampling_params": {"max_new_tokens": 2}}
+        first = asyncio.ensure_future(pd_generate(session, fleet, {**body, "rid": "a"}, d=0))
+        await fleet.wait_for(fleet.prefill[0], lambda s: "a" in s["rids_by_phase"].get("forward", []))
+        rest = [asyncio.ensure_future(pd_generate(session, fleet, {**body, "rid": rid}, d=d))
+                for d, rid in ((1, "b"), (2, "c"))]
+        state = await fleet.wait_for(fleet.prefill[0], lambda s: sorted(s["rids_by_phase"].get("waiting", [])) == ["b", "c"])
+        assert state["rids_by_phase"]["forward"] == ["a"]
+        load = await load_of(session, fleet.prefill[0])
+        # a prefill never reports a running batch; the forward's request is still counted as waiting
+        assert (load["num_running_reqs"], load["num_waiting_reqs"], load["queues"]["waiting"]) == (0, 3, 3)
+        for result in await asyncio.gather(first, *rest):
+            assert [status for status, _ in result] == [200, 200]
+        state = await state_of(fleet, fleet.prefill[0])
+        assert state["capacity"][0]["forwards"] == 2  # a alone, then b and c in one forward
         load = await load_of(session, fleet.prefill[0])
         assert (load["num_running_reqs"], load["num_waiting_reqs"]) == (0, 0)
+        assert load["total_prefill_uncached_tokens"] == state["counters"]["prompt_tokens"]
+        # three prompts of ~200 tokens at 4 ms each: two forwards, at least ~1.6 s of busy time
+        assert load["total_prefill_busy_us"] >= 0.9 * 0.004 * state["counters"]["prompt_tokens"] * 1e6
+
+
+async def test_max_prefill_tokens_bounds_a_forward(session):
+    async with Fleet(1, 3, prefill_concurrency=1, prefill_per_token_s=0.003, max_prefill_tokens=250,
+                     **FAST) as fleet:
+        body = {"text": LONG, "sampling_params": {"max_new_tokens": 2}}
+        first = asyncio.ensure_future(pd_generate(session, fleet, {**body, "rid": "a"}, d=0))
+        await fleet.wait_for(fleet.prefill[0], lambda s: "a" in s["rids_by_phase"].get("forward", []))
+        rest = [asyncio.ensure_future(pd_generate(session, fleet, {**body, "rid": rid}, d=d))
+                for d, rid in ((1, "b"), (2, "c"))]
+        await asyncio.gather(first, *rest)
+        assert (await state_of(fleet, fleet.prefill[0]))["capacity"][0]["forwards"] == 3  # ~200 + 200 > 250
 
 
 async def test_without_a_limit_forwards_overlap(session):
     async with Fleet(1, 2, prefill_per_token_s=0.004, **FAST) as fleet:
         body = {"text": LONG, "sampling_params": {"max_new_tokens": 2}}
         both = asyncio.gather(pd_generate(session, fleet, body, d=0), pd_generate(session, fleet, body, d=1))
-
-        async def two_running():
-            return (await load_of(session, fleet.prefill[0]))["num_running_reqs"] == 2
-        await wait_for(two_running, timeout=10)
+        await fleet.wait_for(fleet.prefill[0], lambda s: len(s["rids_by_phase"].get("forward", [])) == 2)
         await both
+
+
+async def test_decode_steps_give_every_request_of_the_batch_a_token(session):
+    """Continuous batching: one step loop per server, each step one token for each request in the batch,
+    accumulated in /v1/loads' decode_moments (steps, batch sizes, step time, squares, products, tokens)."""
+    async with Fleet(1, 1, decode_step_s=0.01, decode_step_per_running_s=0.002, **FAST) as fleet:
+        body = {"text": "short prompt", "sampling_params": {"max_new_tokens": 10}}
+        results = await asyncio.gather(*(pd_generate(session, fleet, body) for _ in range(3)))
+        assert all(len(d_out["output_ids"]) == 10 for _, (_, d_out) in results)
+        steps, batch_sum, time_sum, squares, products, tokens = (await load_of(session, fleet.decode[0]))[
+            "decode_moments"]
+        assert tokens == batch_sum == 27  # the first token of each comes with the KV, nine steps each
+        assert steps < 27 and squares > batch_sum  # the three shared steps
+        assert time_sum >= steps * 0.012 * 1e6 * 0.9 and products > time_sum  # a step of n costs more
+        assert (await load_of(session, fleet.prefill[0]))["decode_moments"] is None
+
+
+async def test_a_full_batch_leaves_requests_in_the_decode_waiting_queue(session):
+    async with Fleet(1, 1, decode_step_s=0.01, decode_overrides={"max_running_requests": 1}, **FAST) as fleet:
+        first = asyncio.ensure_future(pd_generate(session, fleet, {"text": "a", "rid": "first",
+                                                                   "sampling_params": {"max_new_tokens": 100}}))
+        await fleet.wait_for(fleet.decode[0], lambda s: "first" in s["rids_by_phase"].get("decode", []))
+        second = asyncio.ensure_future(pd_generate(session, fleet, {"text": "b", "rid": "second",
+                                                                    "sampling_params": {"max_new_tokens": 2}}))
+        await fleet.wait_for(fleet.decode[0], lambda s: "second" in s["rids_by_phase"].get("queued", []))
+        load = await load_of(session, fleet.decode[0])
+        assert (load["num_running_reqs"], load["num_waiting_reqs"], load["queues"]["waiting"]) == (1, 1, 1)
+        assert load["disaggregation"]["decode_transfer_queue_reqs"] == 0  # its KV is there already
+        for result in await asyncio.gather(first, second):
+            assert [status for status, _ in result] == [200, 200]
 
 
 async def test_an_abort_frees_a_request_waiting_for_a_prefill_slot(session):
@@ -113,6 +165,8 @@ def test_prefix_cache_matches_evicts_deepest_first_and_keeps_one_token_to_comput
 def test_capacity_knobs_are_validated():
     with pytest.raises(ValueError, match="prefill_concurrency"):
         WorkerConfig(prefill_concurrency=-1)
+    with pytest.raises(ValueError, match="max_prefill_tokens and dp_size"):
+        WorkerConfig(dp_size=0)
 
 
 async def test_decode_batch_counts_requests_decoding_not_those_waiting_for_kv(session):
