@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Protocol, Sequence, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, Sequence, runtime_checkable
+
+if TYPE_CHECKING:
+    from .load_report import LoadReport
 
 
 class Outcome(str, enum.Enum):
@@ -41,6 +44,12 @@ class ServerLoad:
     token_usage: float | None = None  # KV cache usage in [0, 1], when the server reports it
     inflight_at: int = 0
     taken_at: float = 0.0  # monotonic time of the snapshot
+    # 0.5.23's whole report (policies/load_report.py: the PD queues, token counts, cumulative counters), and
+    # what the load monitor made of its counters since the previous poll (None: not known).
+    report: "LoadReport | None" = None
+    prefill_busy: float | None = None  # share of the time spent in prefill forwards
+    decode_step_s: float | None = None  # mean decode step (the inter-token latency it gave)
+    decode_batch: float | None = None  # mean batch size of those steps
 
     @property
     def requests(self) -> int:

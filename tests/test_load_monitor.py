@@ -134,3 +134,64 @@ async def test_pending_and_failed_workers_are_not_polled(monitor_for):
 
 def test_config_problems():
     assert len(LoadMonitorConfig(interval_secs=0, timeout_secs=-1).problems()) == 2
+
+
+def decode_rank(moments, running=4, transfer=3, prealloc=2, ready=1, waiting_queue=1):
+    return {"dp_rank": 0, "num_running_reqs": running, "num_waiting_reqs": waiting_queue + prealloc + transfer,
+            "num_used_tokens": 400, "num_active_tokens": 250, "max_total_num_tokens": 1000, "token_usage": 0.4,
+            "total_prefill_busy_us": 0, "decode_moments": moments,
+            "disaggregation": {"mode": "decode", "prefill_bootstrap_queue_reqs": 0, "prefill_inflight_queue_reqs": 0,
+                               "decode_prealloc_queue_reqs": prealloc, "decode_transfer_queue_reqs": transfer,
+                               "decode_retracted_queue_reqs": 0},
+            "queues": {"waiting": waiting_queue, "grammar": 0, "paused": 0, "retracted": 0, "prealloc_ready": ready}}
+
+
+async def test_the_pd_queues_and_rates_between_two_polls(monitor_for):
+    """The whole 0.5.23 report is kept (each PD queue apart), and two polls give the mean decode step and batch
+    of the steps made between them, and a prefill's share of time in forwards."""
+    clock = [100.0]
+    decode = LoadServer(v1=[decode_rank([10, 20, 500_000, 40, 1_000_000, 20])])
+    prefill = LoadServer(v1=[{**RANK, "num_running_reqs": 0, "total_prefill_busy_us": 1_000_000,
+                              "disaggregation": {"mode": "prefill", "prefill_bootstrap_queue_reqs": 1,
+                                                 "prefill_inflight_queue_reqs": 2},
+                              "queues": {"waiting": 1, "prealloc_ready": 0}}])
+    registry, monitor = await monitor_for(prefill, decode)
+    monitor.clock = lambda: clock[0]
+    await monitor.poll_once()
+    p, d = registry.workers()
+    assert d.server_load.decode_step_s is None and p.server_load.prefill_busy is None  # one poll: no rate
+    report = d.server_load.report
+    assert (report.transfer, report.prealloc, report.prealloc_ready, report.waiting_queue) == (3, 2, 1, 1)
+    assert report.own_kv_usage == 0.25 and report.mode == "decode" and report.pd_queued == 5
+    assert (p.server_load.report.bootstrap, p.server_load.report.inflight) == (1, 2)
+    clock[0] = 102.0
+    decode.v1 = [decode_rank([30, 100, 2_500_000, 360, 11_000_000, 100])]  # 20 steps of batch 4, 100 ms each
+    prefill.v1[0]["total_prefill_busy_us"] = 2_500_000  # 1.5 s of the 2 s in forwards
+    await monitor.poll_once()
+    assert d.server_load.decode_step_s == pytest.approx(0.1) and d.server_load.decode_batch == pytest.approx(4)
+    assert p.server_load.prefill_busy == pytest.approx(0.75)
+    clock[0] = 103.0
+    decode.v1 = [decode_rank([5, 5, 50_000, 5, 50_000, 5])]  # counters went back: restarted, no rate
+    await monitor.poll_once()
+    assert d.server_load.decode_step_s is None
+
+
+def test_rates_need_the_same_role_on_both_polls():
+    from policies import ServerLoad
+    from policies.load_report import parse_loads
+    from router.control.load_monitor import rates
+
+    before = ServerLoad(1, 0, taken_at=0.0, report=parse_loads([decode_rank([10, 20, 1e6, 40, 2e6, 20])]))
+    as_prefill = {**decode_rank(None), "disaggregation": {"mode": "prefill"}, "total_prefill_busy_us": 10}
+    assert rates(before, parse_loads([as_prefill]), 1.0) == {}
+    assert rates(None, before.report, 1.0) == {}
+
+
+def test_a_report_without_breakdown_leaves_the_queues_unknown():
+    from policies.load_report import parse_loads
+
+    report = parse_loads({"loads": [RANK]})
+    assert (report.running, report.waiting, report.transfer, report.waiting_queue, report.mode) == (3, 2, None, None, None)
+    assert report.pd_queued == 0 and report.own_kv_usage == 0.1
+    assert parse_loads({"loads": []}) is None and parse_loads({"detail": "Not Found"}) is None
+    assert parse_loads([{"dp_rank": 0, "num_running_reqs": "x", "num_waiting_reqs": True}]).running == 0

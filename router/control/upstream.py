@@ -16,6 +16,7 @@ from typing import Any, Awaitable, Callable, Iterable, TypeVar
 import aiohttp
 import orjson
 
+from policies.load_report import LoadReport, parse_loads
 from router.core.redact import redact_text
 
 logger = logging.getLogger(__name__)
@@ -71,6 +72,7 @@ class Load:
     # 0.5.23's PD queues (prefill bootstrap/inflight, decode prealloc/transfer/retracted): requests there are
     # in neither running nor waiting, yet the server is not idle (a role switch refuses).
     queued: int = 0
+    report: LoadReport | None = None  # the whole 0.5.23 report (policies/load_report.py), when it has one
 
     @property
     def idle(self) -> bool:
@@ -135,19 +137,9 @@ class Upstream:
     async def load(self, url: str, **kw) -> Load | None:
         """Running and waiting requests summed over DP ranks; None if the server tells nothing."""
         reply = await self.get(url, "/v1/loads", **kw)
-        if reply.ok and reply.data is not None:
-            ranks = reply.data.get("loads", reply.data) if isinstance(reply.data, dict) else reply.data
-            if isinstance(ranks, dict):
-                ranks = [ranks]
-            if isinstance(ranks, list) and ranks and all(isinstance(r, dict) for r in ranks):
-                usage = [r.get("token_usage") for r in ranks if isinstance(r.get("token_usage"), (int, float))]
-                return Load(
-                    running=sum(int(r.get("num_running_reqs") or 0) for r in ranks),
-                    waiting=sum(int(r.get("num_waiting_reqs") or 0) for r in ranks),
-                    used_tokens=sum(int(r.get("num_used_tokens") or 0) for r in ranks),
-                    token_usage=max(usage) if usage else None,
-                    queued=sum(_pd_queued(r) for r in ranks),
-                )
+        if reply.ok and (report := parse_loads(reply.data)) is not None:
+            return Load(running=report.running, waiting=report.waiting, used_tokens=report.used_tokens,
+                        token_usage=report.token_usage, queued=report.pd_queued, report=report)
         reply = await self.get(url, "/get_load", **kw)
         if reply.ok and reply.data is not None:
             items = reply.data if isinstance(reply.data, list) else [reply.data]
@@ -161,14 +153,6 @@ class Upstream:
     async def abort(self, url: str, *, rid: str | None = None, abort_all: bool = False, **kw) -> Reply:
         body: dict = {"abort_all": True} if abort_all else {"rid": rid}
         return await self.post(url, "/abort_request", body, **kw)
-
-
-def _pd_queued(rank: dict) -> int:
-    queues = rank.get("disaggregation")
-    if not isinstance(queues, dict):
-        return 0
-    return sum(v for k, v in queues.items()
-               if k.endswith("_queue_reqs") and isinstance(v, int) and not isinstance(v, bool))
 
 
 def bootstrap_port_of(server_info: Any) -> int | None:
