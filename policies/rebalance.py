@@ -1,174 +1,88 @@
 """The P/D rebalancer's decision core: `decide(observation, state, config) -> Decision`, with no I/O.
 
-It compares the pressure on the prefill pool with the pressure on the decode pool and proposes converting
-one server from the cold pool to the hot one. Pressure is a pool's worst ratio of a measured signal to its
-target, so 1.0 means "at target":
-- both pools: waiting requests per server (the servers' own reports) / queue target; KV usage / KV target;
-- decode: inter-token latency measured by the router (p90) / ITL (TPOT) target;
-- TTFT measured by the router (p90) / TTFT target, charged to the pool with the longer queue (in PD a
-  request waits for its first token either on prefill compute or on decode KV room).
+Two rules, in this order:
+
+1. **Refill an empty pool.** When one pool has no routable server left (its servers died, failed or were
+   removed) and the other can spare one, convert the cheapest of the other pool at once: no load signal,
+   warm-up, cooldown or confirmation is waited for (with no prefill, or no decode, nothing is served at all).
+   Drain mode when the chosen server has nothing in flight (nothing to wait for), else abort mode (its
+   requests are aborted and re-sent by the router; waiting for them would keep the fleet down). Held only
+   while a conversion into that pool is already under way, while servers of that role are still being read
+   at start-up, or when the other pool has a single server.
+2. **Follow the load.** Compare the pressure on the prefill pool with the pressure on the decode pool and
+   move one server from the cold pool to the hot one. Which signal stands for which bottleneck, and why, is
+   in `policies/rebalance_signals.py`: queues are attributed to the pool whose capacity they wait on (a decode
+   server's transfer queue waits on prefill compute, a prefill's bootstrap queue on decode KV room), TTFT is
+   charged only to a pool whose waiting requests clearly dominate, latency is measured on failed and abandoned
+   requests too, and a pool that is idle now is charged no latency left from before.
 
 The same code runs live, in replay and in tests: time comes in the observation, and the state is a value
 returned inside the decision. Every decision, a refusal included, names the guards that held it back:
 
-  no_signal      a pool has no data at all (no reports, no latency samples)
-  deadband       the hot pool is below `min_pressure`: nothing is worth a conversion
+  no_signal      a pool has no data at all (no reports, no latency samples); the streak is kept
+  deadband       the hot pool is below `min_pressure`: nothing is worth a conversion; the streak restarts
   margin         moving one server is predicted to improve the worst pressure by less than `min_improvement`
-                 (it would only move the bottleneck); the streak restarts
+                 (it would only move the bottleneck); the streak is kept, not counted
+  draining       the hot pool's backlog shrank by a quarter or more since the last look: what it has copes
+                 (after a conversion, the backlog it left is draining); the streak is kept, not counted
   warmup         less than `warmup_secs` since the rebalancer started
   busy           a conversion is in progress (ours or an operator's): one at a time
-  cooldown       less than `cooldown_secs` since the last conversion ended
+  cooldown       less than `cooldown_secs` since a conversion the other way ended (no flapping)
+  step_cooldown  less than `step_cooldown_secs` since a conversion the same way ended (let it act first)
   failure_cooldown  less than `failure_cooldown_secs` since a conversion failed
-  floor          the donor pool would fall below its minimum size
-  confirmations  the same proposal has not yet held for `confirmations` consecutive intervals
-  no_candidate   the donor pool has no server that can be converted
+  floor          the donor pool would fall below its minimum size (refill: the donor has one server)
+  confirmations  the proposal has not yet held for `confirmations` intervals (those that passed the margin)
+  no_candidate   the donor pool has no server that can be converted (each is doubted by a health verdict or a
+                 breaker, or failed a conversion lately)
+  refilling      a pool is empty and a conversion into it is already under way
+  pending        a pool is empty but servers of its role have not been read yet (start-up)
 
-The prediction assumes a pool's pressure is proportional to its load per server: moving one server from a
+No guard undoes another's count: margin, draining, warm-up, busy and the cooldowns hold a proposal without
+resetting its streak, so once they pass, a proposal that kept holding converts at once; only a change of
+direction or the end of the pressure (deadband) restarts it, and a finished conversion (what was seen during
+it does not count).
+
+The prediction takes a pool's pressure to be proportional to its load per server: moving one server from a
 pool of n_cold to a pool of n_hot scales the hot pressure by n_hot / (n_hot + 1) and the cold one by
-n_cold / (n_cold - 1).
+n_cold / (n_cold - 1). The server moved is the cheapest of the donor pool (`WorkerView.cost`: fewest requests
+in flight or queued, then the least KV held, i.e. the quickest drain), never one that is doubted.
 """
 
 from __future__ import annotations
 
-import enum
-from dataclasses import asdict, dataclass, field, fields, replace
-from typing import Any
+from dataclasses import dataclass, field, fields, replace
+
+from .rebalance_config import RebalanceConfig, RebalanceMode, UnknownFields
+from .rebalance_signals import (
+    DECODE, PREFILL, Observation, WorkerView, pool_terms, predicted_after_move, ttft_charged_to, waits_on_decode,
+    waits_on_prefill,
+)
+
+__all__ = ["BUSY", "CONFIRMATIONS", "COOLDOWN", "DEADBAND", "DRAINING", "FAILURE_COOLDOWN", "FLOOR", "GUARDS",
+           "MARGIN", "NO_CANDIDATE", "NO_SIGNAL", "PENDING", "REFILLING", "STEP_COOLDOWN", "WARMUP", "Decision",
+           "Observation", "RebalanceConfig", "RebalanceMode", "RebalanceState", "UnknownFields", "WorkerView",
+           "conversion_ended", "decide", "initial_state", "pool_pressures", "ttft_charged_to", "waits_on_decode",
+           "waits_on_prefill"]
 
 # Guard names (a fixed catalogue, so that metrics and logs can count them).
 NO_SIGNAL = "no_signal"
 DEADBAND = "deadband"
 MARGIN = "margin"
+DRAINING = "draining"
 WARMUP = "warmup"
 BUSY = "busy"
 COOLDOWN = "cooldown"
+STEP_COOLDOWN = "step_cooldown"
 FAILURE_COOLDOWN = "failure_cooldown"
 FLOOR = "floor"
 CONFIRMATIONS = "confirmations"
 NO_CANDIDATE = "no_candidate"
-GUARDS = (NO_SIGNAL, DEADBAND, MARGIN, WARMUP, BUSY, COOLDOWN, FAILURE_COOLDOWN, FLOOR, CONFIRMATIONS,
-          NO_CANDIDATE)
+REFILLING = "refilling"
+PENDING = "pending"
+GUARDS = (NO_SIGNAL, DEADBAND, MARGIN, DRAINING, WARMUP, BUSY, COOLDOWN, STEP_COOLDOWN, FAILURE_COOLDOWN, FLOOR,
+          CONFIRMATIONS, NO_CANDIDATE, REFILLING, PENDING)
 
-PREFILL, DECODE = "prefill", "decode"
-
-
-class RebalanceMode(str, enum.Enum):
-    OFF = "off"  # not even observed
-    ADVISORY = "advisory"  # decide and record "would convert X", change nothing
-    ENABLED = "enabled"  # decide and convert
-
-    def __str__(self) -> str:
-        return self.value
-
-
-@dataclass(frozen=True, slots=True)
-class RebalanceConfig:
-    mode: RebalanceMode = RebalanceMode.ADVISORY
-    interval_secs: float = 5.0  # one observation and decision per interval
-    window_secs: float = 15.0  # latency samples older than this are forgotten
-    warmup_secs: float = 30.0
-    confirmations: int = 3
-    cooldown_secs: float = 60.0
-    failure_cooldown_secs: float = 300.0
-    min_prefill: int = 1
-    min_decode: int = 1
-    min_pressure: float = 1.0
-    min_improvement: float = 0.2
-    ttft_target_secs: float = 1.0
-    itl_target_secs: float = 0.05
-    queue_target: float = 4.0  # waiting requests per server that count as full pressure
-    kv_target: float = 0.9  # KV cache usage that counts as full pressure
-    min_samples: int = 5  # latency needs this many finished requests in the window to count
-    history: int = 200  # decisions kept for the admin API
-    # How a conversion empties the server: "drain" (in-flight requests finish) or "abort" (they are aborted and
-    # re-sent elsewhere by the router, unseen by clients).
-    conversion_mode: str = "drain"
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.mode, RebalanceMode) and isinstance(self.mode, str):
-            try:
-                object.__setattr__(self, "mode", RebalanceMode(self.mode))
-            except ValueError:
-                pass  # reported by problems()
-
-    def problems(self) -> list[str]:
-        found = []
-        if not isinstance(self.mode, RebalanceMode):
-            found.append(f"rebalance mode must be one of {', '.join(m.value for m in RebalanceMode)}, "
-                         f"got {self.mode!r}")
-        for name in ("interval_secs", "window_secs", "ttft_target_secs", "itl_target_secs", "queue_target",
-                     "kv_target", "min_pressure"):
-            value = getattr(self, name)
-            if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
-                found.append(f"rebalance {name} must be a positive number, got {value!r}")
-        for name in ("warmup_secs", "cooldown_secs", "failure_cooldown_secs"):
-            value = getattr(self, name)
-            if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0:
-                found.append(f"rebalance {name} must not be negative, got {value!r}")
-        for name, low in (("confirmations", 1), ("min_prefill", 1), ("min_decode", 1), ("min_samples", 1),
-                          ("history", 1)):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < low:
-                found.append(f"rebalance {name} must be an integer >= {low}, got {value!r}")
-        if self.conversion_mode not in ("drain", "abort"):
-            found.append(f"rebalance conversion_mode must be drain or abort, got {self.conversion_mode!r}")
-        if not isinstance(self.min_improvement, (int, float)) or not 0 <= self.min_improvement < 1:
-            found.append(f"rebalance min_improvement must be in [0, 1), got {self.min_improvement!r}")
-        return found
-
-    @classmethod
-    def field_names(cls) -> set[str]:
-        return {f.name for f in fields(cls)}
-
-    def with_changes(self, changes: dict[str, Any]) -> "RebalanceConfig":
-        """A copy with `changes` applied; unknown keys and invalid values raise ValueError (all at once)."""
-        unknown = sorted(set(changes) - self.field_names())
-        if unknown:
-            raise UnknownFields(unknown)
-        changed = replace(self, **changes)
-        if problems := changed.problems():
-            raise ValueError("; ".join(problems))
-        return changed
-
-    def to_dict(self) -> dict:
-        out = asdict(self)
-        out["mode"] = self.mode.value if isinstance(self.mode, RebalanceMode) else self.mode
-        return out
-
-
-class UnknownFields(ValueError):
-    def __init__(self, names: list[str]):
-        super().__init__(f"unknown field(s): {', '.join(names)}")
-        self.names = names
-
-
-# ---- observation ---------------------------------------------------------------------------------------
-@dataclass(frozen=True, slots=True)
-class WorkerView:
-    """One routable server as the rebalancer sees it; `running`/`waiting`/`kv_usage` are None when the
-    server does not report them."""
-
-    id: str
-    inflight: int = 0
-    running: int | None = None
-    waiting: int | None = None
-    kv_usage: float | None = None
-    convertible: bool = True
-
-    @property
-    def busy(self) -> int:
-        reported = (self.running or 0) + (self.waiting or 0)
-        return max(self.inflight, reported)
-
-
-@dataclass(frozen=True, slots=True)
-class Observation:
-    now: float
-    prefill: tuple[WorkerView, ...]
-    decode: tuple[WorkerView, ...]
-    ttft_s: float | None = None  # p90 over the window, None under min_samples
-    itl_s: float | None = None
-    samples: int = 0
-    busy: str | None = None  # what conversion is in progress, if any
+DRAIN_SHARE = 0.25  # a backlog that shrank by this share since the last look is draining
 
 
 @dataclass(frozen=True, slots=True)
@@ -177,8 +91,11 @@ class RebalanceState:
     streak_direction: str | None = None  # "to_prefill" | "to_decode"
     streak: int = 0
     last_conversion_at: float | None = None
+    last_direction: str | None = None  # of the last conversion
     last_failure_at: float | None = None
     conversions: int = 0
+    refills: int = 0
+    last_waits: tuple[float | None, float | None] | None = None  # (on prefill, on decode) at the last look
 
 
 def initial_state(now: float) -> RebalanceState:
@@ -193,7 +110,6 @@ def conversion_ended(state: RebalanceState, now: float, ok: bool) -> RebalanceSt
     return replace(state, last_failure_at=now, streak=0, streak_direction=None)
 
 
-# ---- decision ------------------------------------------------------------------------------------------
 @dataclass(frozen=True, slots=True)
 class Decision:
     at: float
@@ -208,6 +124,8 @@ class Decision:
     predicted_worst: float | None = None
     improvement: float | None = None
     streak: int = 0
+    refill: bool = False  # rule 1: a pool was empty
+    conversion_mode: str | None = None  # how to empty the server ("drain" | "abort"); None: the config's
     state: RebalanceState | None = None
 
     @property
@@ -220,28 +138,9 @@ class Decision:
         return out
 
 
-def load_terms(workers: tuple[WorkerView, ...], config: RebalanceConfig) -> dict[str, float]:
-    """A pool's terms from the servers' own reports: waiting requests per server and mean KV usage."""
-    terms: dict[str, float] = {}
-    reported = [w for w in workers if w.waiting is not None]
-    if reported:
-        terms["queue"] = sum(w.waiting for w in reported) / len(reported) / config.queue_target
-    usage = [w.kv_usage for w in workers if w.kv_usage is not None]
-    if usage:
-        terms["kv"] = sum(usage) / len(usage) / config.kv_target
-    return terms
-
-
 def pool_pressures(obs: Observation, config: RebalanceConfig) -> tuple[dict[str, float], dict[str, float]]:
-    """Both pools' terms. ITL is the decode pool's. TTFT has two causes in PD, waiting for prefill compute
-    or waiting for decode KV room, so it is charged to the pool whose servers report the longer queue
-    (prefill on a tie): a decode-bound fleet must not look prefill-bound because its TTFT grew."""
-    prefill, decode = load_terms(obs.prefill, config), load_terms(obs.decode, config)
-    if obs.itl_s is not None:
-        decode["itl"] = obs.itl_s / config.itl_target_secs
-    if obs.ttft_s is not None:
-        charged = prefill if prefill.get("queue", 0.0) >= decode.get("queue", 0.0) else decode
-        charged["ttft"] = obs.ttft_s / config.ttft_target_secs
+    """Both pools' terms (rebalance_signals.pool_terms without its notes)."""
+    prefill, decode, _ = pool_terms(obs, config)
     return prefill, decode
 
 
@@ -257,81 +156,152 @@ def _fmt(x: float | None) -> str:
     return "?" if x is None else f"{x:.2f}"
 
 
+def _hold(obs: Observation, reason: str, guards: tuple[str, ...], state: RebalanceState, **extra) -> Decision:
+    return Decision(at=obs.now, action="hold", reason=reason, guards=guards, streak=state.streak, state=state,
+                    **extra)
+
+
+def _other(role: str) -> str:
+    return DECODE if role == PREFILL else PREFILL
+
+
+def refill(obs: Observation, state: RebalanceState) -> Decision | None:
+    """Rule 1 (see the module docstring); None when neither pool is empty."""
+    empty = [role for role in (PREFILL, DECODE) if not obs.pool(role)]
+    if not empty:
+        return None
+    pressures = {PREFILL: {"workers": len(obs.prefill)}, DECODE: {"workers": len(obs.decode)}}
+    if len(empty) == 2:
+        return _hold(obs, "no routable server in either pool: nothing to refill from", (FLOOR,), state,
+                     pressures=pressures)
+    (role,) = empty
+    donor_role = _other(role)
+    donors = obs.pool(donor_role)
+    head = f"the {role} pool has no routable server"
+    direction = f"to_{role}"
+    extra = dict(pressures=pressures, direction=direction, from_role=donor_role, to_role=role, refill=True)
+    if role in obs.converting_into:
+        return _hold(obs, f"{head}: a conversion into it is under way ({obs.busy})", (REFILLING,), state, **extra)
+    if role in obs.pending:
+        return _hold(obs, f"{head} yet: servers of that role are still being read", (PENDING,), state, **extra)
+    if len(donors) < 2:
+        return _hold(obs, f"{head}, and the {donor_role} pool has {len(donors)} server(s): none to spare",
+                     (FLOOR,), state, **extra)
+    candidates = [w for w in donors if w.convertible]
+    if not candidates:
+        return _hold(obs, f"{head}, and no {donor_role} server can be converted (each is doubted by its health "
+                          f"verdict or breaker, or failed a conversion lately)", (NO_CANDIDATE,), state, **extra)
+    worker = min(candidates, key=lambda w: w.cost)
+    mode = "drain" if worker.busy == 0 else "abort"
+    why = "nothing in flight on it" if mode == "drain" else f"{worker.busy} request(s) on it are aborted and re-sent"
+    done = replace(state, streak=0, streak_direction=None, last_conversion_at=obs.now, last_direction=direction,
+                   conversions=state.conversions + 1, refills=state.refills + 1)
+    reason = (f"{head}: refill it at once from {donor_role} {worker.id}, the cheapest of "
+              f"{len(donors)} ({mode} mode: {why})")
+    return Decision(at=obs.now, action="convert", reason=reason, worker_id=worker.id, state=done,
+                    conversion_mode=mode, **extra)
+
+
 def decide(obs: Observation, state: RebalanceState, config: RebalanceConfig) -> Decision:
     now = obs.now
-    p_terms, d_terms = pool_pressures(obs, config)
+    refilled = refill(obs, state)
+    if refilled is not None:
+        return refilled
+    p_terms, d_terms, notes = pool_terms(obs, config)
     p_pressure, d_pressure = _pressure(p_terms), _pressure(d_terms)
     pressures = {PREFILL: {"pressure": _round(p_pressure), "workers": len(obs.prefill),
                            **{k: round(v, 4) for k, v in p_terms.items()}},
                  DECODE: {"pressure": _round(d_pressure), "workers": len(obs.decode),
-                          **{k: round(v, 4) for k, v in d_terms.items()}}}
+                          **{k: round(v, 4) for k, v in d_terms.items()}},
+                 "signals": notes}
+    waits = (notes["waiting_on_prefill"], notes["waiting_on_decode"])
+    seen = replace(state, last_waits=waits)
 
     def hold(reason: str, guards: tuple[str, ...], new_state: RebalanceState, **extra) -> Decision:
-        return Decision(at=now, action="hold", reason=reason, guards=guards, pressures=pressures,
-                        streak=new_state.streak, state=new_state, **extra)
+        return _hold(obs, reason, guards, new_state, pressures=pressures, **extra)
 
-    reset = replace(state, streak=0, streak_direction=None)
     if p_pressure is None or d_pressure is None:
         missing = " and ".join(r for r, p in ((PREFILL, p_pressure), (DECODE, d_pressure)) if p is None)
-        return hold(f"no load signal from the {missing} pool", (NO_SIGNAL,), reset)
+        return hold(f"no load signal from the {missing} pool", (NO_SIGNAL,), seen)
 
     if p_pressure >= d_pressure:
-        hot, cold, hot_p, cold_p, hot_pool, cold_pool = PREFILL, DECODE, p_pressure, d_pressure, obs.prefill, obs.decode
+        hot, hot_p, cold_p = PREFILL, p_pressure, d_pressure
     else:
-        hot, cold, hot_p, cold_p, hot_pool, cold_pool = DECODE, PREFILL, d_pressure, p_pressure, obs.decode, obs.prefill
+        hot, hot_p, cold_p = DECODE, d_pressure, p_pressure
+    cold = _other(hot)
+    hot_pool, cold_pool = obs.pool(hot), obs.pool(cold)
     direction = f"to_{hot}"
     summary = f"{hot} pressure {_fmt(hot_p)} vs {cold} {_fmt(cold_p)}"
     if hot_p < config.min_pressure:
-        return hold(f"{summary}: below {config.min_pressure:g}, nothing to relieve", (DEADBAND,), reset)
+        return hold(f"{summary}: below {config.min_pressure:g}, nothing to relieve", (DEADBAND,),
+                    replace(seen, streak=0, streak_direction=None))
 
     n_hot, n_cold = len(hot_pool), len(cold_pool)
     prediction: dict = {"direction": direction, "from_role": cold, "to_role": hot}
+    fired: list[str] = []
+    notes_out: list[str] = []
+    margin_ok = True
     if n_cold > 1:  # with one server the floor guard holds anyway, and the cold pool would be empty
-        predicted = max(hot_p * n_hot / (n_hot + 1), cold_p * n_cold / (n_cold - 1))
+        predicted = predicted_after_move(hot_p, cold_p, n_hot, n_cold)
         improvement = 1 - predicted / hot_p
         prediction.update(predicted_worst=round(predicted, 4), improvement=round(improvement, 4))
-        if improvement < config.min_improvement - 1e-9:  # "at least": n -> n+1 can gain exactly the margin
-            return hold(f"{summary}: moving one {cold} server would leave the worst pressure at "
-                        f"{_fmt(predicted)} (only {improvement * 100:.0f}% better, needs {config.min_improvement * 100:g}%)",
-                        (MARGIN,), reset, **prediction)
+        margin_ok = improvement >= config.min_improvement - 1e-9  # "at least": n -> n+1 can gain exactly it
         proposal = (f"convert a {cold} server to {hot} (predicted worst pressure {_fmt(predicted)}, "
                     f"{improvement * 100:.0f}% better)")
+        if not margin_ok:
+            fired.append(MARGIN)
+            notes_out.append(f"it would leave the worst pressure at {_fmt(predicted)} (only "
+                             f"{improvement * 100:.0f}% better, needs {config.min_improvement * 100:g}%)")
     else:
         proposal = f"convert a {cold} server to {hot}"
-
-    streak = state.streak + 1 if state.streak_direction == direction else 1
-    new_state = replace(state, streak=streak, streak_direction=direction)
-    fired: list[str] = []
-    notes: list[str] = []
+    hot_waits = waits[0] if hot == PREFILL else waits[1]
+    before = None if state.last_waits is None else state.last_waits[0 if hot == PREFILL else 1]
+    draining = before is not None and hot_waits is not None and before >= 2 and hot_waits <= before * (1 - DRAIN_SHARE)
+    if draining:
+        fired.append(DRAINING)
+        notes_out.append(f"its backlog is draining ({before:g} -> {hot_waits:g} waiting)")
+    counts = margin_ok and not draining
+    if state.streak_direction == direction:
+        streak = state.streak + (1 if counts else 0)
+    else:
+        streak = 1 if counts else 0
+    new_state = replace(seen, streak=streak, streak_direction=direction)
     if now - state.started_at < config.warmup_secs:
         fired.append(WARMUP)
-        notes.append(f"warming up ({config.warmup_secs - (now - state.started_at):.0f} s left)")
+        notes_out.append(f"warming up ({config.warmup_secs - (now - state.started_at):.0f} s left)")
     if obs.busy:
         fired.append(BUSY)
-        notes.append(f"a conversion is in progress ({obs.busy})")
-    if state.last_conversion_at is not None and now - state.last_conversion_at < config.cooldown_secs:
-        fired.append(COOLDOWN)
-        notes.append(f"cooling down ({config.cooldown_secs - (now - state.last_conversion_at):.0f} s left)")
+        notes_out.append(f"a conversion is in progress ({obs.busy})")
+    if state.last_conversion_at is not None:
+        since = now - state.last_conversion_at
+        if state.last_direction not in (None, direction) and since < config.cooldown_secs:
+            fired.append(COOLDOWN)
+            notes_out.append(f"the last conversion went the other way ({config.cooldown_secs - since:.0f} s of "
+                             f"cooldown left)")
+        elif state.last_direction in (None, direction) and since < config.step_cooldown_secs:
+            fired.append(STEP_COOLDOWN)
+            notes_out.append(f"the last conversion went this way ({config.step_cooldown_secs - since:.0f} s "
+                             f"left to see it act)")
     if state.last_failure_at is not None and now - state.last_failure_at < config.failure_cooldown_secs:
         fired.append(FAILURE_COOLDOWN)
-        notes.append(f"a conversion failed {now - state.last_failure_at:.0f} s ago")
+        notes_out.append(f"a conversion failed {now - state.last_failure_at:.0f} s ago")
     minimum = config.min_prefill if cold == PREFILL else config.min_decode
     if n_cold <= minimum:
         fired.append(FLOOR)
-        notes.append(f"the {cold} pool has {n_cold} server(s), its minimum is {minimum}")
+        notes_out.append(f"the {cold} pool has {n_cold} server(s), its minimum is {minimum}")
     if streak < config.confirmations:
         fired.append(CONFIRMATIONS)
-        notes.append(f"signal seen {streak}/{config.confirmations} intervals")
+        notes_out.append(f"signal seen {streak}/{config.confirmations} intervals")
     candidates = [w for w in cold_pool if w.convertible]
     if not candidates:
         fired.append(NO_CANDIDATE)
-        notes.append(f"no convertible {cold} server")
+        notes_out.append(f"no convertible {cold} server")
     if fired:
-        return hold(f"{summary}: would {proposal}, held: {'; '.join(notes)}", tuple(fired), new_state, **prediction)
+        return hold(f"{summary}: would {proposal}, held: {'; '.join(notes_out)}", tuple(fired), new_state,
+                    **prediction)
 
-    # The cheapest server to take out: the fewest requests on it (ties: the first by id).
-    worker = min(candidates, key=lambda w: (w.busy, w.id))
-    done = replace(state, streak=0, streak_direction=None, last_conversion_at=now,
+    worker = min(candidates, key=lambda w: w.cost)
+    done = replace(new_state, streak=0, streak_direction=None, last_conversion_at=now, last_direction=direction,
                    conversions=state.conversions + 1)
     reason = f"{summary}: {proposal.replace(f'a {cold} server', f'{cold} {worker.id}', 1)}"
     return Decision(at=now, action="convert", reason=reason, worker_id=worker.id, pressures=pressures,

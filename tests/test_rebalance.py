@@ -1,4 +1,5 @@
-"""The rebalancer's decision core: one table row per guard, streaks, convergence without flapping."""
+"""The rebalancer's decision core (rule 2, following the load): one table row per guard, streaks, convergence
+without flapping. Rule 1 (refilling an empty pool) and the signals' attribution: tests/test_rebalance_rules.py."""
 
 from __future__ import annotations
 
@@ -7,15 +8,15 @@ from dataclasses import replace
 import pytest
 
 from policies.rebalance import (
-    BUSY, CONFIRMATIONS, COOLDOWN, DEADBAND, FAILURE_COOLDOWN, FLOOR, MARGIN, NO_CANDIDATE, NO_SIGNAL, WARMUP,
-    RebalanceMode, Observation, RebalanceConfig, RebalanceState, UnknownFields, WorkerView, conversion_ended, decide,
-    initial_state, pool_pressures,
+    BUSY, CONFIRMATIONS, COOLDOWN, DEADBAND, DRAINING, FAILURE_COOLDOWN, FLOOR, MARGIN, NO_CANDIDATE, NO_SIGNAL,
+    STEP_COOLDOWN, WARMUP, RebalanceMode, Observation, RebalanceConfig, RebalanceState, UnknownFields, WorkerView,
+    conversion_ended, decide, initial_state, pool_pressures,
 )
 
 NOW = 1000.0
 # Guards off unless a row turns one on, so each row shows one guard at work.
-BASE = RebalanceConfig(warmup_secs=0, confirmations=1, cooldown_secs=0, failure_cooldown_secs=0,
-                       queue_target=4, min_pressure=1.0, min_improvement=0.2)
+BASE = RebalanceConfig(warmup_secs=0, confirmations=1, cooldown_secs=0, step_cooldown_secs=0,
+                       failure_cooldown_secs=0, queue_target=4, min_pressure=1.0, min_improvement=0.2)
 
 
 def views(role: str, *waiting: int, inflight: tuple[int, ...] = (), **kw) -> tuple[WorkerView, ...]:
@@ -39,14 +40,23 @@ CASES = [
      observe(decode=(WorkerView("d0"), WorkerView("d1"))), "hold", (NO_SIGNAL,)),
     ("deadband: hot pool under min_pressure", {}, STARTED,
      observe(prefill=views("prefill", 2, 2)), "hold", (DEADBAND,)),
-    ("margin: the bottleneck would only move", {}, STARTED,
-     observe(decode=views("decode", 4, 3)), "hold", (MARGIN,)),
+    ("margin: the bottleneck would only move (the proposal is not counted)", {}, STARTED,
+     observe(decode=views("decode", 4, 3)), "hold", (MARGIN, CONFIRMATIONS)),
+    ("margin: a proposal confirmed before converts once the margin passes", {"confirmations": 2},
+     replace(STARTED, streak=2, streak_direction="to_prefill"), observe(), "convert", ()),
     ("warmup", {"warmup_secs": 30}, initial_state(NOW - 5), observe(), "hold", (WARMUP,)),
     ("busy: one conversion at a time", {}, STARTED, observe(busy="d1 converting"), "hold", (BUSY,)),
-    ("cooldown after a conversion", {"cooldown_secs": 60}, replace(STARTED, last_conversion_at=NOW - 10),
-     observe(), "hold", (COOLDOWN,)),
-    ("cooldown over", {"cooldown_secs": 60}, replace(STARTED, last_conversion_at=NOW - 61),
-     observe(), "convert", ()),
+    ("cooldown after a conversion the other way", {"cooldown_secs": 60},
+     replace(STARTED, last_conversion_at=NOW - 10, last_direction="to_decode"), observe(), "hold", (COOLDOWN,)),
+    ("cooldown over", {"cooldown_secs": 60},
+     replace(STARTED, last_conversion_at=NOW - 61, last_direction="to_decode"), observe(), "convert", ()),
+    ("step cooldown after a conversion the same way", {"cooldown_secs": 60, "step_cooldown_secs": 15},
+     replace(STARTED, last_conversion_at=NOW - 10, last_direction="to_prefill"), observe(), "hold",
+     (STEP_COOLDOWN,)),
+    ("the same way again once the step cooldown is over", {"cooldown_secs": 60, "step_cooldown_secs": 15},
+     replace(STARTED, last_conversion_at=NOW - 16, last_direction="to_prefill"), observe(), "convert", ()),
+    ("draining: the hot backlog shrank since the last look", {}, replace(STARTED, last_waits=(40, 0)),
+     observe(), "hold", (DRAINING, CONFIRMATIONS)),
     ("failure cooldown", {"failure_cooldown_secs": 300}, replace(STARTED, last_failure_at=NOW - 100),
      observe(), "hold", (FAILURE_COOLDOWN,)),
     ("floor: the donor pool is at its minimum", {}, STARTED,
@@ -60,12 +70,15 @@ CASES = [
     ("no_candidate", {}, STARTED,
      observe(decode=views("decode", 0, 0, convertible=False)), "hold", (NO_CANDIDATE,)),
     ("every hold guard that fires is named", {"warmup_secs": 30, "cooldown_secs": 60, "confirmations": 2},
-     replace(initial_state(NOW - 5), last_conversion_at=NOW - 1), observe(busy="w9"), "hold",
-     (WARMUP, BUSY, COOLDOWN, CONFIRMATIONS)),
+     replace(initial_state(NOW - 5), last_conversion_at=NOW - 1, last_direction="to_decode"), observe(busy="w9"),
+     "hold", (WARMUP, BUSY, COOLDOWN, CONFIRMATIONS)),
     ("decode hot: a prefill server moves", {}, STARTED,
      observe(prefill=views("prefill", 0, 0, 0), decode=views("decode", 9, 9)), "convert", ()),
     ("latency alone is a signal", {"itl_target_secs": 0.05}, STARTED,
-     observe(prefill=views("prefill", 0, 0), decode=views("decode", 0, 0), itl_s=0.2), "convert", ()),
+     observe(prefill=views("prefill", 0, 0), decode=views("decode", 0, 0, inflight=(3, 3)), itl_s=0.2), "convert",
+     ()),
+    ("latency left from before is not charged to a pool idle now", {"itl_target_secs": 0.05}, STARTED,
+     observe(prefill=views("prefill", 0, 0), decode=views("decode", 0, 0), itl_s=0.2), "hold", (DEADBAND,)),
 ]
 
 
@@ -96,7 +109,7 @@ def test_convert_names_the_least_busy_server_and_the_prediction():
 
 def test_hold_guards_keep_the_streak_but_signal_guards_reset_it():
     config = replace(BASE, confirmations=3, cooldown_secs=60)
-    state = replace(STARTED, last_conversion_at=NOW - 1)
+    state = replace(STARTED, last_conversion_at=NOW - 1, last_direction="to_decode")
     for expected in (1, 2, 3, 4):  # cooldown holds; the sustained signal keeps counting
         decision = decide(observe(), state, config)
         assert decision.guards == (COOLDOWN,) + ((CONFIRMATIONS,) if expected < 3 else ())
@@ -107,7 +120,7 @@ def test_hold_guards_keep_the_streak_but_signal_guards_reset_it():
 
 
 def test_a_sustained_signal_converts_once_then_cools_down():
-    config = replace(BASE, confirmations=3, cooldown_secs=60)
+    config = replace(BASE, confirmations=3, cooldown_secs=60, step_cooldown_secs=60)
     state = STARTED
     actions = []
     for tick in range(8):
@@ -153,7 +166,8 @@ class Plant:
     ({"prefill": 13, "decode": 11}, (2, 2), 0.2, (2, 2), 0),  # a near-balance sits in the margin
 ])
 def test_converges_without_flapping(demand, start, margin, expected_sizes, conversions):
-    config = replace(BASE, confirmations=2, cooldown_secs=20, min_pressure=1.0, min_improvement=margin)
+    config = replace(BASE, confirmations=2, cooldown_secs=20, step_cooldown_secs=10, min_pressure=1.0,
+                     min_improvement=margin)
     plant = Plant(*start)
     state = initial_state(0)
     directions = []
@@ -171,25 +185,13 @@ def test_converges_without_flapping(demand, start, margin, expected_sizes, conve
 def test_pool_pressure_terms():
     config = RebalanceConfig(queue_target=4, kv_target=0.8, ttft_target_secs=1.0, itl_target_secs=0.1)
     prefill = (WorkerView("a", waiting=4, kv_usage=0.4), WorkerView("b", waiting=0, kv_usage=0.8))
-    decode = (WorkerView("c", waiting=0), WorkerView("d"))  # d reports nothing: not averaged in
+    decode = (WorkerView("c", waiting=0, running=1, kv_usage=0.4), WorkerView("d"))  # d reports nothing
     obs = Observation(now=0, prefill=prefill, decode=decode, ttft_s=0.5, itl_s=0.05)
     p, d = pool_pressures(obs, config)
-    assert p == pytest.approx({"queue": 0.5, "kv": 0.75, "ttft": 0.5})
-    assert d == pytest.approx({"queue": 0.0, "itl": 0.5})
+    assert p == pytest.approx({"queue": 0.5, "ttft": 0.5})  # 4 waiting on prefill, none on decode
+    assert d == pytest.approx({"queue": 0.0, "kv": 0.5, "itl": 0.5})
     empty = Observation(now=0, prefill=(WorkerView("a"),), decode=(WorkerView("b"),))
     assert pool_pressures(empty, config) == ({}, {})
-
-
-@pytest.mark.parametrize("prefill_waiting,decode_waiting,charged", [
-    (8, 0, "prefill"),  # requests wait for prefill compute
-    (0, 8, "decode"),   # requests wait for decode KV room: TTFT grows, but prefill is not the cause
-    (0, 0, "prefill"),  # no queue anywhere: a long prompt's own prefill
-])
-def test_ttft_is_charged_to_the_pool_that_queues(prefill_waiting, decode_waiting, charged):
-    obs = Observation(now=0, prefill=views("prefill", prefill_waiting), decode=views("decode", decode_waiting),
-                      ttft_s=5.0)
-    p, d = pool_pressures(obs, RebalanceConfig(ttft_target_secs=1.0))
-    assert ("ttft" in p, "ttft" in d) == (charged == "prefill", charged == "decode")
 
 
 def test_a_decode_bound_fleet_with_high_ttft_moves_a_prefill_server_to_decode():
@@ -205,6 +207,9 @@ def test_a_decode_bound_fleet_with_high_ttft_moves_a_prefill_server_to_decode():
     ({"min_decode": 0}, "min_decode"),
     ({"min_improvement": 1.0}, "min_improvement"),
     ({"cooldown_secs": -1}, "cooldown_secs"),
+    ({"step_cooldown_secs": -1}, "step_cooldown_secs"),
+    ({"busy_target": 0}, "busy_target"),
+    ({"refill_empty_pool": "yes"}, "refill_empty_pool"),
     ({"ttft_target_secs": True}, "ttft_target_secs"),
 ])
 def test_config_is_validated(changes, fragment):

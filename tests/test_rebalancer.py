@@ -9,7 +9,7 @@ from dataclasses import replace
 import pytest
 
 from policies import ServerLoad
-from policies.rebalance import BUSY, COOLDOWN, FAILURE_COOLDOWN, RebalanceMode, RebalanceConfig
+from policies.rebalance import BUSY, FAILURE_COOLDOWN, STEP_COOLDOWN, RebalanceMode, RebalanceConfig
 from router.core.records import RequestRecord
 from router.flows.rebalancer import ConversionResult, LatencyWindow, Rebalancer
 from router.core.registry import Registry, Role, WorkerState
@@ -86,10 +86,10 @@ def test_advisory_mode_records_would_convert_and_changes_nothing():
     assert rebalancer.decisions[-1]["applied"] == "advisory" and rebalancer.counters["would_convert"] == 1
     assert [w.role for w in registry.workers()].count(Role.DECODE) == 2  # nothing moved
     clock.now += 5  # the virtual conversion starts the cooldown, so advice keeps the real cadence
-    assert rebalancer.tick().guards == (COOLDOWN, "confirmations")  # the streak restarted too
+    assert rebalancer.tick().guards == (STEP_COOLDOWN, "confirmations")  # the streak restarted too
     snap = rebalancer.snapshot(limit=2)
     assert snap["mode"] == "advisory" and len(snap["decisions"]) == 2
-    assert snap["counters"]["decisions_convert"] == 1 and snap["counters"]["guard_cooldown"] == 1
+    assert snap["counters"]["decisions_convert"] == 1 and snap["counters"]["guard_step_cooldown"] == 1
 
 
 async def test_enabled_mode_converts_through_the_flow_one_at_a_time():
@@ -111,7 +111,7 @@ async def test_enabled_mode_converts_through_the_flow_one_at_a_time():
     (done,) = rebalancer.conversions
     assert done["ok"] is True and done["to_role"] == "prefill"
     # the cooldown runs from the end of the conversion
-    assert COOLDOWN in rebalancer.tick().guards
+    assert STEP_COOLDOWN in rebalancer.tick().guards
 
 
 async def test_a_failed_conversion_starts_the_failure_cooldown():
@@ -166,8 +166,12 @@ def test_off_mode_does_nothing_and_reconfigure_validates():
     assert rebalancer.tick().guards[0] == "warmup"
 
 
-def record(ttft=None, itl=None, outcome="success") -> RequestRecord:
-    return RequestRecord(route="/generate", stream=True, ttft_s=ttft, itl_s=itl, outcome=outcome)
+PAIR = Registry().add("http://d:1", Role.DECODE, None)  # a record that reached a pair names it
+
+
+def record(ttft=None, itl=None, outcome="success", status=200, e2e=0.0, decode=PAIR) -> RequestRecord:
+    return RequestRecord(route="/generate", stream=True, ttft_s=ttft, itl_s=itl, outcome=outcome, status=status,
+                         e2e_s=e2e, decode=decode)
 
 
 def test_latency_window_p90_min_samples_and_expiry():
@@ -175,14 +179,16 @@ def test_latency_window_p90_min_samples_and_expiry():
     window = LatencyWindow(10, clock)
     for i in range(1, 11):
         window.observe(record(ttft=i / 10, itl=i / 100))
-    window.observe(record(ttft=99, outcome="error"))  # failed requests say nothing about latency
     window.observe(record())  # a unary request: nothing measured
-    ttft, itl, n = window.summary(clock.now, min_samples=5)
-    assert (ttft, itl, n) == (0.9, 0.09, 10)
-    assert window.summary(clock.now, min_samples=11)[:2] == (None, None)
+    window.observe(record(ttft=None, outcome="error", status=503, e2e=0.001, decode=None))  # never reached a pair
+    window.observe(record(ttft=None, outcome="error", status=400, e2e=0.001))  # the client's error
+    summary = window.summary(clock.now, min_samples=5)
+    assert (summary["ttft_s"], summary["itl_s"], summary["samples"]) == (0.9, 0.09, 10)
+    assert window.summary(clock.now, min_samples=11)["ttft_s"] is None
     clock.now = 10.5
     window.observe(record(ttft=2.0))
-    assert window.summary(clock.now, min_samples=1) == (2.0, None, 1)
+    assert window.summary(clock.now, min_samples=1)["ttft_s"] == 2.0
+    assert window.summary(clock.now, min_samples=1)["samples"] == 1
 
 
 def test_latency_feeds_the_decision():
@@ -193,3 +199,89 @@ def test_latency_feeds_the_decision():
     decision = rebalancer.tick()
     assert decision.convert and decision.to_role == "decode"
     assert rebalancer.last_observation["itl_p90_s"] == 0.2
+
+
+# ---- refilling an empty pool: at once, from a registry change, in any mode with its switch -----------------
+def lose_prefills(registry: Registry) -> None:
+    for worker in registry.workers(Role.PREFILL):
+        registry.set_health(worker, False, "probes failing")
+
+
+async def test_losing_every_prefill_refills_from_decode_at_once_without_a_tick():
+    registry = fleet(prefill_waiting=(0, 0), decode_waiting=(0, 0, 0))
+    converter = FakeConverter(registry)
+    converter.gate.set()
+    config = replace(CONFIG, mode=RebalanceMode.ENABLED, warmup_secs=600, confirmations=9)
+    rebalancer, _ = make(registry, config, converter)
+    lose_prefills(registry)  # the registry's 'routable' events, not the interval, start it
+    await wait_for(lambda: rebalancer.counters["refills_succeeded"] == 1)
+    ((worker_id, to_role, reason),) = converter.calls
+    assert to_role is Role.PREFILL and "no routable server" in reason
+    assert registry.get(worker_id).role is Role.PREFILL and registry.routable(Role.PREFILL)
+    snap = rebalancer.snapshot()
+    assert snap["refill"]["enabled"] is True and snap["refill"]["last"]["applied"] == "started"
+    assert "refill it at once" in snap["decisions"][-1]["reason"] and snap["decisions"][-1]["refill"] is True
+
+
+async def test_the_refill_switch_alone_refills_but_changes_no_ratio():
+    registry = fleet()  # prefill-hot: the ratio rule would convert
+    converter = FakeConverter(registry)
+    converter.gate.set()
+    config = replace(CONFIG, mode=RebalanceMode.ADVISORY, refill_empty_pool=True, confirmations=1)
+    rebalancer, clock = make(registry, config, converter)
+    assert rebalancer.tick().convert and rebalancer.decisions[-1]["applied"] == "advisory" and not converter.calls
+    lose_prefills(registry)
+    await wait_for(lambda: converter.calls)
+    assert converter.calls[0][1] is Role.PREFILL
+
+
+async def test_off_with_the_refill_switch_looks_only_at_empty_pools():
+    registry = fleet()
+    converter = FakeConverter(registry)
+    converter.gate.set()
+    rebalancer, _ = make(registry, replace(CONFIG, mode=RebalanceMode.OFF, refill_empty_pool=True), converter)
+    assert rebalancer.tick() is None and not rebalancer.decisions  # no pool empty: nothing to do, nothing kept
+    lose_prefills(registry)
+    await wait_for(lambda: converter.calls)
+    assert rebalancer.decisions[-1]["refill"] is True
+
+
+async def test_advisory_without_the_switch_only_records_the_refill():
+    registry = fleet(decode_waiting=(0, 0, 0))
+    converter = FakeConverter(registry)
+    rebalancer, _ = make(registry, replace(CONFIG, mode=RebalanceMode.ADVISORY), converter)
+    lose_prefills(registry)
+    decision = rebalancer.tick()
+    assert decision.refill and decision.convert and rebalancer.decisions[-1]["applied"] == "advisory"
+    assert rebalancer.counters["would_refill"] == 1 and not converter.calls
+
+
+async def test_a_failed_refill_is_tried_again_on_another_server():
+    registry = fleet(decode_waiting=(0, 0, 0))
+    converter = FakeConverter(registry, ok=False)
+    converter.gate.set()
+    rebalancer, _ = make(registry, replace(CONFIG, mode=RebalanceMode.ENABLED), converter)
+    lose_prefills(registry)
+    await wait_for(lambda: len(converter.calls) >= 3)
+    assert len({worker_id for worker_id, _, _ in converter.calls[:3]}) == 3  # each donor once
+    await wait_for(lambda: rebalancer.applying is None)
+    assert rebalancer.tick().guards == ("no_candidate",)  # every donor failed lately: none is tried again now
+
+
+async def test_a_follower_replica_does_not_refill():
+    registry = fleet(decode_waiting=(0, 0, 0))
+    converter = FakeConverter(registry)
+    rebalancer = Rebalancer(registry, replace(CONFIG, mode=RebalanceMode.ENABLED), converter=converter,
+                            clock=Clock(), leading=lambda: False)
+    lose_prefills(registry)
+    await wait_for(lambda: not rebalancer._refill_pending)  # the refill check the registry's events scheduled ran
+    assert rebalancer.refill_now() is None and not converter.calls and not rebalancer.decisions
+
+
+def test_a_doubted_server_is_not_convertible():
+    registry = fleet()
+    rebalancer, _ = make(registry)
+    worker = registry.workers(Role.DECODE)[0]
+    assert rebalancer.can_convert(worker)
+    registry.set_health(worker, True, breaker="half_open")
+    assert not rebalancer.can_convert(worker)

@@ -133,6 +133,7 @@ def rebalancer(client: AdminClient, args: argparse.Namespace, console: Console) 
     console.say(fields([("mode", body.get("mode")), ("applying", (body.get("applying") or {}).get("url")),
                         ("streak", f"{cell(state.get('streak'))} {cell(state.get('streak_direction'))}"),
                         ("conversions decided", state.get("conversions_decided")),
+                        ("refill", _refill_line(body.get("refill") or {})),
                         ("counters", ", ".join(f"{k} {v}" for k, v in sorted(counters.items())) or "-")]))
     config = body.get("config", {})
     console.say("config: " + ", ".join(f"{k}={cell(v)}" for k, v in config.items() if k != "mode"))
@@ -143,6 +144,13 @@ def rebalancer(client: AdminClient, args: argparse.Namespace, console: Console) 
                           [[d.get("action"), d.get("direction"), d.get("worker_id"), d.get("applied"),
                             d.get("guards"), d.get("reason")] for d in reversed(decisions)], max_width=80))
     return OK
+
+
+def _refill_line(refill: dict) -> str:
+    """Whether an empty pool is refilled, and the last refill decision's reason."""
+    last = refill.get("last") or {}
+    state = "on" if refill.get("enabled") else "off"
+    return f"{state}; last: {last.get('reason')}" if last else state
 
 
 # ---- cluster (router replicas) --------------------------------------------------------------------------

@@ -1,14 +1,21 @@
 """The rebalancer's outer loop: observe the fleet, ask `policies.rebalance.decide`, then apply or advise.
 
 Every interval it builds an observation from the registry (routable workers per pool, the router's in-flight
-counts, the servers' last load reports) and from the latencies the router measured (TTFT and inter-token
-latency of the requests that finished in the window), and calls the pure decision core. In advisory mode
-(the default) a proposal is only recorded and logged as "would convert X"; in enabled mode it is handed to
-the conversion flow through the `Converter` interface, one at a time. Every decision, refusals included, is
-kept (the last `history`) with its reason and the guards that fired, for `GET /admin/rebalancer`.
+counts, the servers' last load reports with their PD queues and rates) and from the latencies the router
+measured (`latency_window.py`: TTFT and inter-token latency of the requests that ended in the window, failed
+and abandoned ones included), and calls the pure decision core. In advisory mode (the default) a proposal is
+only recorded and logged as "would convert X"; in enabled mode it is handed to the conversion flow through the
+`Converter` interface, one at a time. Every decision, refusals included, is kept (the last `history`) with its
+reason and the guards that fired, for `GET /admin/rebalancer`.
+
+Refilling an empty pool (`decide`'s first rule) is on whenever the rebalancer is enabled, and alone with
+`refill_empty_pool` (`--rebalance-refill-empty-pool`): then the loop runs in any mode, and acts on refills only.
+It does not wait for the interval: a registry change that leaves a pool without a routable server runs a
+refill decision at once.
 
 The conversion flow owns its deadlines (drain, switch, verify): the loop never cancels a conversion half
-way, it waits for the flow's outcome and starts the cooldown (or the failure cooldown) from its end.
+way, it waits for the flow's outcome and starts the cooldown (or the failure cooldown) from its end. Router
+replicas of one fleet: only the leader decides.
 """
 
 from __future__ import annotations
@@ -22,25 +29,31 @@ from typing import Awaitable, Callable, Protocol
 
 from policies.rebalance import (
     Decision,
-    RebalanceMode,
     Observation,
     RebalanceConfig,
+    RebalanceMode,
     WorkerView,
     conversion_ended,
     decide,
     initial_state,
+    refill,
 )
 from router.core.errors import Conflict, ServiceUnavailable
 from router.core.registry import Registry, Role, Worker, WorkerState
-from router.core.records import RequestRecord
 from router.flows.conversion import Conversions
 from router.flows.conversion_record import DrainMode, Plan
+from router.flows.latency_window import LatencyWindow, p90
 
 logger = logging.getLogger(__name__)
+
+__all__ = ["CONVERTING_STATES", "ConversionResult", "Converter", "FlowConverter", "LatencyWindow", "Rebalancer",
+           "p90"]
 
 # Worker states that mean "a conversion (ours or an operator's) is under way".
 CONVERTING_STATES = frozenset({WorkerState.DRAINING, WorkerState.ABORTING, WorkerState.CONVERTING,
                                WorkerState.VERIFYING})
+# Registry events after which a pool may have lost its last routable server.
+_POOL_EVENTS = frozenset({"routable", "removed", "moved", "added"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,6 +75,11 @@ class FlowConverter:
     def __init__(self, conversions: Conversions) -> None:
         self.conversions = conversions
 
+    def target_of(self, worker: Worker) -> Role | None:
+        """The role a conversion in progress moves `worker` into (None: none runs)."""
+        conversion = self.conversions.of_worker(worker)
+        return conversion.new_role if conversion is not None else None
+
     async def convert(self, worker: Worker, to_role: Role, *, reason: str, mode: str) -> ConversionResult:
         try:
             conversion = await self.conversions.begin(worker, Plan(mode=DrainMode(mode), new_role=to_role))
@@ -72,36 +90,6 @@ class FlowConverter:
         conversion.notes.append(reason)
         await conversion.wait()
         return ConversionResult(conversion.success, f"{conversion.outcome}: {conversion.message}", conversion.id)
-
-
-def p90(values: list[float]) -> float:
-    ordered = sorted(values)
-    return ordered[max(0, -(-len(ordered) * 9 // 10) - 1)]
-
-
-class LatencyWindow:
-    """TTFT and inter-token latency of the requests that finished recently (a request observer: O(1) each)."""
-
-    def __init__(self, window_secs: float, clock: Callable[[], float], max_samples: int = 8192) -> None:
-        self.window_secs = window_secs
-        self.clock = clock
-        self._samples: deque[tuple[float, float | None, float | None]] = deque(maxlen=max_samples)
-
-    def observe(self, record: RequestRecord) -> None:
-        if record.outcome != "success" or (record.ttft_s is None and record.itl_s is None):
-            return
-        self._samples.append((self.clock(), record.ttft_s, record.itl_s))
-
-    def summary(self, now: float, min_samples: int) -> tuple[float | None, float | None, int]:
-        """(p90 TTFT, p90 ITL, samples) of the window; a figure under min_samples is None."""
-        horizon = now - self.window_secs
-        while self._samples and self._samples[0][0] < horizon:
-            self._samples.popleft()
-        ttfts = [t for _, t, _ in self._samples if t is not None]
-        itls = [i for _, _, i in self._samples if i is not None]
-        return (p90(ttfts) if len(ttfts) >= min_samples else None,
-                p90(itls) if len(itls) >= min_samples else None,
-                len(self._samples))
 
 
 class Rebalancer:
@@ -115,7 +103,7 @@ class Rebalancer:
         self.leading = leading
         self.config = config
         self.converter = converter
-        self.convertible = convertible
+        self.convertible = convertible  # an extra say on top of health, breaker and recent failures
         self.clock = clock
         self.spawn = spawn
         self.window = LatencyWindow(config.window_secs, clock)
@@ -124,43 +112,121 @@ class Rebalancer:
         self.conversions: deque[dict] = deque(maxlen=config.history)
         self.counters: Counter[str] = Counter()
         self.last_observation: dict | None = None
+        self.last_refill: dict | None = None
         self.applying: dict | None = None
         self._task: asyncio.Task | None = None
+        self._failed_at: dict[str, float] = {}  # worker id -> when a conversion of it failed
+        self._refill_pending = False
         # Called with (event, details) for every decision and conversion outcome (metrics, audit).
         self.listeners: list[Callable[[str, dict], None]] = []
+        registry.subscribe(self._on_registry_event)
 
     # ---- observe -------------------------------------------------------------------------------------
+    def can_convert(self, worker: Worker) -> bool:
+        """Never a server a health verdict or a breaker doubts, nor one whose conversion failed lately."""
+        if not worker.healthy or worker.breaker != "closed":
+            return False
+        failed_at = self._failed_at.get(worker.id)
+        if failed_at is not None and self.clock() - failed_at < self.config.failure_cooldown_secs:
+            return False
+        return self.convertible(worker)
+
     def _view(self, worker: Worker) -> WorkerView:
         load = worker.server_load
-        return WorkerView(id=worker.id, inflight=worker.inflight,
-                          running=load.running if load else None, waiting=load.waiting if load else None,
-                          kv_usage=load.token_usage if load else None, convertible=self.convertible(worker))
+        if load is None:
+            return WorkerView(id=worker.id, inflight=worker.inflight, convertible=self.can_convert(worker))
+        r = load.report
+        return WorkerView(
+            id=worker.id, inflight=worker.inflight, running=load.running, waiting=load.waiting,
+            kv_usage=load.token_usage, convertible=self.can_convert(worker),
+            waiting_queue=r.waiting_queue if r else None, bootstrap=r.bootstrap if r else None,
+            inflight_queue=r.inflight if r else None, prealloc=r.prealloc if r else None,
+            prealloc_ready=r.prealloc_ready if r else None, transfer=r.transfer if r else None,
+            retracted=r.retracted if r else None,
+            own_kv_usage=r.own_kv_usage if r is not None and r.active_tokens is not None else None,
+            used_tokens=r.used_tokens if r else None, prefill_busy=load.prefill_busy,
+            decode_step_s=load.decode_step_s, decode_batch=load.decode_batch)
+
+    def _moving(self) -> tuple[str | None, tuple[str, ...]]:
+        """What conversions are under way, and into which roles."""
+        into: set[str] = set()
+        described = []
+        if self.applying is not None:
+            into.add(self.applying["to_role"])
+            described.append(f"{self.applying['worker_id']} converting to {self.applying['to_role']}")
+        target_of = getattr(self.converter, "target_of", None)
+        for worker in self.registry.workers():
+            if worker.state in CONVERTING_STATES:
+                target = target_of(worker) if target_of is not None else None
+                into.add((target or worker.role.opposite).value)
+                if self.applying is None or worker.id != self.applying["worker_id"]:
+                    described.append(f"{worker.id} {worker.state}")
+        return (", ".join(described) or None), tuple(sorted(into))
 
     def observe(self) -> Observation:
         now = self.clock()
-        ttft, itl, samples = self.window.summary(now, self.config.min_samples)
-        busy = None
-        if self.applying is not None:
-            busy = f"{self.applying['worker_id']} converting to {self.applying['to_role']}"
-        else:
-            moving = [w for w in self.registry.workers() if w.state in CONVERTING_STATES]
-            if moving:
-                busy = ", ".join(f"{w.id} {w.state}" for w in moving)
+        latency = self.window.summary(now, self.config.min_samples)
+        busy, converting_into = self._moving()
+        pending = tuple(sorted({w.role.value for w in self.registry.workers() if w.state is WorkerState.PENDING}))
         return Observation(now=now,
                            prefill=tuple(self._view(w) for w in self.registry.routable(Role.PREFILL)),
                            decode=tuple(self._view(w) for w in self.registry.routable(Role.DECODE)),
-                           ttft_s=ttft, itl_s=itl, samples=samples, busy=busy)
+                           ttft_s=latency["ttft_s"], itl_s=latency["itl_s"], samples=latency["samples"],
+                           busy=busy, converting_into=converting_into, pending=pending)
 
     # ---- decide ----------------------------------------------------------------------------------------
     def tick(self) -> Decision | None:
-        """One observation and decision; applies or records it. None when the rebalancer is off."""
-        if self.config.mode is RebalanceMode.OFF:
+        """One observation and decision; applies or records it. None when the rebalancer is off (and refills
+        are off), or when off with refills on and no pool is empty."""
+        config = self.config
+        if config.mode is RebalanceMode.OFF and not config.refills:
             return None
         if not self.leading():
             self.counters["ticks_not_leading"] += 1
             return None
         obs = self.observe()
-        decision = decide(obs, self.state, self.config)
+        if config.mode is RebalanceMode.OFF:
+            decision = refill(obs, self.state)
+            if decision is None:
+                return None
+        else:
+            decision = decide(obs, self.state, config)
+        self._record(obs, decision)
+        return decision
+
+    def refill_now(self) -> Decision | None:
+        """A refill decision outside the interval (a pool just lost its last routable server)."""
+        if not self.config.refills or not self.leading() or self.applying is not None:
+            return None
+        obs = self.observe()
+        decision = refill(obs, self.state)
+        if decision is None:
+            return None
+        if not decision.convert and self.last_refill is not None and self.last_refill.get("reason") == decision.reason:
+            return decision  # the same refusal as a moment ago: nothing new to record
+        self._record(obs, decision)
+        return decision
+
+    def _on_registry_event(self, event: str, worker: Worker | None, details: dict) -> None:
+        if event not in _POOL_EVENTS or self._refill_pending or not self.config.refills:
+            return
+        if self.registry.routable(Role.PREFILL) and self.registry.routable(Role.DECODE):
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return  # no loop (a test building a registry by hand): the interval will see it
+        self._refill_pending = True
+        loop.call_soon(self._refill_soon)
+
+    def _refill_soon(self) -> None:
+        self._refill_pending = False
+        try:
+            self.refill_now()
+        except Exception:
+            logger.exception("rebalancer refill check failed")
+
+    def _record(self, obs: Observation, decision: Decision) -> None:
         self.state = decision.state
         self.last_observation = {"at": obs.now, "ttft_p90_s": obs.ttft_s, "itl_p90_s": obs.itl_s,
                                  "samples": obs.samples, "busy": obs.busy}
@@ -169,19 +235,26 @@ class Rebalancer:
         self.counters[f"decisions_{decision.action}"] += 1
         for guard in decision.guards:
             self.counters[f"guard_{guard}"] += 1
+        if decision.refill:
+            self.last_refill = {"at": decision.at, "reason": decision.reason, "action": decision.action,
+                                "guards": list(decision.guards), "to_role": decision.to_role,
+                                "worker_id": decision.worker_id}
         if decision.convert:
             entry["applied"] = self._act(decision)
+            if decision.refill:
+                self.last_refill["applied"] = entry["applied"]
         else:
             self._log_hold(decision)
         self.decisions.append(entry)
         self._emit("decision", entry)
-        return decision
 
     def _act(self, decision: Decision) -> str:
         worker = self.registry.find(decision.worker_id)
-        if self.config.mode is RebalanceMode.ADVISORY:
-            self.counters["would_convert"] += 1
-            logger.info("rebalancer (advisory) would convert %s %s -> %s: %s", decision.worker_id,
+        acts = self.config.mode is RebalanceMode.ENABLED or (decision.refill and self.config.refills)
+        what = "refill" if decision.refill else "convert"
+        if not acts:
+            self.counters["would_refill" if decision.refill else "would_convert"] += 1
+            logger.info("rebalancer (%s) would %s %s %s -> %s: %s", self.config.mode, what, decision.worker_id,
                         decision.from_role, decision.to_role, decision.reason)
             return "advisory"
         if self.converter is None or worker is None:
@@ -190,19 +263,24 @@ class Rebalancer:
             self.counters["conversions_failed"] += 1
             self.state = conversion_ended(self.state, self.clock(), ok=False)
             return f"not applied: {why}"
+        if self.applying is not None:  # a refill while one of ours runs: tried again the moment it ends
+            return f"not applied: {self.applying['worker_id']} is being converted by the rebalancer"
+        mode = decision.conversion_mode or self.config.conversion_mode
         self.counters["conversions_started"] += 1
+        if decision.refill:
+            self.counters["refills_started"] += 1
         self.applying = {"worker_id": worker.id, "url": worker.url, "from_role": decision.from_role,
-                         "to_role": decision.to_role, "started_at": self.clock(), "reason": decision.reason}
-        logger.warning("rebalancer converts %s %s -> %s: %s", worker.id, decision.from_role, decision.to_role,
-                       decision.reason)
-        self._task = self.spawn(self._apply(worker, Role(decision.to_role), decision.reason))
+                         "to_role": decision.to_role, "started_at": self.clock(), "reason": decision.reason,
+                         "mode": mode, "refill": decision.refill}
+        logger.warning("rebalancer %s %s %s -> %s (%s mode): %s", "refills with" if decision.refill else "converts",
+                       worker.id, decision.from_role, decision.to_role, mode, decision.reason)
+        self._task = self.spawn(self._apply(worker, Role(decision.to_role), decision.reason, mode))
         return "started"
 
-    async def _apply(self, worker: Worker, to_role: Role, reason: str) -> None:
+    async def _apply(self, worker: Worker, to_role: Role, reason: str, mode: str) -> None:
         record = dict(self.applying or {})
         try:
-            result = await self.converter.convert(worker, to_role, reason=f"rebalancer: {reason}",
-                                                  mode=self.config.conversion_mode)
+            result = await self.converter.convert(worker, to_role, reason=f"rebalancer: {reason}", mode=mode)
         except asyncio.CancelledError:
             result = ConversionResult(False, "cancelled (router shutting down)")
             raise
@@ -213,18 +291,27 @@ class Rebalancer:
             now = self.clock()
             self.applying = None
             self.state = conversion_ended(self.state, now, ok=result.ok)
+            if not result.ok:
+                self._failed_at[worker.id] = now
             self.counters["conversions_succeeded" if result.ok else "conversions_failed"] += 1
+            if record.get("refill"):
+                self.counters["refills_succeeded" if result.ok else "refills_failed"] += 1
             record.update(ended_at=now, ok=result.ok, detail=result.detail, conversion_id=result.conversion_id)
             self.conversions.append(record)
             self._emit("conversion", record)
             (logger.info if result.ok else logger.warning)("rebalancer conversion of %s to %s %s: %s", worker.id,
                                                            to_role, "succeeded" if result.ok else "failed",
                                                            result.detail or "-")
+        if self.config.refills:  # a pool may have emptied meanwhile, or a refill failed: look again now
+            self._on_registry_event("routable", worker, {})
 
     def _log_hold(self, decision: Decision) -> None:
         previous = self.decisions[-1] if self.decisions else None
         changed = previous is None or tuple(previous["guards"]) != decision.guards
         quiet = decision.guards in (("deadband",), ("no_signal",))
+        if decision.refill:
+            (logger.warning if changed else logger.debug)("rebalancer cannot refill: %s", decision.reason)
+            return
         (logger.info if changed and not quiet else logger.debug)("rebalancer holds: %s", decision.reason)
 
     def _emit(self, event: str, details: dict) -> None:
@@ -246,6 +333,8 @@ class Rebalancer:
             self.state = initial_state(self.clock())  # observing again: warm up again
         logger.info("rebalancer reconfigured: %s", changes)
         self.config = config
+        if config.refills:
+            self._on_registry_event("routable", None, {})  # refills just turned on: a pool may be empty now
         return config
 
     async def run(self) -> None:
@@ -257,16 +346,20 @@ class Rebalancer:
                 logger.exception("rebalancer tick failed")
 
     def snapshot(self, limit: int = 50) -> dict:
+        now = self.clock()
         return {
             "mode": self.config.mode.value,
             "config": self.config.to_dict(),
             "state": {
                 "streak": self.state.streak,
                 "streak_direction": self.state.streak_direction,
-                "last_conversion_age_secs": _age(self.clock(), self.state.last_conversion_at),
-                "last_failure_age_secs": _age(self.clock(), self.state.last_failure_at),
+                "last_conversion_age_secs": _age(now, self.state.last_conversion_at),
+                "last_direction": self.state.last_direction,
+                "last_failure_age_secs": _age(now, self.state.last_failure_at),
                 "conversions_decided": self.state.conversions,
             },
+            "refill": {"enabled": self.config.refills, "refills_decided": self.state.refills,
+                       "last": self.last_refill},
             "counters": dict(self.counters),
             "applying": self.applying,
             "last_observation": self.last_observation,

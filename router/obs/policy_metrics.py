@@ -80,6 +80,13 @@ class PolicyCollector:
                              ("succeeded", "conversions_succeeded"), ("failed", "conversions_failed")):
             conversions.add_metric([outcome], r.counters.get(key, 0))
         yield conversions
+        refills = CounterMetricFamily(f"{PREFIX}_rebalancer_refills",
+                                      "conversions refilling a pool left without a routable server",
+                                      labels=["outcome"])
+        for outcome, key in (("advised", "would_refill"), ("started", "refills_started"),
+                             ("succeeded", "refills_succeeded"), ("failed", "refills_failed")):
+            refills.add_metric([outcome], r.counters.get(key, 0))
+        yield refills
         last = r.decisions[-1] if r.decisions else None
         if last is not None:
             pressure = GaugeMetricFamily(f"{PREFIX}_pool_pressure",

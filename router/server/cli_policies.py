@@ -21,18 +21,25 @@ _REBALANCE_HELP = {
     "window_secs": "latency samples older than this are forgotten",
     "warmup_secs": "no conversion this long after start",
     "confirmations": "consecutive intervals a proposal must hold",
-    "cooldown_secs": "no conversion this long after the last one ended",
+    "cooldown_secs": "no conversion the other way this long after the last one ended (no flapping)",
+    "step_cooldown_secs": "no conversion the same way this long after the last one ended (let it act first)",
     "failure_cooldown_secs": "no conversion this long after one failed",
     "min_prefill": "never shrink the prefill pool below this",
     "min_decode": "never shrink the decode pool below this",
     "min_pressure": "act only when the hot pool's pressure (1.0 = at target) reaches this",
     "min_improvement": "act only when the worst pressure is predicted to fall by this share",
-    "ttft_target_secs": "TTFT target (p90 measured by the router): the prefill pool's latency pressure",
-    "itl_target_secs": "inter-token latency target (p90): the decode pool's latency pressure",
-    "queue_target": "waiting requests per server that count as full pressure",
-    "kv_target": "KV cache usage that counts as full pressure",
-    "min_samples": "finished requests a latency figure needs in the window",
+    "ttft_target_secs": "TTFT target (p90 measured by the router, failed and abandoned requests included), "
+                        "charged to the pool whose waiting requests clearly dominate",
+    "itl_target_secs": "inter-token latency target: the decode servers' own mean step, else the router's p90",
+    "queue_target": "requests waiting on a pool's capacity per server that count as full pressure",
+    "kv_target": "decode KV usage (the servers' own work) that counts as full pressure",
+    "busy_target": "a prefill's share of time in forwards that counts as full pressure",
+    "min_samples": "requests (finished, failed or abandoned) a latency figure needs; with fewer in the window, the "
+                   "newest ones from up to four windows back",
     "conversion_mode": "how a conversion empties the server: drain (requests finish) or abort (re-sent elsewhere)",
+    "refill_empty_pool": "refill a pool left without a routable server from the other pool at once (always on with "
+                         "--rebalance enabled; this alone turns it on with advisory or off: recovery without ratio "
+                         "changes)",
 }
 
 POLICY_FLAGS: list[Flag] = [

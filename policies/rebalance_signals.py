@@ -1,0 +1,185 @@
+"""The rebalancer's view of the fleet and the pressure it reads on each pool (pure; no I/O).
+
+Which signal stands for which bottleneck, and why (SGLang 0.5.23's queues: docs/SGLANG_LOADS.md). Each term is
+a ratio to its target, 1.0 = at target; a pool's pressure is its largest term.
+
+Prefill pool: its capacity is prefill compute (one forward at a time per server).
+- `queue`: requests waiting for a prefill forward, per prefill server / `queue_target`. Counted where they
+  are: the prefill servers' waiting queues (`queues.waiting`), or, when larger, the decode servers' transfer
+  queues less the prefills' inflight ones: a decode request in its transfer queue has its KV room and waits
+  for the prefill to compute its KV. 0.5.23 adds those to the decode's `num_waiting_reqs`; read as decode
+  load they make a prefill-short fleet look decode-short too, and nothing ever moves to prefill.
+- `busy`: the prefill servers' mean share of time in forwards (`total_prefill_busy_us` between two polls) /
+  `busy_target`: saturation before a queue builds.
+- `ttft`: the router's p90 time to first token / `ttft_target_secs`, when prefill is where requests wait.
+
+Decode pool: its capacity is decode KV room and decode compute (a continuously batched step loop).
+- `queue`: requests waiting for decode capacity, per decode server / `queue_target`: the decode waiting queue
+  (KV arrived, no place in the batch), the prealloc requests whose handshake is done (`queues.prealloc_ready`:
+  waiting for KV room) and the retracted ones. (A prefill's bootstrap queue holds the same requests seen from
+  the prefill side: it is not counted again.)
+- `kv`: the decode servers' KV in use for their own work (`num_active_tokens`: without the room reserved for
+  KV still to come from a prefill, which is the prefill's doing) / `kv_target`.
+- `itl`: the time between tokens / `itl_target_secs`: the servers' own mean decode step since the last poll
+  (`decode_moments`) when they report it, current by construction; else the router's p90 inter-token latency,
+  and only while the decode pool has requests (a latency left from an earlier phase is not charged to a pool
+  that is idle now).
+- `ttft`: as above, when decode is where requests wait.
+
+TTFT has two causes in PD (waiting for a prefill forward, or for decode KV room or a batch slot), so it is
+charged only to a pool whose waiting requests clearly outnumber the other's (at least `TTFT_MIN_WAITING` and
+twice as many): never on a tie (0 vs 0 included), never flipped by one request, never to a pool with nothing
+waiting now (a slow first token from the previous phase, with its queue gone, is nobody's).
+
+A server that does not send the breakdown (no `disaggregation` / `queues` sections) is read conservatively:
+its `num_waiting_reqs` counts for its own pool.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .rebalance import RebalanceConfig
+
+PREFILL, DECODE = "prefill", "decode"
+TTFT_MIN_WAITING = 2  # requests waiting before TTFT is charged to a pool
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerView:
+    """One routable server as the rebalancer sees it. Reported figures are None when the server does not send
+    them; `waiting` is 0.5.23's `num_waiting_reqs` (its meaning depends on the role), the others its parts."""
+
+    id: str
+    inflight: int = 0  # the router's own count
+    running: int | None = None
+    waiting: int | None = None
+    kv_usage: float | None = None  # token_usage
+    convertible: bool = True  # healthy, breaker closed, no recent failed conversion
+    waiting_queue: int | None = None  # queues.waiting
+    bootstrap: int | None = None  # prefill: waiting for the decode side
+    inflight_queue: int | None = None  # prefill: KV being sent
+    prealloc: int | None = None  # decode: handshake or waiting for KV room
+    prealloc_ready: int | None = None  # decode: handshake done, waiting for KV room
+    transfer: int | None = None  # decode: KV room taken, waiting for the prefill's KV
+    retracted: int | None = None
+    own_kv_usage: float | None = None  # num_active_tokens / capacity
+    used_tokens: int | None = None
+    prefill_busy: float | None = None  # share of time in prefill forwards since the last poll
+    decode_step_s: float | None = None  # mean decode step since the last poll
+    decode_batch: float | None = None
+
+    @property
+    def busy(self) -> int:
+        """Requests on it: the router's count, or the server's when it reports more (traffic of others)."""
+        reported = (self.running or 0) + (self.waiting or 0) + (self.inflight_queue or 0)
+        return max(self.inflight, reported)
+
+    @property
+    def cost(self) -> tuple:
+        """How dear it is to take out of its pool: requests in flight or queued, then the KV it holds (what a
+        drain waits for), then its id (a stable order)."""
+        return (self.busy, self.used_tokens or 0, self.id)
+
+
+@dataclass(frozen=True, slots=True)
+class Observation:
+    now: float
+    prefill: tuple[WorkerView, ...]  # routable servers only
+    decode: tuple[WorkerView, ...]
+    ttft_s: float | None = None  # p90 over the window (failed and abandoned requests included)
+    itl_s: float | None = None
+    samples: int = 0
+    busy: str | None = None  # what conversion is in progress, if any
+    converting_into: tuple[str, ...] = ()  # roles that conversions in progress move servers into
+    pending: tuple[str, ...] = ()  # roles with servers not read yet (they may still join their pool)
+
+    def pool(self, role: str) -> tuple[WorkerView, ...]:
+        return self.prefill if role == PREFILL else self.decode
+
+
+def _total(values) -> int | None:
+    known = [v for v in values if v is not None]
+    return sum(known) if known else None
+
+
+def waits_on_prefill(obs: Observation) -> float | None:
+    """Requests waiting for prefill compute (see the module docstring); None: nothing tells."""
+    own = []
+    for w in obs.prefill:
+        if w.waiting_queue is not None:
+            own.append(w.waiting_queue)
+        elif w.waiting is not None:  # no breakdown: its waiting count, less what waits on decode if known
+            own.append(max(0, w.waiting - (w.bootstrap or 0)))
+    mine = sum(own) if own else None
+    transfer = _total(w.transfer for w in obs.decode)
+    if transfer is None:
+        return mine
+    seen_from_decode = max(0, transfer - (_total(w.inflight_queue for w in obs.prefill) or 0))
+    return max(mine or 0, seen_from_decode)
+
+
+def waits_on_decode(obs: Observation) -> float | None:
+    """Requests waiting for decode KV room or a batch slot (see the module docstring); None: nothing tells."""
+    parts = []
+    for w in obs.decode:
+        if w.waiting_queue is not None or w.prealloc is not None:
+            ready = w.prealloc_ready if w.prealloc_ready is not None else (w.prealloc or 0)
+            parts.append((w.waiting_queue or 0) + ready + (w.retracted or 0))
+        elif w.waiting is not None:  # no breakdown: its whole waiting count is read as its own
+            parts.append(w.waiting)
+    return sum(parts) if parts else None
+
+
+def _mean(values) -> float | None:
+    known = [v for v in values if v is not None]
+    return sum(known) / len(known) if known else None
+
+
+def ttft_charged_to(wp: float | None, wd: float | None) -> str | None:
+    """The pool a slow first token is charged to: the one whose waiting requests clearly dominate."""
+    wp, wd = wp or 0, wd or 0
+    if wp >= TTFT_MIN_WAITING and wp >= 2 * wd:
+        return PREFILL
+    if wd >= TTFT_MIN_WAITING and wd >= 2 * wp:
+        return DECODE
+    return None
+
+
+def pool_terms(obs: Observation, config: "RebalanceConfig") -> tuple[dict[str, float], dict[str, float], dict]:
+    """Both pools' terms, and how they were read (`notes`: the waiting counts and where TTFT went)."""
+    prefill: dict[str, float] = {}
+    decode: dict[str, float] = {}
+    wp, wd = waits_on_prefill(obs), waits_on_decode(obs)
+    if wp is not None and obs.prefill:
+        prefill["queue"] = wp / len(obs.prefill) / config.queue_target
+    if wd is not None and obs.decode:
+        decode["queue"] = wd / len(obs.decode) / config.queue_target
+    busy = _mean(w.prefill_busy for w in obs.prefill)
+    if busy is not None:
+        prefill["busy"] = busy / config.busy_target
+    kv = _mean(w.own_kv_usage if w.own_kv_usage is not None else w.kv_usage for w in obs.decode)
+    if kv is not None:
+        decode["kv"] = kv / config.kv_target
+    steps = [(w.decode_step_s, w.decode_batch or 1.0) for w in obs.decode if w.decode_step_s is not None]
+    decoding = sum((w.running or 0) + w.inflight for w in obs.decode) > 0 or (wd or 0) > 0
+    if steps:
+        weight = sum(b for _, b in steps)
+        decode["itl"] = sum(s * b for s, b in steps) / weight / config.itl_target_secs
+    elif obs.itl_s is not None and decoding:
+        decode["itl"] = obs.itl_s / config.itl_target_secs
+    charged = ttft_charged_to(wp, wd)
+    if obs.ttft_s is not None and charged is not None:
+        (prefill if charged == PREFILL else decode)["ttft"] = obs.ttft_s / config.ttft_target_secs
+    notes = {"waiting_on_prefill": wp, "waiting_on_decode": wd, "ttft_charged_to": charged}
+    return prefill, decode, notes
+
+
+def predicted_after_move(hot_p: float, cold_p: float, n_hot: int, n_cold: int) -> float:
+    """The worst pressure once one server moved from the cold pool to the hot one, taking pressure to be
+    proportional to load per server: the hot pool's scales by n_hot / (n_hot + 1), the cold's by
+    n_cold / (n_cold - 1). For decode latency (a step costs a fixed part plus a part per request) this
+    overstates both the gain and the loss: it is cautious about taking a server from a latency-bound pool."""
+    return max(hot_p * n_hot / (n_hot + 1), cold_p * n_cold / (n_cold - 1))

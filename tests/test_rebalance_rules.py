@@ -1,0 +1,222 @@
+"""The decision rules of issue 20, each able to fail: queues attributed to the pool whose capacity they wait on,
+TTFT charged only where requests clearly wait (no tie, not flipped by one request, not to an idle pool), guards
+that do not reset each other, refilling an empty pool, the cheapest undoubted server, and the latency window's
+sampling of failed and abandoned requests when few finish."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from policies.rebalance import (
+    CONFIRMATIONS, FLOOR, MARGIN, NO_CANDIDATE, PENDING, REFILLING, Observation, RebalanceConfig, WorkerView, decide,
+    initial_state, pool_pressures, ttft_charged_to, waits_on_decode, waits_on_prefill,
+)
+from router.core.records import RequestRecord
+from router.core.registry import Registry, Role
+from router.flows.latency_window import LatencyWindow
+
+NOW = 1000.0
+BASE = RebalanceConfig(warmup_secs=0, confirmations=1, cooldown_secs=0, step_cooldown_secs=0,
+                       failure_cooldown_secs=0, queue_target=4, min_pressure=1.0, min_improvement=0.2,
+                       ttft_target_secs=1.0, itl_target_secs=0.05)
+STARTED = initial_state(NOW - 3600)
+
+
+def prefill(n: int, waiting_queue: int = 0, bootstrap: int = 0, inflight: int = 0, **kw) -> tuple[WorkerView, ...]:
+    """0.5.23 prefill servers: num_waiting_reqs = waiting queue + bootstrap queue, never a running batch."""
+    return tuple(WorkerView(f"p{i}", running=0, waiting=waiting_queue + bootstrap, waiting_queue=waiting_queue,
+                            bootstrap=bootstrap, inflight_queue=inflight, **kw) for i in range(n))
+
+
+def decode(n: int, running: int = 0, transfer: int = 0, prealloc_ready: int = 0, waiting_queue: int = 0,
+           **kw) -> tuple[WorkerView, ...]:
+    """0.5.23 decode servers: num_waiting_reqs = waiting + prealloc + transfer (+ retracted) queues."""
+    return tuple(WorkerView(f"d{i}", running=running, waiting=waiting_queue + prealloc_ready + transfer,
+                            waiting_queue=waiting_queue, prealloc=prealloc_ready, prealloc_ready=prealloc_ready,
+                            transfer=transfer, retracted=0, inflight=running + transfer, **kw)
+                 for i in range(n))
+
+
+def obs(p, d, **kw) -> Observation:
+    return Observation(now=NOW, prefill=p, decode=d, **kw)
+
+
+# ---- which pool a queue waits on -----------------------------------------------------------------------
+def test_a_prefill_short_fleet_is_prefill_hot_though_decode_servers_count_many_waiting():
+    """The issue's case: with prefill short, each decode reports as many waiting (its transfer queue) as the
+    prefills queue, so both looked equally loaded and nothing moved. The transfer queue waits on prefill."""
+    o = obs(prefill(2, waiting_queue=12), decode(2, running=1, transfer=12))
+    p_terms, d_terms = pool_pressures(o, BASE)
+    assert p_terms["queue"] == pytest.approx(24 / 2 / 4) and d_terms["queue"] == 0.0
+    decision = decide(o, STARTED, BASE)
+    assert decision.convert and (decision.from_role, decision.to_role) == ("decode", "prefill"), decision.reason
+
+
+def test_transfer_queues_count_for_prefill_when_prefills_report_less():
+    # the prefills' reports lag (a forward in progress hides its batch): the decode side shows the backlog
+    o = obs(prefill(2, waiting_queue=1, inflight=1), decode(2, transfer=10))
+    assert waits_on_prefill(o) == 2 * 10 - 2 * 1
+
+
+def test_a_decode_short_of_kv_room_is_decode_hot_though_prefills_count_many_waiting():
+    """Decode KV room short: the prefill's bootstrap queue and the decode's prealloc queue hold the same
+    requests, waiting on decode. It is decode pressure, counted once."""
+    o = obs(prefill(2, bootstrap=10), decode(2, running=7, prealloc_ready=10))
+    assert waits_on_prefill(o) == 0 and waits_on_decode(o) == 20
+    decision = decide(o, STARTED, BASE)
+    assert decision.convert and decision.to_role == "decode", decision.reason
+
+
+def test_kv_reserved_for_a_prefill_to_fill_is_not_decode_pressure():
+    d = tuple(WorkerView(f"d{i}", running=1, waiting=8, waiting_queue=0, prealloc=0, transfer=8, retracted=0,
+                         kv_usage=0.95, own_kv_usage=0.1) for i in range(2))
+    _, d_terms = pool_pressures(obs(prefill(2, waiting_queue=8), d), BASE)
+    assert d_terms["kv"] == pytest.approx(0.1 / 0.9)
+
+
+def test_servers_without_the_breakdown_count_their_waiting_for_their_own_pool():
+    o = obs((WorkerView("p0", waiting=3),), (WorkerView("d0", waiting=5),))
+    assert (waits_on_prefill(o), waits_on_decode(o)) == (3, 5)
+
+
+def test_the_servers_own_decode_step_is_the_current_latency():
+    d = decode(2, running=10, decode_step_s=0.1, decode_batch=10.0)
+    _, d_terms = pool_pressures(obs(prefill(2), d, itl_s=0.01), BASE)
+    assert d_terms["itl"] == pytest.approx(0.1 / 0.05)  # the report, not the router's old p90
+
+
+# ---- TTFT: where requests clearly wait, never on a tie --------------------------------------------------
+@pytest.mark.parametrize("wp,wd,charged", [
+    (0, 0, None),  # 0 vs 0: a tie, no queue anywhere
+    (6, 6, None),  # a tie
+    (3, 2, None),  # one request more is no cause
+    (2, 3, None),
+    (1, 0, None),  # one request waiting is not a queue
+    (4, 2, "prefill"),
+    (2, 4, "decode"),
+    (8, 0, "prefill"),
+    (0, 8, "decode"),
+])
+def test_ttft_is_charged_only_where_requests_clearly_wait(wp, wd, charged):
+    assert ttft_charged_to(wp, wd) == charged
+    o = obs(prefill(1, waiting_queue=wp), decode(1, prealloc_ready=wd), ttft_s=5.0)
+    p_terms, d_terms = pool_pressures(o, BASE)
+    assert ("ttft" in p_terms, "ttft" in d_terms) == (charged == "prefill", charged == "decode")
+
+
+def test_a_slow_first_token_left_from_the_last_phase_does_not_hold_an_idle_prefill_pool():
+    """Decode is now the bottleneck (its step is 3x the target); the p90 TTFT still holds the last phase's
+    slow first tokens, but nothing waits on prefill now: prefill is not charged, the move goes to decode."""
+    o = obs(prefill(2), decode(2, running=20, decode_step_s=0.15, decode_batch=20.0), ttft_s=12.0)
+    decision = decide(o, STARTED, BASE)
+    assert decision.convert and decision.to_role == "decode", decision.reason
+    assert "ttft" not in decision.pressures["prefill"]
+
+
+# ---- guards do not reset each other ---------------------------------------------------------------------
+def test_a_margin_hold_between_confirmations_does_not_restart_the_streak():
+    config = replace(BASE, confirmations=3)
+    hot = obs(prefill(2, waiting_queue=12), decode(2))
+    close = obs(prefill(2, waiting_queue=12), decode(2, prealloc_ready=8))  # moving would only move it
+    state, guards = STARTED, []
+    for o in (hot, close, hot, close, hot):
+        decision = decide(o, state, config)
+        state = decision.state
+        guards.append(decision.guards)
+        if decision.convert:
+            break
+    assert guards[1] == (MARGIN, CONFIRMATIONS) and guards[3] == (MARGIN, CONFIRMATIONS)
+    assert decision.convert and len(guards) == 5  # three sightings that passed the margin, two held ones between
+
+
+# ---- rule 1: refill an empty pool -----------------------------------------------------------------------
+GUARDED = replace(BASE, warmup_secs=600, confirmations=5, cooldown_secs=600, step_cooldown_secs=600,
+                  failure_cooldown_secs=600)
+FRESH = replace(initial_state(NOW - 1), last_conversion_at=NOW - 1, last_direction="to_decode",
+                last_failure_at=NOW - 1)
+
+
+def test_an_empty_prefill_pool_is_refilled_at_once_from_the_cheapest_decode():
+    d = (WorkerView("d0", inflight=5, running=5, waiting=0), WorkerView("d1", inflight=1, running=1, waiting=0,
+                                                                        used_tokens=900),
+         WorkerView("d2", inflight=1, running=1, waiting=0, used_tokens=100))
+    decision = decide(obs((), d), FRESH, GUARDED)  # warm-up, cooldowns, failure cooldown, confirmations: none waited
+    assert decision.convert and decision.refill and decision.guards == ()
+    assert (decision.worker_id, decision.from_role, decision.to_role) == ("d2", "decode", "prefill")
+    assert decision.conversion_mode == "abort"  # requests on it: waiting for them keeps the fleet down
+    assert "no routable server" in decision.reason and decision.state.refills == 1
+
+
+def test_an_idle_donor_is_converted_in_drain_mode():
+    decision = decide(obs(prefill(3), ()), STARTED, BASE)
+    assert decision.refill and decision.to_role == "decode" and decision.conversion_mode == "drain"
+
+
+def test_a_doubted_server_is_never_the_donor():
+    d = (WorkerView("d0", convertible=False), WorkerView("d1", inflight=9, running=9))
+    assert decide(obs((), d), STARTED, BASE).worker_id == "d1"
+    all_doubted = tuple(WorkerView(f"d{i}", convertible=False) for i in range(2))
+    assert decide(obs((), all_doubted), STARTED, BASE).guards == (NO_CANDIDATE,)
+
+
+@pytest.mark.parametrize("observation,guard", [
+    (obs((), decode(1)), FLOOR),  # one decode: none to spare
+    (obs((), decode(3), converting_into=("prefill",), busy="d9 converting"), REFILLING),
+    (obs((), decode(3), pending=("prefill",)), PENDING),  # start-up: prefills not read yet
+    (obs((), ()), FLOOR),
+])
+def test_refill_holds(observation, guard):
+    decision = decide(observation, STARTED, BASE)
+    assert decision.action == "hold" and decision.guards == (guard,), decision.reason
+
+
+def test_the_normal_rule_chooses_the_cheapest_undoubted_server():
+    d = (WorkerView("d0", waiting=0, running=0, inflight=0, convertible=False),
+         WorkerView("d1", waiting=0, running=3, inflight=3), WorkerView("d2", waiting=0, running=1, inflight=1))
+    decision = decide(obs(prefill(2, waiting_queue=12), d), STARTED, BASE)
+    assert decision.convert and decision.worker_id == "d2"
+
+
+# ---- latency: failed and abandoned requests, and too few samples ----------------------------------------
+PAIR = Registry().add("http://d:1", Role.DECODE, None)
+
+
+def ended(ttft=None, outcome="success", status=200, e2e=1.0, itl=None) -> RequestRecord:
+    return RequestRecord(route="/generate", stream=True, ttft_s=ttft, itl_s=itl, outcome=outcome, status=status,
+                         e2e_s=e2e, decode=PAIR)
+
+
+class Clock:
+    def __init__(self, now: float) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_abandoned_and_failed_requests_count_with_the_time_they_waited():
+    window = LatencyWindow(10, Clock(0))
+    for _ in range(3):
+        window.observe(ended(ttft=0.2))
+    for _ in range(3):  # clients gave up after 30 s without a first token; a deadline cut one more
+        window.observe(ended(outcome="client_disconnect", status=499, e2e=30.0))
+    window.observe(ended(outcome="error", status=504, e2e=60.0))
+    summary = window.summary(0, min_samples=5)
+    assert summary["ttft_s"] == 60.0 and summary["without_first_token"] == 4 and summary["samples"] == 7
+
+
+def test_too_few_in_the_window_takes_the_newest_rather_than_nothing():
+    clock = Clock(0)
+    window = LatencyWindow(10, clock)
+    for t in (0, 1, 2):
+        clock.now = t
+        window.observe(ended(ttft=8.0))
+    clock.now = 15  # the window (10 s) holds none of them; an overload finishes few
+    window.observe(ended(ttft=9.0))
+    window.observe(ended(ttft=9.5))
+    summary = window.summary(15, min_samples=5)
+    assert summary["ttft_s"] == 9.5 and summary["samples"] == 2
+    assert window.summary(15, min_samples=6)["ttft_s"] is None  # fewer than that even four windows back
+    assert window.summary(56, min_samples=1)["ttft_s"] is None  # all older than four windows
