@@ -50,6 +50,7 @@ class WorkerHandle:
     bootstrap_port: int | None
     worker: Worker | None = None
     process: subprocess.Popen | None = field(default=None, repr=False)
+    config: WorkerConfig | None = field(default=None, repr=False)  # what it was started with
 
     @property
     def pid(self) -> int | None:
@@ -148,7 +149,7 @@ class Fleet:
             proc.kill()
             proc.wait()
             raise
-        return WorkerHandle(cfg.role, ready["url"], ready["port"], ready["bootstrap_port"], process=proc)
+        return WorkerHandle(cfg.role, ready["url"], ready["port"], ready["bootstrap_port"], process=proc, config=cfg)
 
     async def stop(self) -> None:
         if self._session is not None:
@@ -181,6 +182,17 @@ class Fleet:
             raise RuntimeError("kill() needs a fleet started with processes=True")
         handle.process.kill()
         handle.process.wait()
+
+    async def restart(self, handle: WorkerHandle) -> WorkerHandle:
+        """Start a killed worker process again on its ports, as launched (a server restarted with its command
+        line comes back in its launch role)."""
+        if handle.config is None or handle.process is None or handle.process.poll() is None:
+            raise RuntimeError("restart() needs a worker process of this fleet that has exited")
+        if handle.process.stdout is not None:
+            handle.process.stdout.close()
+        again = await self._spawn(handle.config.with_(port=handle.port, bootstrap_port=handle.bootstrap_port))
+        handle.process = again.process
+        return handle
 
     # ------------------------------------------------------------ views and test helpers
 

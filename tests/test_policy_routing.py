@@ -101,6 +101,9 @@ async def test_admin_rebalancer_get_and_put(fake_fleet, make_router):
     body = await resp.json()
     assert (body["mode"], body["config"]["cooldown_secs"]) == ("enabled", 120)
     assert client.app[REBALANCER].config.cooldown_secs == 120
+    assert body["refill"]["enabled"] is True  # refilling an empty pool comes with the rebalancer enabled
+    body = await (await client.put("/admin/rebalancer", json={"mode": "off", "refill_empty_pool": True})).json()
+    assert (body["mode"], body["refill"]["enabled"]) == ("off", True)  # recovery alone
 
 
 @pytest.mark.parametrize("payload,status,fragment", [
@@ -109,6 +112,8 @@ async def test_admin_rebalancer_get_and_put(fake_fleet, make_router):
     ([1, 2], 400, "JSON object"),
     ({"mode": "sometimes"}, 422, "mode"),
     ({"confirmations": 0}, 422, "confirmations"),
+    ({"refill_empty_pool": "yes"}, 422, "refill_empty_pool"),
+    ({"step_cooldown_secs": -1}, 422, "step_cooldown_secs"),
 ])
 async def test_admin_rebalancer_rejects_bad_bodies(fake_fleet, make_router, payload, status, fragment):
     p, d = await fake_fleet(1, 1)
@@ -147,6 +152,11 @@ def test_policy_and_rebalancer_flags():
             p.eviction_interval_secs) == (0.5, 32, 1.0001, 1024, 30)
     assert (c.rebalance.mode.value, c.rebalance.cooldown_secs, c.rebalance.min_decode) == ("enabled", 90, 2)
     assert c.load_monitor.interval_secs == 0.5 and c.prefill_policy == "cache_aware"
+    assert c.rebalance.refill_empty_pool is False and c.rebalance.refills  # enabled: refills come with it
+    alone = config_from_args("--prefill http://a:1 --decode http://c:3 --rebalance off "
+                             "--rebalance-refill-empty-pool --rebalance-step-cooldown-secs 5".split(), env={})
+    assert (alone.rebalance.mode.value, alone.rebalance.refill_empty_pool, alone.rebalance.refills) == ("off", True, True)
+    assert alone.rebalance.step_cooldown_secs == 5
 
 
 def test_bad_policy_flags_are_all_reported():
