@@ -31,7 +31,9 @@ returned inside the decision. Every decision, a refusal included, names the guar
   step_cooldown  less than `step_cooldown_secs` since a conversion the same way ended (let it act first)
   failure_cooldown  less than `failure_cooldown_secs` since a conversion failed
   floor          the donor pool would fall below its minimum size (refill: the donor has one server)
-  confirmations  the proposal has not yet held for `confirmations` intervals (those that passed the margin)
+  confirmations  the proposal has not yet held for `confirmations` intervals (those that passed the margin); one
+                 is enough when the hot pool's pressure is at least `urgent_pressure` (3.0): an overload that
+                 large grows while it is being confirmed
   no_candidate   the donor pool has no server that can be converted (each is doubted by a health verdict or a
                  breaker, or failed a conversion lately)
   refilling      a pool is empty and a conversion into it is already under way
@@ -289,9 +291,11 @@ def decide(obs: Observation, state: RebalanceState, config: RebalanceConfig) -> 
     if n_cold <= minimum:
         fired.append(FLOOR)
         notes_out.append(f"the {cold} pool has {n_cold} server(s), its minimum is {minimum}")
-    if streak < config.confirmations:
+    urgent = config.urgent_pressure and hot_p >= config.urgent_pressure
+    needed = 1 if urgent else config.confirmations
+    if streak < needed:
         fired.append(CONFIRMATIONS)
-        notes_out.append(f"signal seen {streak}/{config.confirmations} intervals")
+        notes_out.append(f"signal seen {streak}/{needed} intervals")
     candidates = [w for w in cold_pool if w.convertible]
     if not candidates:
         fired.append(NO_CANDIDATE)

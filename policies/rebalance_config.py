@@ -24,6 +24,9 @@ class RebalanceConfig:
     window_secs: float = 15.0  # latency samples older than this are forgotten
     warmup_secs: float = 30.0
     confirmations: int = 3
+    # A proposal whose hot pool is at least this pressured needs one sighting: an overload that large grows
+    # while it is confirmed (0: always `confirmations`).
+    urgent_pressure: float = 3.0
     cooldown_secs: float = 60.0  # after a conversion, none the other way for this long (no flapping)
     step_cooldown_secs: float = 15.0  # after a conversion, none the same way for this long (let it act)
     failure_cooldown_secs: float = 300.0
@@ -73,6 +76,9 @@ class RebalanceConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < low:
                 found.append(f"rebalance {name} must be an integer >= {low}, got {value!r}")
+        if not isinstance(self.urgent_pressure, (int, float)) or isinstance(self.urgent_pressure, bool) \
+                or self.urgent_pressure < 0:
+            found.append(f"rebalance urgent_pressure must be a number >= 0, got {self.urgent_pressure!r}")
         if not isinstance(self.refill_empty_pool, bool):
             found.append(f"rebalance refill_empty_pool must be true or false, got {self.refill_empty_pool!r}")
         if self.conversion_mode not in ("drain", "abort"):

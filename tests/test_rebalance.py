@@ -65,6 +65,10 @@ CASES = [
     ("confirmations: first sighting", {"confirmations": 3}, STARTED, observe(), "hold", (CONFIRMATIONS,)),
     ("confirmations: third sighting", {"confirmations": 3},
      replace(STARTED, streak=2, streak_direction="to_prefill"), observe(), "convert", ()),
+    ("confirmations: an urgent overload converts on its first sighting", {"confirmations": 3}, STARTED,
+     observe(prefill=views("prefill", 12, 12)), "convert", ()),
+    ("confirmations: not when urgency is off", {"confirmations": 3, "urgent_pressure": 0}, STARTED,
+     observe(prefill=views("prefill", 12, 12)), "hold", (CONFIRMATIONS,)),
     ("confirmations: the streak was the other way", {"confirmations": 2},
      replace(STARTED, streak=5, streak_direction="to_decode"), observe(), "hold", (CONFIRMATIONS,)),
     ("no_candidate", {}, STARTED,
@@ -210,6 +214,7 @@ def test_a_decode_bound_fleet_with_high_ttft_moves_a_prefill_server_to_decode():
     ({"step_cooldown_secs": -1}, "step_cooldown_secs"),
     ({"busy_target": 0}, "busy_target"),
     ({"refill_empty_pool": "yes"}, "refill_empty_pool"),
+    ({"urgent_pressure": -1}, "urgent_pressure"),
     ({"ttft_target_secs": True}, "ttft_target_secs"),
 ])
 def test_config_is_validated(changes, fragment):

@@ -117,7 +117,7 @@ def test_a_slow_first_token_left_from_the_last_phase_does_not_hold_an_idle_prefi
 
 # ---- guards do not reset each other ---------------------------------------------------------------------
 def test_a_margin_hold_between_confirmations_does_not_restart_the_streak():
-    config = replace(BASE, confirmations=3)
+    config = replace(BASE, confirmations=3, urgent_pressure=0)
     hot = obs(prefill(2, waiting_queue=12), decode(2))
     close = obs(prefill(2, waiting_queue=12), decode(2, prealloc_ready=8))  # moving would only move it
     state, guards = STARTED, []
