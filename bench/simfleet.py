@@ -62,6 +62,7 @@ class SimFleet:
     python: str = sys.executable
     checkout: Path = REPO_ROOT
     start_timeout: float = 60.0
+    processes: bool = True  # one process per worker; False: the whole fleet in one (lighter, for many fleets)
     child: procs.Child | None = None
 
     def __enter__(self) -> Fleet:
@@ -70,7 +71,8 @@ class SimFleet:
         # deployment has (sgl-router then looks for a tokenizer on disk, not on a model hub).
         Path(MODEL_PATH).mkdir(parents=True, exist_ok=True)
         argv = [self.python, "-m", "simulator.fleet", "--prefill", str(self.prefills),
-                "--decode", str(self.decodes), "--processes", "--model-path", MODEL_PATH, *self.extra_args]
+                "--decode", str(self.decodes), *(["--processes"] if self.processes else []),
+                "--model-path", MODEL_PATH, *self.extra_args]
         self.child = procs.start("simfleet", argv, self.workdir, cwd=str(self.checkout))
         found: list[Fleet] = []
 

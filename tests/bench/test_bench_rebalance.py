@@ -77,3 +77,50 @@ async def test_one_short_shifting_load_against_a_live_router(make_router):
     assert {o.tokens for o in outcomes if o.phase == 1} == {6}
     assert all(o.ttft is not None and o.ttft >= 0 for o in outcomes)
     assert rg.summarize(outcomes, phases, 60, 60)["overall"]["goodput"] == 1.0
+
+
+# ---- bench.rebalance_splits: every static split, the rebalancer and an oracle --------------------------
+def splits_args(**kw):
+    import argparse
+
+    return argparse.Namespace(**{"time_scale": 2.0, "ttft_slo": 4.0, "tpot_slo": 0.4, **kw})
+
+
+def test_split_schedule_is_seeded_and_mixes_kinds_by_share():
+    from bench import rebalance_splits as rs
+
+    (steady,) = rs.workload("steady", 4, 100, 1.0)
+    plan = rs.schedule([steady], seed=5)
+    assert plan == rs.schedule([steady], seed=5) and plan != rs.schedule([steady], seed=6)
+    kinds = [k for _, _, k in plan]
+    assert 0.4 < kinds.count(0) / len(kinds) < 0.6 and set(kinds) == {0, 1}
+    shifting = rs.workload("shifting", 8, 50, 2.0)
+    assert [p.name for p in shifting] == ["prefill-heavy", "decode-heavy"] * 2
+    assert shifting[0].rate == 11.0 * 2 / 2  # scaled by servers / 4, divided by the time scale
+
+
+def test_the_oracle_knows_which_split_serves_each_phase():
+    from bench import rebalance_splits as rs
+
+    args = splits_args()
+    p, d, *_ = rs.workload("shifting", 4, 180, 2.0)
+    assert rs.best_split(p, 4, args) == 3 and rs.best_split(d, 4, args) == 1  # 3P1D, then 1P3D
+    assert rs.model_score(p, 2, 2, 2.0, 4.0, 0.4) == float("inf")  # two prefills cannot keep up
+    (steady,) = rs.workload("steady", 4, 180, 2.0)
+    assert rs.best_split(steady, 4, args) == 2
+    assert rs.best_split(rs.workload("shifting", 8, 180, 2.0)[1], 8, args) <= 3
+
+
+def test_splits_render_says_whether_the_targets_are_met():
+    from bench import rebalance_splits as rs
+
+    phase = {"phase": "a", "goodput": 0.5, "requests": 10}
+    row = lambda g: {"phases": [{**phase, "goodput": g}], "overall": {"goodput": g, "requests": 10}}  # noqa: E731
+    result = {"servers": 4, "workload": "shifting", "time_scale": 2.0, "slo": {"ttft_s": 4, "tpot_s": 0.4},
+              "machine": {}, "oracle_plan": ["3P1D"], "best_static_per_phase_measured": ["static 3P1D"],
+              "phases": [{"name": "a"}], "results": {"static 3P1D": row(0.4), "rebalancer": row(0.8),
+                                                     "oracle": row(0.9)},
+              "best_static": "static 3P1D", "ratio_vs_best_static": 2.0, "ratio_vs_oracle": 0.889,
+              "conversions": [], "flaps": 0, "targets": rs.TARGETS}
+    assert "meets >= 1.5x and >= 85%" in rs.render(result)
+    assert "misses" in rs.render({**result, "ratio_vs_oracle": 0.8})
