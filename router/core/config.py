@@ -112,6 +112,11 @@ class AdmissionConfig:
     # without a key) from making the router buffer and parse 256 MiB. /update_weights_from_tensor, whose body
     # carries serialized tensors, keeps max_payload_size.
     max_admin_payload_size: int = 1024 * 1024
+    # What one generation request may ask for, checked before anything is done per sequence: n (parallel
+    # samples; OpenAI's own bound is 128) and sequences (prompts x n: the batch SGLang runs, one bootstrap
+    # room each). SGLang, sgl-router and SMG bound neither: 10^9 sequences would be built, then run.
+    max_n: int = 128
+    max_batch_size: int = 4096
 
 
 @dataclass(frozen=True, slots=True)
@@ -313,6 +318,10 @@ class RouterConfig:
             found.append("--max-payload-size must be at least 1")
         if self.admission.max_admin_payload_size < 1:
             found.append("--max-admin-payload-size must be at least 1")
+        if self.admission.max_n < 1:
+            found.append(f"--max-n must be at least 1, got {self.admission.max_n}")
+        if self.admission.max_batch_size < 1:
+            found.append(f"--max-batch-size must be at least 1, got {self.admission.max_batch_size}")
         for group in (self.policy_params, self.load_monitor, self.rebalance, self.worker_sources, self.cluster):
             found.extend(group.problems())
         found.extend(CallerAllowList.problems(self.admin_allow_cidrs))

@@ -11,10 +11,12 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
+from router.core.config import AdmissionConfig
 from router.core.errors import BadRequest
 from router.core.registry import Worker
 
 MAX_ROOM = 2**63 - 1
+DEFAULT_LIMITS = AdmissionConfig()
 _getrandbits = random.getrandbits
 
 # Routes the router proxies to a P/D pair, and the upstream path of each.
@@ -45,7 +47,7 @@ class RequestShape:
         return self.batch_size * self.n
 
 
-def _n_of(body: dict, route: str) -> int:
+def _n_of(body: dict, route: str, limits: AdmissionConfig) -> int:
     if route == "/generate":
         params = body.get("sampling_params")
         if isinstance(params, list):
@@ -57,7 +59,17 @@ def _n_of(body: dict, route: str) -> int:
         return 1
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise BadRequest(f"n must be a positive integer, got {n!r}", param="n")
+    if n > limits.max_n:
+        raise BadRequest(f"n must be at most {limits.max_n} (--max-n), got {n}", param="n")
     return n
+
+
+def bound_sequences(prompts: int, n: int, limits: AdmissionConfig) -> None:
+    """At most --max-batch-size sequences (prompts x n): checked before anything is done per sequence."""
+    if prompts * n > limits.max_batch_size:
+        what = f"{prompts} prompt(s) x n={n}" if n > 1 else f"{prompts} prompts"
+        raise BadRequest(f"the request asks for {prompts * n} sequences ({what}): at most "
+                         f"{limits.max_batch_size} (--max-batch-size)", param="n" if n > 1 else None)
 
 
 def _generate_batch(body: dict) -> tuple[int, bool]:
@@ -91,21 +103,25 @@ def _completions_batch(body: dict) -> tuple[int, bool]:
     return 1, False
 
 
-def shape_of(route: str, body: dict) -> RequestShape:
+def shape_of(route: str, body: dict, limits: AdmissionConfig = DEFAULT_LIMITS) -> RequestShape:
+    """The request's shape; 400 for one the router cannot route. The number of sequences is bounded first:
+    nothing is looked at per prompt (or built per sequence, later) before."""
     if route == "/generate":
         batch_size, is_batch = _generate_batch(body)
-        logprob = body.get("return_logprob")
-        return_logprob = any(bool(x) for x in logprob) if isinstance(logprob, list) else bool(logprob)
     elif route == "/v1/completions":
         batch_size, is_batch = _completions_batch(body)
-        return_logprob = False
     else:
         batch_size, is_batch = 1, False
-        return_logprob = False
+    n = _n_of(body, route, limits)
+    bound_sequences(batch_size, n, limits)
+    return_logprob = False
+    if route == "/generate":
+        logprob = body.get("return_logprob")
+        return_logprob = any(bool(x) for x in logprob) if isinstance(logprob, list) else bool(logprob)
     return RequestShape(
         batch_size=batch_size,
         is_batch=is_batch,
-        n=_n_of(body, route),
+        n=n,
         stream=bool(body.get("stream")),
         return_logprob=return_logprob,
         client_rid=body.get("rid"),

@@ -70,13 +70,14 @@ class Proxy:
         self._timeout = config.request_timeout_secs
         self._retry = config.retry
         self._max_payload = config.admission.max_payload_size
+        self._limits = config.admission  # --max-n, --max-batch-size
 
     # ---- entry point -----------------------------------------------------------------------------
     async def handle(self, request: web.Request, route: str, upstream_path: str) -> web.StreamResponse:
         record = RequestRecord(route=route, stream=False, started=time.monotonic())
         try:
             body = await self._read_body(request)
-            shape = shape_of(route, body)
+            shape = shape_of(route, body, self._limits)
             record.stream = shape.stream
             forwarded = {h: v for h in FORWARDED_HEADERS if (v := request.headers.get(h)) is not None}
             if self._worker_auth is not None:

@@ -55,3 +55,9 @@ def test_json_nested_too_deep_is_400(wire):
     deep = b'{"text": "x", "a": ' + b"[" * 300 + b"]" * 300 + b"}"
     for path in ("/update_weights_from_disk", "/v1/rl/engine/pause_generation", "/workers"):
         assert "nested deeper" in assert_json_error(wire.exchange(request("POST", path, deep)), 400)["message"]
+
+
+def test_n_beyond_the_bound_is_400(wire):
+    """Judged before a pair is chosen (this router has none: a request it could route would be 503)."""
+    answer = wire.exchange(request("POST", "/generate", b'{"text": "x", "sampling_params": {"n": 1000000000}}'))
+    assert "--max-n" in assert_json_error(answer, 400)["message"]
