@@ -28,6 +28,11 @@ class Behaviour:
     health_status: int = 200  # status of GET /health
     health_hang: bool = False  # GET /health never answers (until health_release is set)
     health_script: list = field(default_factory=list)  # statuses for the next /health calls, in order
+    # A request carrying this body field gets 500 (with its rid and room in the message, as a server quotes
+    # them), as a stand-in that fails on an input it cannot handle: every server fails on it the same way.
+    fail_on_field: str | None = None
+    close_on_field: str | None = None  # ... closes the connection without answering, as a server it crashes
+    error_text: str | None = None  # with `status`: a text/plain error body instead of JSON
 
 
 INFO_PATHS = frozenset({"/server_info", "/get_server_info", "/model_info", "/get_model_info", "/v1/models",
@@ -154,6 +159,15 @@ class FakeWorker:
                 await asyncio.sleep(b.delay_s)
             if b.hang:
                 await self.release.wait()
+            if b.fail_on_field is not None and b.fail_on_field in body:
+                return web.json_response({"object": "error", "type": "InternalServerError", "code": 500,
+                                          "message": f"cannot handle {b.fail_on_field} (rid {body.get('rid')}, "
+                                                     f"room {body.get('bootstrap_room')})"}, status=500)
+            if b.close_on_field is not None and b.close_on_field in body:
+                request.transport.close()
+                return web.Response(status=500)  # never delivered: the connection is gone
+            if b.status != 200 and b.error_text is not None:
+                return web.Response(text=b.error_text, status=b.status)
             if b.status != 200:
                 return web.json_response(b.error_body or {"error": {"message": f"fake {self.role} failure"}},
                                          status=b.status)

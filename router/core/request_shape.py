@@ -11,8 +11,8 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
+from router.core import request_fields as fields
 from router.core.config import AdmissionConfig
-from router.core.errors import BadRequest
 from router.core.registry import Worker
 
 MAX_ROOM = 2**63 - 1
@@ -47,84 +47,38 @@ class RequestShape:
         return self.batch_size * self.n
 
 
-def _n_of(body: dict, route: str, limits: AdmissionConfig) -> int:
-    if route == "/generate":
-        params = body.get("sampling_params")
-        if isinstance(params, list):
-            params = params[0] if params else None
-        n = params.get("n", 1) if isinstance(params, dict) else 1
-    else:
-        n = body.get("n", 1)
-    if n is None:
-        return 1
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-        raise BadRequest(f"n must be a positive integer, got {n!r}", param="n")
-    if n > limits.max_n:
-        raise BadRequest(f"n must be at most {limits.max_n} (--max-n), got {n}", param="n")
-    return n
-
-
-def bound_sequences(prompts: int, n: int, limits: AdmissionConfig) -> None:
-    """At most --max-batch-size sequences (prompts x n): checked before anything is done per sequence."""
-    if prompts * n > limits.max_batch_size:
-        what = f"{prompts} prompt(s) x n={n}" if n > 1 else f"{prompts} prompts"
-        raise BadRequest(f"the request asks for {prompts * n} sequences ({what}): at most "
-                         f"{limits.max_batch_size} (--max-batch-size)", param="n" if n > 1 else None)
-
-
-def _generate_batch(body: dict) -> tuple[int, bool]:
-    text = body.get("text")
-    if text is not None:
-        if isinstance(text, str):
-            return 1, False
-        if isinstance(text, list):
-            if not text:
-                raise BadRequest("text must not be an empty list", param="text")
-            return len(text), True
-        raise BadRequest("text must be a string or a list of strings", param="text")
-    input_ids = body.get("input_ids")
-    if input_ids is not None:
-        if not isinstance(input_ids, list):
-            raise BadRequest("input_ids must be a list of token ids or a list of lists", param="input_ids")
-        if input_ids and isinstance(input_ids[0], list):
-            return len(input_ids), True
-        return 1, False
-    embeds = body.get("input_embeds")
-    if isinstance(embeds, list) and embeds and isinstance(embeds[0], list) and embeds[0] \
-            and isinstance(embeds[0][0], list):
-        return len(embeds), True
-    return 1, False
-
-
-def _completions_batch(body: dict) -> tuple[int, bool]:
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-        return len(prompt), True
-    return 1, False
-
-
 def shape_of(route: str, body: dict, limits: AdmissionConfig = DEFAULT_LIMITS) -> RequestShape:
-    """The request's shape; 400 for one the router cannot route. The number of sequences is bounded first:
-    nothing is looked at per prompt (or built per sequence, later) before."""
+    """The request's shape, its fields judged (`request_fields`): 400 for one no server would serve. The number
+    of sequences is bounded first: nothing is looked at per prompt (or built per sequence, later) before."""
     if route == "/generate":
-        batch_size, is_batch = _generate_batch(body)
+        prompts, is_batch = fields.generate_prompts(body)
+        params, n = fields.generate_n(body, limits)
+        fields.bound_sequences(prompts, n, limits)
+        fields.check_generate_items(body, params, prompts, is_batch, n)
+        return_logprob = fields.generate_logprob(body)
     elif route == "/v1/completions":
-        batch_size, is_batch = _completions_batch(body)
+        prompts, is_batch = fields.completion_prompts(body)
+        n = fields.count(body, "n", limits)
+        fields.bound_sequences(prompts, n, limits)
+        fields.check_completion_items(body, is_batch)
+        fields.token_budget(body.get("max_tokens"), "max_tokens", lax=True)
+        return_logprob = False
     else:
-        batch_size, is_batch = 1, False
-    n = _n_of(body, route, limits)
-    bound_sequences(batch_size, n, limits)
-    return_logprob = False
-    if route == "/generate":
-        logprob = body.get("return_logprob")
-        return_logprob = any(bool(x) for x in logprob) if isinstance(logprob, list) else bool(logprob)
+        fields.chat_messages(body)
+        prompts, is_batch = 1, False
+        n = fields.count(body, "n", limits)
+        fields.token_budget(body.get("max_tokens"), "max_tokens", lax=True)
+        fields.token_budget(body.get("max_completion_tokens"), "max_completion_tokens", lax=True)
+        return_logprob = False
+    rid = body.get("rid")
+    fields.check_rid(rid, prompts, is_batch or n > 1)  # one prompt with n > 1 is a batch of one in SGLang
     return RequestShape(
-        batch_size=batch_size,
+        batch_size=prompts,
         is_batch=is_batch,
         n=n,
-        stream=bool(body.get("stream")),
+        stream=fields.flag(body, "stream"),
         return_logprob=return_logprob,
-        client_rid=body.get("rid"),
+        client_rid=rid,
     )
 
 

@@ -8,6 +8,7 @@ exactly once, whatever ends it (answer, failure, cancellation, or the background
 from __future__ import annotations
 
 import asyncio
+import re
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -23,10 +24,16 @@ KV_TRANSFER_FAILURE = b"KVTransferError"
 
 
 class LegFailed(Exception):
-    """A leg failed before the client saw a byte; carries what to answer if it is not retried."""
+    """A leg failed before the client saw a byte; carries what to answer if it is not retried.
+
+    `signature`: what the failure looks like whichever server it came from (the status and the server's words,
+    numbers and ids masked), for a failure the request itself may cause: a server's own 500 or 501 answer, or
+    a server that closed the connection before answering (a request that crashes it). None for the rest
+    (unreachable, silent, timed out, 502-504: the server's state, not the request's). Two attempts of one request
+    failing with the same signature on two pairs is the request's fault (`Proxy`)."""
 
     def __init__(self, worker: Worker, status: int, body: bytes, content_type: str, *, retryable: bool,
-                 reason: str, router_abort: bool = False):
+                 reason: str, router_abort: bool = False, signature: bytes | None = None):
         super().__init__(reason)
         self.worker = worker
         self.status = status
@@ -35,6 +42,7 @@ class LegFailed(Exception):
         self.retryable = retryable
         self.reason = reason
         self.router_abort = router_abort
+        self.signature = signature
 
     @property
     def worker_fault(self) -> bool:
@@ -42,12 +50,56 @@ class LegFailed(Exception):
         transfer): counts against this worker's breaker."""
         return self.status >= 500 and not self.router_abort and KV_TRANSFER_FAILURE not in self.body
 
+    @property
+    def blame_now(self) -> bool:
+        """A worker fault the request cannot have caused: it counts at once. One with a signature counts
+        once the request shows it is not its own (`Proxy`, `Dispatcher.blame`)."""
+        return self.worker_fault and self.signature is None
+
     def response(self) -> web.Response:
+        """What the client gets: the server's error as a JSON error body, else the router's own."""
         if self.body:
-            return web.Response(body=self.body, status=self.status, content_type=self.content_type or None)
-        return web.json_response({"error": {"message": self.reason, "type": "upstream_error",
-                                            "code": self.status}}, status=self.status,
-                                 dumps=lambda o: orjson.dumps(o).decode())
+            return relayed_error(self.status, self.body, self.content_type)
+        return error_response(self.status, self.reason, "upstream_error")
+
+
+# Numbers, hex ids and rids in a server's message differ from one attempt to the next (rids, rooms, ports).
+_VARYING = re.compile(rb"[0-9a-fA-F]{8,}|\d+")
+SIGNATURE_BYTES = 512
+
+
+def answer_signature(status: int, body: bytes) -> bytes:
+    return b"%d " % status + _VARYING.sub(b"#", body[:SIGNATURE_BYTES])
+
+
+def error_response(status: int, message: str, kind: str, extra: dict | None = None) -> web.Response:
+    body = {**(extra or {}), "error": {"message": message, "type": kind, "code": status}}
+    return web.Response(body=orjson.dumps(body), status=status, content_type="application/json")
+
+
+def relayed_error(status: int, body: bytes, content_type: str) -> web.Response:
+    """A server's error answer as a JSON error `{"error": {"message", "type", "code"}}`: as it is when it is one
+    already; SGLang's other shapes (`{"object": "error", "message"}`, `{"error": "text"}`, FastAPI's
+    `{"detail": ...}`) keep their fields and gain the `error` object; text becomes its message."""
+    data = None
+    if body[:1] in (b"{", b"[") or "json" in (content_type or ""):
+        try:
+            data = orjson.loads(body)
+        except orjson.JSONDecodeError:
+            data = None
+    kind = "invalid_request_error" if status < 500 else "upstream_error"
+    if isinstance(data, dict):
+        error = data.get("error")
+        if isinstance(error, dict) and isinstance(error.get("message"), str):
+            return web.Response(body=body, status=status, content_type="application/json")
+        message = next((v for v in (error, data.get("message"), data.get("detail")) if v), None)
+        if not isinstance(message, str):
+            message = orjson.dumps(message).decode() if message is not None else body[:1000].decode(errors="replace")
+        if isinstance(data.get("type"), str):
+            kind = data["type"]
+        return error_response(status, message, kind, {k: v for k, v in data.items() if k != "error"})
+    text = body[:1000].decode(errors="replace").strip() or f"the server answered {status}"
+    return error_response(status, text, kind)
 
 
 @dataclass(slots=True, eq=False)

@@ -25,7 +25,7 @@ from router.core.request_shape import RequestShape
 from router.core.traffic import AbortAction
 from router.dataplane import sse
 from router.dataplane.aborts import aborted_before_first_token, some_sequence_aborted
-from router.dataplane.attempt import Attempt, Leg, LegFailed, first_done
+from router.dataplane.attempt import Attempt, Leg, LegFailed, answer_signature, first_done
 from router.dataplane.live import LiveRequests
 from router.dataplane.logprobs import index_prefill_events, merge_answer
 from router.dataplane.relay import ClientGone, relay
@@ -39,6 +39,10 @@ logger = logging.getLogger(__name__)
 # to the pair (SGLang answers 500 for a KV transfer that failed because the *other* server died), so a new
 # pair usually succeeds. 4xx are the request's fault and go back as they are (except timeout / rate limit).
 RETRYABLE_CLIENT_STATUSES = frozenset({408, 429})
+CLOSED_BEFORE_ANSWER = "closed the connection before answering"  # upstream_http's words
+# Server errors a request can cause (an exception on its input, an unsupported feature); 502, 503 and 504 tell
+# the server's state (a proxy's, overloaded, unavailable), not the request's.
+REQUEST_SHAPED = frozenset({500, 501})
 ABORT_TIMEOUT_S = 5.0
 LINGER_LOOKS_PER_TIMEOUT = 4  # how often overdue prefill legs are looked for (at most every 5 s)
 LINGER_LOOK_MAX_S = 5.0
@@ -123,7 +127,11 @@ class Dispatcher:
         if exc is not None:
             if not isinstance(exc, (UpstreamError, asyncio.TimeoutError, OSError, asyncio.CancelledError)):
                 raise exc
+            # Closed before answering what it was sent (a request that crashes the server looks like this):
+            # the request may be why; refused, silent or slow servers are the servers' state.
+            closed = isinstance(exc, UpstreamProtocolError) and CLOSED_BEFORE_ANSWER in str(exc)
             return LegFailed(worker, 502, b"", "", retryable=True, router_abort=router_abort,
+                             signature=b"closed before answering" if closed else None,
                              reason=f"{role} {worker.url} failed: {type(exc).__name__}: {exc}")
         status, body, content_type = task.result()[:3]
         if status == 200:
@@ -131,6 +139,7 @@ class Dispatcher:
         retryable = status >= 500 or status in RETRYABLE_CLIENT_STATUSES
         text = body[:300].decode(errors="replace")
         return LegFailed(worker, status, body, content_type, retryable=retryable, router_abort=router_abort,
+                         signature=answer_signature(status, body) if status in REQUEST_SHAPED else None,
                          reason=f"{role} {worker.url} answered {status}: {text}")
 
     def _conclude(self, leg: Leg, attempt: Attempt) -> LegFailed | None:
@@ -139,8 +148,13 @@ class Dispatcher:
         if failure is None:
             leg.finish(Outcome.SUCCESS)
         else:
-            leg.finish(Outcome.ERROR, fault=failure.worker_fault)
+            leg.finish(Outcome.ERROR, fault=failure.blame_now)
         return failure
+
+    def blame(self, worker: Worker) -> None:
+        """A failure held back until its request showed it was not its own (`LegFailed.signature`) counts now."""
+        for observe in self.leg_observers:
+            observe(worker, False)
 
     # ---- lingering prefill legs ----------------------------------------------------------------------
     def linger(self, leg: Leg, attempt: Attempt) -> None:
@@ -299,7 +313,7 @@ class Dispatcher:
                         raise failure
             failure = self._failure(d, attempt)
             if failure is not None:
-                d.finish(Outcome.ERROR, fault=failure.worker_fault)
+                d.finish(Outcome.ERROR, fault=failure.blame_now)
                 p.cancel(attempt.rids)
                 raise failure
             d_resp, events, splitter = d.task.result()[3]

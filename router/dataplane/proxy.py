@@ -158,55 +158,73 @@ class Proxy:
         aborted_retries = 0
         attempt_no = 0
         failed: set[Worker] = set()
-        while True:
-            # Also on the first attempt: a request admitted just before a hold must not reach a server that
-            # is being quiesced.
-            await self.admission.wait_open(deadline)
-            prefill, decode = self.select_pair(info, failed)
-            payload_body = dict(body)
-            inject_bootstrap(payload_body, shape, prefill)
-            rids = assign_rid(payload_body, shape, self.config.inject_rid)
-            try:
-                payload = orjson.dumps(payload_body)
-            except orjson.JSONEncodeError:  # read, but too deep to write back: the same on every attempt
-                raise BadRequest(f"request body is {NESTING_LIMIT}") from None
-            attempt = Attempt(prefill, decode, payload, rids, (prefill.abort_epoch, decode.abort_epoch))
-            record.prefill, record.decode = prefill, decode
-            record.attempts += 1
-            self.live.add(attempt)
-            try:
-                if shape.stream:
-                    return await self._stream(request, upstream_path, attempt, shape, headers, record)
-                return await self._unary(upstream_path, attempt, shape, headers, record)
-            except LegFailed as failure:
-                if failure.router_abort:
-                    if self._dispatcher.retry_abort(attempt) and aborted_retries < MAX_ABORT_RETRIES:
-                        # Aborted by the router (conversion, weight update) before any token: re-send.
-                        aborted_retries += 1
-                        record.retries_aborted += 1
-                        logger.info("re-sending request aborted by the router on %s (%s)", failure.worker.url,
-                                    failure.reason)
+        # Failures the request itself may have caused (LegFailed.signature): counted against their workers once
+        # the request ends, unless another pair failed on it the same way.
+        held: list[LegFailed] = []
+        try:
+            while True:
+                # Also on the first attempt: a request admitted just before a hold must not reach a server that
+                # is being quiesced.
+                await self.admission.wait_open(deadline)
+                prefill, decode = self.select_pair(info, failed)
+                payload_body = dict(body)
+                inject_bootstrap(payload_body, shape, prefill)
+                rids = assign_rid(payload_body, shape, self.config.inject_rid)
+                try:
+                    payload = orjson.dumps(payload_body)
+                except orjson.JSONEncodeError:  # read, but too deep to write back: the same on every attempt
+                    raise BadRequest(f"request body is {NESTING_LIMIT}") from None
+                attempt = Attempt(prefill, decode, payload, rids, (prefill.abort_epoch, decode.abort_epoch))
+                record.prefill, record.decode = prefill, decode
+                record.attempts += 1
+                self.live.add(attempt)
+                try:
+                    if shape.stream:
+                        return await self._stream(request, upstream_path, attempt, shape, headers, record)
+                    return await self._unary(upstream_path, attempt, shape, headers, record)
+                except LegFailed as failure:
+                    if failure.router_abort:
+                        if self._dispatcher.retry_abort(attempt) and aborted_retries < MAX_ABORT_RETRIES:
+                            # Aborted by the router (conversion, weight update) before any token: re-send.
+                            aborted_retries += 1
+                            record.retries_aborted += 1
+                            logger.info("re-sending request aborted by the router on %s (%s)",
+                                        failure.worker.url, failure.reason)
+                            continue
+                        # The servers' answer to the abort was an error or nothing: give SGLang's abort answer.
+                        record.outcome = "aborted"
+                        record.error = failure.reason
+                        return abort_response(route, body, shape, attempt.rids,
+                                              weight_version=attempt.decode.weight_version)
+                    attempt_no += 1
+                    failed.add(failure.worker)
+                    if failure.signature is not None and failure.worker_fault:
+                        if any(f.signature == failure.signature for f in held):
+                            # The same failure on another pair: the request's own, not the servers'. Not
+                            # retried further, and no breaker counts it.
+                            held[:] = [f for f in held if f.signature != failure.signature]
+                            record.outcome = "error"
+                            record.error = f"{failure.reason} (the same on {attempt_no} pairs: not retried)"
+                            logger.info("request failed the same way on two pairs (%s): answered as the servers "
+                                        "did, not retried, counted against no server", failure.reason)
+                            return failure.response()
+                        held.append(failure)
+                    if failure.retryable and attempt_no < max_attempts:
+                        logger.warning("attempt %d failed on %s: %s; retrying on another pair", attempt_no,
+                                       failure.worker.url, failure.reason)
+                        await asyncio.sleep(self._backoff(attempt_no - 1))
                         continue
-                    # The servers' answer to the abort was an error or nothing: give SGLang's abort answer.
-                    record.outcome = "aborted"
+                    record.outcome = "error"
                     record.error = failure.reason
-                    return abort_response(route, body, shape, attempt.rids,
-                                          weight_version=attempt.decode.weight_version)
-                attempt_no += 1
-                failed.add(failure.worker)
-                if failure.retryable and attempt_no < max_attempts:
-                    logger.warning("attempt %d failed on %s: %s; retrying on another pair", attempt_no,
-                                   failure.worker.url, failure.reason)
-                    await asyncio.sleep(self._backoff(attempt_no - 1))
-                    continue
-                record.outcome = "error"
-                record.error = failure.reason
-                return failure.response()
-            finally:
-                if attempt.lingering:
-                    attempt.ended = True  # its prefill leg, still running, takes it out of `live` when it ends
-                else:
-                    self.live.discard(attempt)
+                    return failure.response()
+                finally:
+                    if attempt.lingering:
+                        attempt.ended = True  # its prefill leg, still running, takes it out of `live` at its end
+                    else:
+                        self.live.discard(attempt)
+        finally:
+            for failure in held:
+                self._dispatcher.blame(failure.worker)
 
     # ---- eviction: giving up on a worker for requests that can still go elsewhere -------------------
     def evict(self, worker: Worker, reason: str) -> int:
