@@ -64,6 +64,7 @@ class FakeWorker:
         self.server_args: dict = {}
         self.message_suffix = ""
         self.calls: collections.Counter[str] = collections.Counter()  # requests received, by path
+        self.authorizations: list[tuple[str, str | None]] = []  # (path, Authorization header) of each request
         self.queries: list[tuple[str, dict]] = []  # (path, query) of every request that had a query
         # When set: the info routes and /health_generate wait for it to open before answering.
         self.info_gate: asyncio.Event | None = None
@@ -118,6 +119,7 @@ class FakeWorker:
     @web.middleware
     async def _count(self, request: web.Request, handler):
         self.calls[request.path] += 1
+        self.authorizations.append((request.path, request.headers.get("Authorization")))
         if request.query_string:
             self.queries.append((request.path, dict(request.query)))
         if self.info_gate is not None and request.path in INFO_PATHS:

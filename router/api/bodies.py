@@ -15,7 +15,7 @@ from aiohttp import web
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
 
 from router.api.access import JSON_BODY
-from router.core.config import validate_worker_url
+from router.core.worker_url import worker_url_problem
 from router.core.errors import BadRequest, parse_json_object
 
 VALUE_SHOWN = 300  # characters of a refused value quoted back in a problem
@@ -40,7 +40,7 @@ def one_of(values) -> str:
 
 
 def _worker_url(value: str) -> str:
-    if (problem := validate_worker_url(value)) is not None:
+    if (problem := worker_url_problem(value)) is not None:
         raise ValueError(problem)
     return value
 

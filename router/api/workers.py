@@ -10,11 +10,12 @@ from aiohttp import web
 
 from router.api.bodies import read_json_object
 from router.control.discovery import read_live_state, rejoin_check
-from router.core.config import DISCOVER, validate_port, validate_worker_url
+from router.core.config import DISCOVER, validate_port
 from router.core.allowlists import WorkerAllowList, resolve
 from router.core.errors import BadRequest, Conflict, Forbidden, NotFound, ServiceUnavailable, json_response
 from router.core.keys import CONFIG, COORDINATOR, DISCOVERY, REGISTRY, UPSTREAM, WORKER_SOURCES
 from router.core.registry import DuplicateWorker, Role, Worker, WorkerState
+from router.core.worker_url import BadWorkerUrl, identity, parse_worker_url
 
 # How long an API registration waits to learn a prefill's bootstrap port before answering.
 REGISTER_SETTLE_SECS = 5.0
@@ -44,10 +45,12 @@ def parse_port(value: object, field: str = "bootstrap_port") -> int | None:
     return value
 
 
-def checked_url(value: object) -> str:
-    if (problem := validate_worker_url(value)) is not None:
-        raise BadRequest(problem, param="url")
-    return value.rstrip("/")
+def checked_url(value: object, param: str = "url") -> str:
+    """The worker URL in its canonical form (credentials kept, for the registry to set apart), or 400."""
+    try:
+        return parse_worker_url(value).with_credentials
+    except BadWorkerUrl as exc:
+        raise BadRequest(str(exc), param=param) from None
 
 
 async def check_worker_allowed(app: web.Application, url: str) -> None:
@@ -56,7 +59,7 @@ async def check_worker_allowed(app: web.Application, url: str) -> None:
     if allowed.restricts:
         parts = urlsplit(url)
         if (refusal := await allowed.refusal(parts.hostname or "", parts.port or 0, resolve)) is not None:
-            raise Forbidden(f"worker {url} may not be registered: {refusal}", param="url")
+            raise Forbidden(f"worker {identity(url)} may not be registered: {refusal}", param="url")
 
 
 async def register_worker(app: web.Application, url: str, role: Role | None, port, *, source: str,
@@ -67,12 +70,12 @@ async def register_worker(app: web.Application, url: str, role: Role | None, por
     registry, upstream, discovery = app[REGISTRY], app[UPSTREAM], app[DISCOVERY]
     await check_worker_allowed(app, url)
     if registry.find(url) is not None:
-        raise Conflict(f"worker {url} is already registered")
+        raise Conflict(f"worker {identity(url)} is already registered")
     await app[COORDINATOR].check_available("add worker")
     if role is None:
         live = await read_live_state(upstream, url)
         if live.role is None:
-            raise BadRequest(f"worker_type is required: {url} did not report a prefill or decode role",
+            raise BadRequest(f"worker_type is required: {identity(url)} did not report a prefill or decode role",
                              param="worker_type")
         role = live.role
     given = port is not DISCOVER and role is Role.PREFILL
@@ -157,8 +160,8 @@ async def add_worker_json(request: web.Request) -> web.Response:
     role = parse_role(body.get("worker_type", body.get("role")))
     port = parse_port(body["bootstrap_port"]) if body.get("bootstrap_port") is not None else DISCOVER
     worker = await register_worker(request.app, url, role, port, source="POST /workers")
-    return json_response({"success": True, "message": f"Successfully added worker: {url}",
-                          "worker_id": worker.id, "url": url, "worker": worker.to_dict()})
+    return json_response({"success": True, "message": f"Successfully added worker: {worker.url}",
+                          "worker_id": worker.id, "url": worker.url, "worker": worker.to_dict()})
 
 
 async def delete_worker(request: web.Request) -> web.Response:
@@ -173,7 +176,7 @@ async def add_worker_legacy(request: web.Request) -> web.Response:
     role = parse_role(request.query.get("worker_type", request.query.get("role")))
     port = parse_port(request.query["bootstrap_port"]) if "bootstrap_port" in request.query else DISCOVER
     worker = await register_worker(request.app, url, role, port, source="POST /add_worker")
-    return json_response({"success": True, "message": f"Successfully added worker: {url}",
+    return json_response({"success": True, "message": f"Successfully added worker: {worker.url}",
                           "worker_id": worker.id})
 
 
@@ -206,7 +209,7 @@ async def register(request: web.Request) -> web.Response:
     mode = body.get("mode")
     if mode not in ("prefill", "decode"):
         raise BadRequest("Invalid mode. Must be either PREFILL or DECODE.", param="mode")
-    url = checked_url(body.get("registry_url"))
+    url = checked_url(body.get("registry_url"), "registry_url")
     port = parse_port(body.get("bootstrap_port"))
     if mode == "prefill" and port is None:
         raise BadRequest("Bootstrap port is required for prefill server", param="bootstrap_port")
@@ -217,9 +220,9 @@ async def register(request: web.Request) -> web.Response:
     existing = request.app[REGISTRY].find(url)
     if existing is not None:
         await reregister_worker(request.app, existing, role, port)
-        return json_response({"success": True, "message": f"{mode} server {url} re-registered"})
-    await register_worker(request.app, url, role, port, source=f"POST /register mode={mode}")
-    return json_response({"success": True, "message": f"registered {mode} server {url}"})
+        return json_response({"success": True, "message": f"{mode} server {existing.url} re-registered"})
+    worker = await register_worker(request.app, url, role, port, source=f"POST /register mode={mode}")
+    return json_response({"success": True, "message": f"registered {mode} server {worker.url}"})
 
 
 def setup(app: web.Application) -> None:

@@ -25,6 +25,7 @@ import orjson
 from router.cluster.etcd import EtcdClient
 from router.cluster.etcd_types import EtcdCompacted, EtcdError, KeyValue, WatchEvent
 from router.control.worker_sources import Listing, ListingError, SourceReconciler, parse_listing
+from router.core.worker_url import identity
 
 logger = logging.getLogger(__name__)
 
@@ -50,8 +51,8 @@ def listing_of_key(key: str, value: bytes, prefix: str) -> Listing:
     if isinstance(entry, dict) and "url" not in entry:
         entry = {**entry, "url": url}
     listing = parse_listing(entry, "value")
-    if listing.url != url.rstrip("/"):
-        raise ListingError([f"the value's url {listing.url} is not the key's {url}"])
+    if listing.url != identity(url):  # one server, written two ways, is the same
+        raise ListingError([f"the value's url {listing.url} is not the key's {identity(url)}"])
     return listing
 
 

@@ -9,15 +9,19 @@ answers' meta_info and `/server_info`'s internal states).
 from __future__ import annotations
 
 import asyncio
+import base64
 import logging
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable, Iterable, TypeVar
+from urllib.parse import unquote
 
 import aiohttp
 import orjson
 
 from policies.load_report import LoadReport, parse_loads
 from router.core.redact import redact_text
+from router.core.registry import Registry, Worker
+from router.core.worker_url import BadWorkerUrl, parse_worker_url
 
 logger = logging.getLogger(__name__)
 
@@ -84,15 +88,40 @@ class Upstream:
         self.session = session
         self.timeout = timeout
         self._auth = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        # Workers registered with `user:pass@` in their URL (their `url` shows none): HTTP Basic on every control
+        # call, as aiohttp sent it from the URL before (a --worker-api-key takes precedence).
+        self._basic: dict[str, dict] = {}
+
+    def follow_credentials(self, registry: Registry) -> None:
+        def listener(event: str, worker: Worker | None, details: dict) -> None:
+            if worker is None:
+                return
+            if event == "added" and worker.userinfo is not None:
+                self._basic[worker.url] = {"Authorization": basic_header(worker.userinfo)}
+            elif event == "removed":
+                self._basic.pop(worker.url, None)
+
+        registry.subscribe(listener)
 
     async def call(self, method: str, url: str, path: str, body: Any = None, *, timeout: float | None = None,
                    headers: dict | None = None) -> Reply:
         kwargs: dict = {"timeout": aiohttp.ClientTimeout(total=timeout or self.timeout)}
+        auth = self._auth
+        if "@" in url:  # a URL as registered, credentials in it (read before the worker exists)
+            try:
+                parsed = parse_worker_url(url)
+            except BadWorkerUrl as exc:
+                return Reply(0, None, str(exc))
+            url = parsed.url
+            if parsed.userinfo is not None and not auth:
+                auth = {"Authorization": basic_header(parsed.userinfo)}
+        elif self._basic and not auth:
+            auth = self._basic.get(url, auth)
         if body is not None:
             kwargs["data"] = orjson.dumps(body)
-            kwargs["headers"] = {**JSON_HEADERS, **self._auth, **(headers or {})}
-        elif headers or self._auth:
-            kwargs["headers"] = {**self._auth, **(headers or {})}
+            kwargs["headers"] = {**JSON_HEADERS, **auth, **(headers or {})}
+        elif headers or auth:
+            kwargs["headers"] = {**auth, **(headers or {})}
         try:
             async with self.session.request(method, url + path, **kwargs) as resp:
                 raw = await resp.read()
@@ -153,6 +182,12 @@ class Upstream:
     async def abort(self, url: str, *, rid: str | None = None, abort_all: bool = False, **kw) -> Reply:
         body: dict = {"abort_all": True} if abort_all else {"rid": rid}
         return await self.post(url, "/abort_request", body, **kw)
+
+
+def basic_header(userinfo: str) -> str:
+    """HTTP Basic for a URL's `user:password` (percent-decoded, as aiohttp reads them from a URL)."""
+    user, _, password = userinfo.partition(":")
+    return "Basic " + base64.b64encode(f"{unquote(user)}:{unquote(password)}".encode()).decode()
 
 
 def bootstrap_port_of(server_info: Any) -> int | None:

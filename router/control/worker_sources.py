@@ -16,10 +16,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Awaitable, Callable, Mapping
 
-from router.core.config import DISCOVER, validate_port, validate_worker_url
+from router.core.config import DISCOVER, validate_port
+from router.core.worker_url import BadWorkerUrl, parse_worker_url
 from router.core.errors import RouterError
 from router.core.registry import Registry, Role, Worker
 
@@ -41,9 +42,18 @@ class ListingError(ValueError):
 class Listing:
     """One worker as a source lists it."""
 
-    url: str
+    url: str  # canonical, without credentials (core/worker_url.py): the entry's identity, and what is shown
     role: Role | None = None  # None: the server's live role
     bootstrap_port: int | None | str = DISCOVER  # absent: the server's own; None: decode's default (mini_lb)
+    userinfo: str | None = field(default=None, repr=False)  # `user:pass` of the URL as listed: never shown
+
+    @property
+    def address(self) -> str:
+        """The URL to register (its credentials with it)."""
+        if self.userinfo is None:
+            return self.url
+        scheme, rest = self.url.split("://", 1)
+        return f"{scheme}://{self.userinfo}@{rest}"
 
     def describe(self) -> str:
         role = f"role {self.role}" if self.role else "the server's role"
@@ -67,8 +77,11 @@ def parse_listing(entry: object, where: str) -> Listing:
     problems = [f"{where}: unknown field {key!r} (known: {', '.join(sorted(LISTING_FIELDS))})"
                 for key in entry if key not in LISTING_FIELDS]
     url = entry.get("url")
-    if (problem := validate_worker_url(url)) is not None:
-        problems.append(f"{where}: {problem}")
+    try:
+        address = parse_worker_url(url)
+    except BadWorkerUrl as exc:
+        problems.append(f"{where}: {exc}")
+        address = None
     roles = {entry[key] for key in ROLE_FIELDS if entry.get(key) is not None}
     role = None
     if len(roles) > 1:
@@ -85,7 +98,7 @@ def parse_listing(entry: object, where: str) -> Listing:
         problems.append(f"{where}: {problem}")
     if problems:
         raise ListingError(problems)
-    return Listing(url.rstrip("/"), role, port)
+    return Listing(address.url, role, port, address.userinfo)
 
 
 def listing_of(entries: list, where: str) -> dict[str, Listing]:

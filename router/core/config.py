@@ -10,6 +10,7 @@ from urllib.parse import urlsplit
 from policies.params import PolicyParams
 from policies.rebalance import RebalanceConfig
 from router.core.allowlists import CallerAllowList, WorkerAllowList
+from router.core.worker_url import identity, worker_url_problem
 
 # A prefill whose bootstrap port was not given: ask the server (`disaggregation_bootstrap_port`).
 DISCOVER = "discover"
@@ -24,23 +25,8 @@ class ConfigError(ValueError):
 
 
 def validate_worker_url(url: object) -> str | None:
-    """Return a problem description, or None when the URL is a usable worker address."""
-    if not isinstance(url, str) or not url:
-        return "worker url must be a non-empty string"
-    try:
-        parts = urlsplit(url)
-        port = parts.port
-    except ValueError as exc:
-        return f"invalid worker url {url!r}: {exc}"
-    if parts.scheme not in ("http", "https"):
-        return f"invalid worker url {url!r}: scheme must be http or https"
-    if not parts.hostname:
-        return f"invalid worker url {url!r}: no host"
-    if port is None:
-        return f"invalid worker url {url!r}: no port"
-    if parts.query or parts.fragment or parts.path not in ("", "/"):
-        return f"invalid worker url {url!r}: must be scheme://host:port only"
-    return None
+    """Return a problem description, or None when the URL is a usable worker address (core/worker_url.py)."""
+    return worker_url_problem(url)
 
 
 def is_loopback(host: str | None) -> bool:
@@ -273,12 +259,12 @@ class RouterConfig:
             for spec in specs:
                 if (problem := validate_worker_url(spec.url)) is not None:
                     found.append(f"--{role}: {problem}")
-                if spec.url.rstrip("/") in seen:
-                    found.append(f"--{role}: {spec.url} given twice")
-                seen.add(spec.url.rstrip("/"))
+                if identity(spec.url) in seen:
+                    found.append(f"--{role}: {identity(spec.url)} given twice")
+                seen.add(identity(spec.url))
                 if spec.bootstrap_port is not DISCOVER and (p := validate_port(spec.bootstrap_port)):
                     found.append(f"--{role} {spec.url}: {p}")
-        both = {s.url.rstrip("/") for s in self.prefill} & {s.url.rstrip("/") for s in self.decode}
+        both = {identity(s.url) for s in self.prefill} & {identity(s.url) for s in self.decode}
         for url in sorted(both):
             found.append(f"{url} is given as both prefill and decode")
         if not 0 < self.port <= 65535:

@@ -18,6 +18,7 @@ from urllib.parse import urlsplit
 
 from router.core.routability import Hold, HoldKind, judge
 from router.core.states import Role, WorkerState
+from router.core.worker_url import BadWorkerUrl, identity, parse_worker_url
 
 if TYPE_CHECKING:
     from policies import ServerLoad
@@ -40,7 +41,8 @@ def bootstrap_host_of(url: str) -> str:
 
 
 def normalize_url(url: str) -> str:
-    return url.rstrip("/")
+    """The identity of a worker URL however it is written (core/worker_url.py)."""
+    return identity(url)
 
 
 @dataclass(eq=False, slots=True)
@@ -82,6 +84,9 @@ class Worker:
     failures_total: int = 0
     # The server's own last load report (router/load_monitor.py writes it; policies read it). None: unknown.
     server_load: ServerLoad | None = None
+    # `user:password` of a URL registered with credentials: the control plane still sends them (HTTP Basic);
+    # never in `url`, `to_dict`, a log line or a metric label.
+    userinfo: str | None = field(default=None, repr=False)
     _idle: asyncio.Event = field(default_factory=asyncio.Event, repr=False)
 
     def to_dict(self) -> dict:
@@ -189,8 +194,13 @@ class Registry:
         source: str = "",
         worker_id: str | None = None,
     ) -> Worker:
-        """`worker_id`: the id to give it when free (the one another router replica gave it), else a new one."""
-        url = normalize_url(url)
+        """`worker_id`: the id to give it when free (the one another router replica gave it), else a new one.
+        The URL is kept in its canonical form, its credentials apart (`Worker.userinfo`, never shown)."""
+        try:
+            parsed = parse_worker_url(url)
+            url, userinfo = parsed.url, parsed.userinfo
+        except BadWorkerUrl:  # the callers check URLs first; a test's may be anything
+            url, userinfo = url.strip().rstrip("/"), None
         if url in self._by_url:
             raise DuplicateWorker(f"worker {url} is already registered")
         if not worker_id or worker_id in self._workers:
@@ -205,6 +215,7 @@ class Registry:
             monitor_healthy=healthy,
             state_reason=reason,
             source=source,
+            userinfo=userinfo,
         )
         worker._idle.set()
         self._workers[worker.id] = worker

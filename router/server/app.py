@@ -130,6 +130,7 @@ async def _session_ctx(app: web.Application):
     session = make_session(config)
     app[SESSION] = session
     app[UPSTREAM] = Upstream(session, api_key=config.worker_api_key)
+    app[UPSTREAM].follow_credentials(app[REGISTRY])
     legs = UpstreamPool(max_connections=config.max_connections, connect_timeout=config.connect_timeout_secs,
                         silence_timeout=config.upstream_idle_timeout_secs)
     app[PROXY] = Proxy(

@@ -49,7 +49,7 @@ def build(app: web.Application) -> WorkerSources:
 
     async def register(item: Listing, source: str, read: bool) -> Worker:
         # read in the background (a source does not wait for a server), or at start-up with the others
-        return await register_worker(app, item.url, item.role, item.bootstrap_port, source=source,
+        return await register_worker(app, item.address, item.role, item.bootstrap_port, source=source,
                                      settle=0.0 if read else None)
 
     async def unregister(worker: Worker) -> None:
