@@ -29,6 +29,7 @@ from aiohttp import web
 from router.core.config import RouterConfig
 from router.core.allowlists import CallerAllowList
 from router.core.errors import Forbidden, Unauthorized, parse_json_object
+from router.core.router_identity import HOP_HEADER, hop_refusal
 from router.core.request_body import check_reserializable, decode_content, read_bounded
 from router.core.request_shape import GENERATE_ROUTES
 
@@ -125,6 +126,8 @@ def make_access_middleware(config: RouterConfig):
 
     @web.middleware
     async def access_middleware(request: web.Request, handler):
+        if HOP_HEADER in request.headers:  # another router's call to a worker: this one is no worker
+            return hop_refusal(request)
         resource = request.match_info.route.resource
         access = by_resource.get(resource)
         if access is None:

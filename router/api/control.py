@@ -24,6 +24,7 @@ from router.api.info import INFO_ANSWER_TTL, any_prefill_first, shared_handler
 from router.core.errors import BadRequest, NotFound, ServiceUnavailable, json_response
 from router.core.keys import CONFIG, COORDINATOR, LIFECYCLE, METRICS, REGISTRY, TASKS, TRAFFIC, UPSTREAM, WEIGHTS
 from router.core.redact import redact
+from router.core.router_identity import MARKER_FIELD, marker
 from router.flows.fleet import INFO_TIMEOUT, read_fleet_weight_version
 from router.flows.weights import DISK, DISTRIBUTED, TENSOR, UPDATE_KINDS, VERSION, WeightFlow
 
@@ -157,6 +158,7 @@ async def model_info(app: web.Application) -> tuple[dict, int]:
     data["weight_version"] = fleet.version
     if not fleet.consistent:
         data["weight_versions"] = fleet.workers
+    data[MARKER_FIELD] = marker()  # what tells a pd-router from a SGLang server (core/router_identity.py)
     return data, 200
 
 

@@ -14,6 +14,7 @@ from router.core.errors import ServiceUnavailable, json_response
 from router.core.keys import ADMISSION, LIFECYCLE, REGISTRY, UPSTREAM
 from router.core.redact import redact
 from router.core.registry import Registry, Role, Worker, WorkerState
+from router.core.router_identity import MARKER_FIELD, marker
 
 ADMIN_TIMEOUT = 30.0
 # How long the public info routes reuse an answer (any registry change drops it sooner).
@@ -92,7 +93,8 @@ async def server_info(app: web.Application) -> tuple[dict, int]:
     states = [s for d in decode if isinstance(d, dict) for s in (d.get("internal_states") or [])]
     if not states:  # what bench_one_batch_server.py expects when decode says nothing
         states = [{"last_gen_throughput": 0.0, "avg_spec_accept_length": None}]
-    return {"internal_states": states, "prefill": prefill, "decode": decode}, 200
+    # `pd_router`: what tells a pd-router from a SGLang server (core/router_identity.py)
+    return {"internal_states": states, "prefill": prefill, "decode": decode, MARKER_FIELD: marker()}, 200
 
 
 async def models(app: web.Application) -> tuple[dict, int]:

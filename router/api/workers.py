@@ -4,6 +4,7 @@ call."""
 
 from __future__ import annotations
 
+import asyncio
 from urllib.parse import unquote, urlsplit
 
 from aiohttp import web
@@ -15,10 +16,13 @@ from router.core.allowlists import WorkerAllowList, resolve
 from router.core.errors import BadRequest, Conflict, Forbidden, NotFound, ServiceUnavailable, json_response
 from router.core.keys import CONFIG, COORDINATOR, DISCOVERY, REGISTRY, UPSTREAM, WORKER_SOURCES
 from router.core.registry import DuplicateWorker, Role, Worker, WorkerState
+from router.core.router_identity import is_own_address, literal_addresses, router_description, router_instance_of
 from router.core.worker_url import BadWorkerUrl, identity, parse_worker_url
 
 # How long an API registration waits to learn a prefill's bootstrap port before answering.
 REGISTER_SETTLE_SECS = 5.0
+RESOLVE_TIMEOUT_S = 2.0
+PROBE_TIMEOUT_S = 5.0  # asking a server being registered whether it is a pd-router
 WORKER_ALLOW = web.AppKey("worker_allow", WorkerAllowList)
 BUSY_STATES = (WorkerState.DRAINING, WorkerState.ABORTING, WorkerState.CONVERTING, WorkerState.VERIFYING)
 
@@ -62,6 +66,36 @@ async def check_worker_allowed(app: web.Application, url: str) -> None:
             raise Forbidden(f"worker {identity(url)} may not be registered: {refusal}", param="url")
 
 
+async def check_not_a_router(app: web.Application, url: str, *, probe: bool) -> None:
+    """400 for a URL that is this router (its own listening address and port, any replica of it) or, with
+    `probe`, that answers as a pd-router does. (A source's worker is probed by its first reading instead:
+    found to be a pd-router, it is left failed, never routed.)"""
+    config = app[CONFIG]
+    parsed = parse_worker_url(url)
+    addresses = literal_addresses(parsed.host)
+    if addresses is None and parsed.port == config.port:  # a name on our port: what does it stand for?
+        try:
+            async with asyncio.timeout(RESOLVE_TIMEOUT_S):
+                addresses = await resolve(parsed.host, parsed.port)
+        except (OSError, TimeoutError):
+            addresses = []
+    listening = None
+    if config.host and literal_addresses(config.host) is None:
+        try:
+            async with asyncio.timeout(RESOLVE_TIMEOUT_S):
+                listening = await resolve(config.host, config.port)
+        except (OSError, TimeoutError):
+            listening = []
+    if is_own_address(addresses or [], parsed.port, config.host, config.port, listening):
+        raise BadRequest(f"{parsed.url} is this router itself (it listens on {config.host or '0.0.0.0'}:"
+                         f"{config.port}): a worker must be a SGLang server", param="url")
+    if probe:
+        reply = await app[UPSTREAM].server_info(url, timeout=PROBE_TIMEOUT_S)
+        if (instance := router_instance_of(reply.data)) is not None:
+            raise BadRequest(f"{parsed.url} is {router_description(instance)}: a worker must be a SGLang server",
+                             param="url")
+
+
 async def register_worker(app: web.Application, url: str, role: Role | None, port, *, source: str,
                           settle: float | None = REGISTER_SETTLE_SECS) -> Worker:
     """Add a worker, pending until its server has been read (live role, bootstrap port, weights, readiness;
@@ -69,11 +103,15 @@ async def register_worker(app: web.Application, url: str, role: Role | None, por
     `settle=None` leaves it pending for `Discovery.start_up` to read with the others (before the router serves)."""
     registry, upstream, discovery = app[REGISTRY], app[UPSTREAM], app[DISCOVERY]
     await check_worker_allowed(app, url)
+    await check_not_a_router(app, url, probe=settle is not None and settle > 0 and role is not None)
     if registry.find(url) is not None:
         raise Conflict(f"worker {identity(url)} is already registered")
     await app[COORDINATOR].check_available("add worker")
     if role is None:
         live = await read_live_state(upstream, url)
+        if live.router is not None:
+            raise BadRequest(f"{identity(url)} is {router_description(live.router)}: a worker must be a SGLang "
+                             f"server", param="url")
         if live.role is None:
             raise BadRequest(f"worker_type is required: {identity(url)} did not report a prefill or decode role",
                              param="worker_type")

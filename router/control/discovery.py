@@ -34,6 +34,7 @@ from router.control.upstream import (
 from router.core.errors import BadGateway, Conflict
 from router.core.registry import Registry, Role, Worker, WorkerState
 from router.core.routability import HoldKind, choose_fleet_version, rejoin_refusal
+from router.core.router_identity import router_description, router_instance_of
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +57,7 @@ class LiveState:
     switch_api: str | None = None
     server_version: str | None = None
     problem: str = ""  # why it could not be read
+    router: str | None = None  # the instance of the pd-router that answered (a pd-router is never a worker)
 
     def facts(self) -> dict:
         """The registry's worker fields this reading knows."""
@@ -75,6 +77,9 @@ async def read_live_state(upstream: Upstream, url: str, timeout: float = INFO_TI
                                                 upstream.ready(url, timeout=timeout))
     if model.status == 0 and server.status == 0:
         return LiveState(False, problem=server.text or model.text)
+    router = router_instance_of(server.data) or router_instance_of(model.data)  # whatever the status
+    if router is not None:
+        return LiveState(True, router=router, problem=f"{url} is {router_description(router)}")
     model_info = model.data if model.ok else None
     server_info = server.data if server.ok else None
     live = live_role_of(model_info, server_info)
@@ -98,6 +103,8 @@ async def rejoin_check(registry: Registry, upstream: Upstream, worker: Worker, *
     live, health = await asyncio.gather(read_live_state(upstream, worker.url),
                                         upstream.health(worker.url, timeout=timeout))
     prefix = f"cannot {what} {worker.url}"
+    if live.router is not None:
+        raise Conflict(f"{prefix}: it is {router_description(live.router)}, not a SGLang server")
     if live.role is None:
         raise BadGateway(f"{prefix}: it reports no prefill/decode role "
                          f"({live.problem or 'live role unknown'})")
@@ -211,6 +218,13 @@ class Discovery:
         registry = self.registry
         if registry.find(worker.id) is not worker:
             return  # removed meanwhile
+        if live.router is not None:  # never routed, probed or fanned out to; shown with the reason
+            logger.error("%s (%s) is %s, not a SGLang server: it is left failed, never routed", worker.url,
+                         worker.source or worker.role, router_description(live.router))
+            if worker.state is not WorkerState.FAILED:
+                registry.set_state(worker, WorkerState.FAILED,
+                                   f"is {router_description(live.router)}, not a SGLang server: never routed")
+            return
         registry.update_info(worker, **live.facts())
         held = worker.state is WorkerState.FAILED and worker.hold is not None
         if worker.state not in OWN_STATES and not held:

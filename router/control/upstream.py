@@ -21,6 +21,7 @@ import orjson
 from policies.load_report import LoadReport, parse_loads
 from router.core.redact import redact_text
 from router.core.registry import Registry, Worker
+from router.core.router_identity import HOP_HEADER, INSTANCE
 from router.core.worker_url import BadWorkerUrl, parse_worker_url
 
 logger = logging.getLogger(__name__)
@@ -88,6 +89,8 @@ class Upstream:
         self.session = session
         self.timeout = timeout
         self._auth = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        # Every call says it comes from a pd-router: a pd-router receiving it acts on none (core/router_identity).
+        self._base = {HOP_HEADER: INSTANCE, **self._auth}
         # Workers registered with `user:pass@` in their URL (their `url` shows none): HTTP Basic on every control
         # call, as aiohttp sent it from the URL before (a --worker-api-key takes precedence).
         self._basic: dict[str, dict] = {}
@@ -97,7 +100,7 @@ class Upstream:
             if worker is None:
                 return
             if event == "added" and worker.userinfo is not None:
-                self._basic[worker.url] = {"Authorization": basic_header(worker.userinfo)}
+                self._basic[worker.url] = {**self._base, "Authorization": basic_header(worker.userinfo)}
             elif event == "removed":
                 self._basic.pop(worker.url, None)
 
@@ -106,22 +109,22 @@ class Upstream:
     async def call(self, method: str, url: str, path: str, body: Any = None, *, timeout: float | None = None,
                    headers: dict | None = None) -> Reply:
         kwargs: dict = {"timeout": aiohttp.ClientTimeout(total=timeout or self.timeout)}
-        auth = self._auth
+        base = self._base
         if "@" in url:  # a URL as registered, credentials in it (read before the worker exists)
             try:
                 parsed = parse_worker_url(url)
             except BadWorkerUrl as exc:
                 return Reply(0, None, str(exc))
             url = parsed.url
-            if parsed.userinfo is not None and not auth:
-                auth = {"Authorization": basic_header(parsed.userinfo)}
-        elif self._basic and not auth:
-            auth = self._basic.get(url, auth)
+            if parsed.userinfo is not None and not self._auth:
+                base = {**base, "Authorization": basic_header(parsed.userinfo)}
+        elif self._basic and not self._auth:
+            base = self._basic.get(url, base)
         if body is not None:
             kwargs["data"] = orjson.dumps(body)
-            kwargs["headers"] = {**JSON_HEADERS, **auth, **(headers or {})}
-        elif headers or auth:
-            kwargs["headers"] = {**auth, **(headers or {})}
+            kwargs["headers"] = {**JSON_HEADERS, **base, **(headers or {})}
+        else:
+            kwargs["headers"] = {**base, **headers} if headers else base
         try:
             async with self.session.request(method, url + path, **kwargs) as resp:
                 raw = await resp.read()

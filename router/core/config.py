@@ -10,7 +10,8 @@ from urllib.parse import urlsplit
 from policies.params import PolicyParams
 from policies.rebalance import RebalanceConfig
 from router.core.allowlists import CallerAllowList, WorkerAllowList
-from router.core.worker_url import identity, worker_url_problem
+from router.core.router_identity import is_own_address, literal_addresses
+from router.core.worker_url import identity, parse_worker_url, worker_url_problem
 
 # A prefill whose bootstrap port was not given: ask the server (`disaggregation_bootstrap_port`).
 DISCOVER = "discover"
@@ -259,6 +260,9 @@ class RouterConfig:
             for spec in specs:
                 if (problem := validate_worker_url(spec.url)) is not None:
                     found.append(f"--{role}: {problem}")
+                elif self._is_this_router(spec.url):
+                    found.append(f"--{role} {identity(spec.url)} is this router itself (--host {self.host} "
+                                 f"--port {self.port}): a worker must be a SGLang server")
                 if identity(spec.url) in seen:
                     found.append(f"--{role}: {identity(spec.url)} given twice")
                 seen.add(identity(spec.url))
@@ -313,6 +317,14 @@ class RouterConfig:
         found.extend(CallerAllowList.problems(self.admin_allow_cidrs))
         found.extend(WorkerAllowList.problems(self.worker_allow))
         return found
+
+    def _is_this_router(self, url: str) -> bool:
+        """A command-line worker at this router's own address (an IP or localhost; names are found out when the
+        worker is read: a pd-router answers as one, core/router_identity.py)."""
+        parsed = parse_worker_url(url)
+        addresses = literal_addresses(parsed.host)
+        listening = literal_addresses(self.host) if self.host else None
+        return addresses is not None and is_own_address(addresses, parsed.port, self.host, self.port, listening)
 
     def warnings(self) -> list[str]:
         """What is unsafe but allowed (compatibility forbids refusing it): logged at start-up, shown by

@@ -24,6 +24,7 @@ from router.core.errors import BadRequest, GatewayTimeout, RouterError, ServiceU
 from router.core.records import RequestObserver, RequestRecord
 from router.core.request_body import NESTING_LIMIT, check_declared_size, decode_content
 from router.core.registry import Registry, Role, Worker
+from router.core.router_identity import HOP_LINE
 from router.core.request_shape import assign_rid, inject_bootstrap, prompt_text, shape_of
 from router.dataplane.aborts import abort_response
 from router.dataplane.admission import Admission
@@ -55,7 +56,8 @@ class Proxy:
         self._dispatcher = dispatcher = Dispatcher(
             registry=registry, upstream=upstream, spawn=spawn,
             policies={Role.PREFILL: prefill_policy, Role.DECODE: decode_policy},
-            abort_headers=header_lines({"Authorization": self._worker_auth}) if self._worker_auth else b"",
+            abort_headers=HOP_LINE + (header_lines({"Authorization": self._worker_auth}) if self._worker_auth
+                                      else b""),
             retry_aborted=config.retry.retry_aborted, live=live,
             linger_timeout=config.upstream_idle_timeout_secs or None)
         # The dispatcher's own dict and list, under the names the app and the policy runtime use.
@@ -83,7 +85,7 @@ class Proxy:
             if self._worker_auth is not None:
                 forwarded["Authorization"] = self._worker_auth
             record.request_id = forwarded.get("X-Request-Id", "")
-            headers = header_lines(forwarded) if forwarded else b""  # wire bytes, for both legs
+            headers = HOP_LINE + header_lines(forwarded) if forwarded else HOP_LINE  # wire bytes, both legs
             info = RequestInfo(route=route, batch_size=shape.batch_size,
                                text=prompt_text(route, body) if self._needs_text else None)
             deadline = record.started + self._timeout
