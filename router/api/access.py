@@ -28,7 +28,7 @@ from aiohttp import web
 
 from router.core.config import RouterConfig
 from router.core.allowlists import CallerAllowList
-from router.core.errors import Forbidden, Unauthorized, parse_json_object
+from router.core.errors import BadRequest, Forbidden, Unauthorized, parse_json_object
 from router.core.router_identity import HOP_HEADER, hop_refusal
 from router.core.request_body import check_reserializable, decode_content, read_bounded
 from router.core.request_shape import GENERATE_ROUTES
@@ -136,6 +136,9 @@ def make_access_middleware(config: RouterConfig):
             access = by_resource[resource] = classify(resource.canonical)
         if access is Access.PUBLIC:
             return await handler(request)
+        if "Authorization" in request.headers and len(request.headers.getall("Authorization")) > 1:
+            raise BadRequest(f"{request.method} {request.path}: more than one Authorization header (which one "
+                             f"would count is not for the router to guess)", param="Authorization")
         if access is Access.ADMIN and not admin_callers.allows(request.remote):
             raise Forbidden(f"{request.method} {request.path}: admin calls are not accepted from "
                             f"{request.remote} (--admin-allow-cidrs)")

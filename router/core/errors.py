@@ -6,6 +6,7 @@ import logging
 
 import orjson
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 
 logger = logging.getLogger(__name__)
 
@@ -109,6 +110,11 @@ async def error_middleware(request: web.Request, handler):
             # an expected refusal (the router replicas cannot agree now: etcd), one line per call
             logger.warning("%s %s answered 503: %s", request.method, request.path, error.message)
         return error_response(error)
+    except HttpProcessingError as exc:  # the body's framing broke while it was read (a bad chunk): the client's
+        what = " ".join((exc.message or str(exc)).split())[:200] or type(exc).__name__
+        logger.warning("bad HTTP request body on %s %s: %s", request.method, request.path, what)
+        return json_response({"error": {"message": f"bad HTTP request body: {what}", "type": "http_error",
+                                        "code": 400}}, status=400)
     except web.HTTPException as exc:
         if exc.status < 400:
             raise

@@ -25,6 +25,8 @@ from typing import Awaitable, Callable
 
 from aiohttp import web
 
+from router.server.http_errors import RouterRunner
+
 logger = logging.getLogger(__name__)
 
 # Out of descriptors or memory: stop accepting for a moment instead of spinning on a readable socket.
@@ -181,7 +183,7 @@ def run(app: web.Application, *, host: str, port: int, loop: asyncio.AbstractEve
 
     On SIGTERM/SIGINT: stop listening, `await wind_down(signals)`, then close: handlers still running get
     `shutdown_timeout` seconds before they are cancelled."""
-    runner = web.AppRunner(app, handler_cancellation=True,  # a client that disconnects cancels its handler
+    runner = RouterRunner(app, handler_cancellation=True,  # a client that disconnects cancels its handler
                            access_log=None, shutdown_timeout=shutdown_timeout,
                            auto_decompress=False)  # the app decodes bodies itself (core/request_body.py)
     signals = StopSignals()

@@ -57,7 +57,7 @@ class WireRouter:
             if self.proc.poll() is not None:
                 raise AssertionError(f"the router exited with {self.proc.returncode}:\n{self.log()}")
             try:
-                if self.exchange(b"GET /liveness HTTP/1.1\r\nHost: x\r\n\r\n", timeout=1).status:
+                if self.exchange(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n", timeout=1).status:
                     return self
             except OSError:
                 pass
