@@ -44,7 +44,7 @@ class Access(str, enum.Enum):
 PUBLIC_ROUTES = frozenset({
     "/health", "/health_generate", "/liveness", "/readiness",
     "/v1/models", "/get_model_info", "/model_info", "/get_server_info", "/server_info",
-    "/metrics",
+    "/metrics", "/openapi.json",
 })
 GENERATION_ROUTES = frozenset(GENERATE_ROUTES)
 

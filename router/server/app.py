@@ -13,6 +13,7 @@ from policies import make_policy
 from router.api import control as api_control
 from router.api import conversion as api_conversion
 from router.api import info as api_info
+from router.api import openapi as api_openapi
 from router.api import rl as api_rl
 from router.api import workers as api_workers
 from router.api.access import make_access_middleware
@@ -112,6 +113,7 @@ def create_app(config: RouterConfig, *, registry: Registry | None = None,
     api_control.setup(app)
     api_rl.setup(app)
     replica_info.setup(app, replica if replica is not None else ReplicaInfo())
+    api_openapi.setup(app)  # last: it documents every route above
     if config.cluster.enabled:
         cluster_setup.attach_flows(app)
     return app

@@ -1,0 +1,226 @@
+"""`GET /openapi.json`: the router's own HTTP API as an OpenAPI 3.1 document, built from what the router runs.
+
+Every route the app registers is in it (the route table is read when the document is first asked for, so
+an endpoint added later is documented without anyone remembering to), with its access class (public,
+generation, admin: the bearer key it needs under this configuration), its path parameters, the query
+parameters it reads, and its request body: the admin bodies' own pydantic models (strict: what is refused
+there is refused here), the worker API's and the generation routes' bodies as declared below (the fields
+the router reads or judges, `router/core/request_fields.py`; other fields go to the servers as sent). Every
+error is `{"error": {"message", "type", "code", ...}}`. Public: operators and client generators read it,
+and the hostile-client suite fuzzes the router with it (schemathesis, tests/hostile/).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Literal
+
+from aiohttp import web
+from pydantic import BaseModel, ConfigDict, Field
+
+from router.api.access import classify, required_keys
+from router.api.bodies import Body, Empty
+from router.api.control_bodies import (BROADCAST_BODIES, UPDATE_BODIES, AbortRequest, ContinueGeneration,
+                                       InitUpdateGroup, PauseGeneration, ReleaseMemory, ResumeMemory)
+from router.api.conversion_bodies import ConvertPdRole, ConvertWorker, PdRoleSwitch
+from router.core.errors import json_response
+from router.core.keys import CONFIG
+
+TITLE = "pd-router"
+_PARAM = re.compile(r"\{([^}:]+)(?::[^}]*)?\}")
+
+
+class _Forwarded(BaseModel):
+    """A body forwarded to the servers: fields the router does not judge pass as they are."""
+
+    model_config = ConfigDict(extra="allow")
+
+
+Texts = list[str]
+TokenIds = list[int]
+
+
+class GenerateRequest(_Forwarded):
+    """SGLang's native /generate: one of text, input_ids (or input_embeds)."""
+
+    text: str | Texts | None = Field(None, description="a prompt, or a non-empty list of prompts")
+    input_ids: TokenIds | list[TokenIds] | None = Field(None, description="token ids, or one non-empty list per "
+                                                                          "prompt")
+    sampling_params: dict[str, Any] | list[dict[str, Any]] | None = Field(
+        None, description="SGLang's sampling parameters (n at most --max-n; max_new_tokens a non-negative "
+                          "integer or null), or one object per prompt")
+    rid: str | Texts | None = Field(None, description="a request id, or one per prompt")
+    stream: bool | None = None
+    return_logprob: bool | list[bool] | None = None
+
+
+class CompletionRequest(_Forwarded):
+    """OpenAI's completions."""
+
+    prompt: str | Texts | TokenIds | list[TokenIds] = Field(..., description="a prompt, prompts, or token ids")
+    n: int | None = Field(None, ge=1, description="at most --max-n")
+    max_tokens: int | None = Field(None, ge=0)
+    stream: bool | None = None
+    rid: str | Texts | None = None
+
+
+class ChatMessage(_Forwarded):
+    role: str
+    content: str | list[dict[str, Any]] | None = None
+
+
+class ChatCompletionRequest(_Forwarded):
+    """OpenAI's chat completions."""
+
+    messages: list[ChatMessage]
+    n: int | None = Field(None, ge=1, description="at most --max-n")
+    max_tokens: int | None = Field(None, ge=0)
+    max_completion_tokens: int | None = Field(None, ge=0)
+    stream: bool | None = None
+    rid: str | Texts | None = None
+
+
+class WorkerRegistration(_Forwarded):
+    """sgl-router's `POST /workers`."""
+
+    url: str = Field(..., description="http(s)://host:port of a SGLang server (never a pd-router)")
+    worker_type: Literal["prefill", "decode"] | None = Field(None, description="absent: the server's live role")
+    bootstrap_port: int | None = Field(None, ge=1, le=65535)
+
+
+class MiniLbRegistration(_Forwarded):
+    """mini_lb's `POST /register` (servers started with --pdlb-url)."""
+
+    mode: Literal["prefill", "decode"]
+    registry_url: str
+    bootstrap_port: int | None = Field(None, ge=1, le=65535, description="required for prefill, null for decode")
+
+
+class EngineCall(_Forwarded):
+    """A SGLang engine call relayed as it is (SMG's RL control plane)."""
+
+
+BODIES: dict[tuple[str, str], type[BaseModel]] = {
+    ("POST", "/generate"): GenerateRequest,
+    ("POST", "/v1/completions"): CompletionRequest,
+    ("POST", "/v1/chat/completions"): ChatCompletionRequest,
+    ("POST", "/workers"): WorkerRegistration,
+    ("POST", "/register"): MiniLbRegistration,
+    ("POST", "/abort_request"): AbortRequest,
+    ("POST", "/pause_generation"): PauseGeneration,
+    ("POST", "/continue_generation"): ContinueGeneration,
+    ("POST", "/init_weights_update_group"): InitUpdateGroup,
+    ("POST", "/release_memory_occupation"): ReleaseMemory,
+    ("POST", "/resume_memory_occupation"): ResumeMemory,
+    ("POST", "/weight_updates/rejoin"): Empty,
+    ("POST", "/convert_pd_role"): ConvertPdRole,
+    ("POST", "/pd_role_switch"): PdRoleSwitch,
+    ("POST", "/admin/workers/{worker_id}/convert"): ConvertWorker,
+    ("POST", "/admin/workers/{worker_id}/reinstate"): Empty,
+    ("POST", "/v1/rl/engine/{path}"): EngineCall,
+    ("POST", "/v1/rl/workers/{worker_id}/engine/{path}"): EngineCall,
+    **{("POST", "/" + kind): model for kind, model in UPDATE_BODIES.items()},
+    **{("POST", "/" + name): model for name, model in BROADCAST_BODIES.items()},
+}
+QUERIES: dict[tuple[str, str], dict[str, dict]] = {
+    ("POST", "/add_worker"): {"url": {"type": "string"}, "worker_type": {"enum": ["prefill", "decode"]},
+                              "bootstrap_port": {"type": "integer", "minimum": 1, "maximum": 65535}},
+    ("POST", "/remove_worker"): {"url": {"type": "string"}},
+    ("POST", "/flush_cache"): {"timeout": {"type": "number", "minimum": 0}},
+    ("GET", "/flush_cache"): {"timeout": {"type": "number", "minimum": 0}},
+}
+REQUIRED_QUERIES = {("POST", "/add_worker"): ("url",), ("POST", "/remove_worker"): ("url",)}
+ERROR = {"type": "object", "required": ["error"], "properties": {"error": {
+    "type": "object", "required": ["message"],
+    "properties": {"message": {"type": "string"}, "type": {"type": "string"}, "code": {},
+                   "param": {"type": ["string", "null"]}}}}}
+
+
+def openapi_path(canonical: str) -> str:
+    """aiohttp's `/workers/{worker_id:.+}` as OpenAPI writes it: `/workers/{worker_id}`."""
+    return _PARAM.sub(lambda m: "{" + m.group(1) + "}", canonical)
+
+
+def _summary(handler: Any, model: type[BaseModel] | None) -> str:
+    for doc in ((getattr(handler, "__doc__", None) or "").strip(), (model.__doc__ or "").strip() if model else ""):
+        if doc:
+            return " ".join(doc.split("\n\n")[0].split())[:200]
+    return getattr(handler, "__name__", "").replace("_", " ")
+
+
+def build_document(app: web.Application) -> dict:
+    config = app[CONFIG]
+    schemas: dict[str, dict] = {"Error": ERROR}
+
+    def schema_of(model: type[BaseModel]) -> dict:
+        found = model.model_json_schema(ref_template="#/components/schemas/{model}")
+        schemas.update(found.pop("$defs", {}))
+        schemas[model.__name__] = found
+        return {"$ref": f"#/components/schemas/{model.__name__}"}
+
+    paths: dict[str, dict] = {}
+    for route in app.router.routes():
+        if route.method == "HEAD" or route.resource is None:
+            continue
+        canonical = route.resource.canonical
+        path = openapi_path(canonical)
+        method = route.method
+        access = classify(canonical)
+        model = BODIES.get((method, path))
+        operation: dict[str, Any] = {
+            "operationId": method.lower() + "_" + re.sub(r"[^A-Za-z0-9]+", "_", path).strip("_"),
+            "summary": _summary(route.handler, model),
+            "tags": [access.value],
+            "responses": {"200": {"description": "done (the route's own answer)"},
+                          "4XX": {"description": "the request's fault",
+                                  "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}},
+                          "5XX": {"description": "the servers' or the fleet's state",
+                                  "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}}},
+        }
+        parameters = [{"name": name, "in": "path", "required": True, "schema": {"type": "string", "minLength": 1}}
+                      for name in _PARAM.findall(canonical)]
+        for name, schema in QUERIES.get((method, path), {}).items():
+            parameters.append({"name": name, "in": "query", "schema": schema,
+                               "required": name in REQUIRED_QUERIES.get((method, path), ())})
+        if parameters:
+            operation["parameters"] = parameters
+        if model is not None:
+            required = not issubclass(model, Body) or bool(model.model_json_schema().get("required"))
+            operation["requestBody"] = {"required": required,
+                                        "content": {"application/json": {"schema": schema_of(model)}}}
+        if required_keys(access, config):
+            operation["security"] = [{"bearer": []}]
+        paths.setdefault(path, {})[method.lower()] = operation
+    return {
+        "openapi": "3.1.0",
+        "info": {"title": TITLE, "version": _version(),
+                 "description": "A router for SGLang prefill/decode disaggregation (README.md)."},
+        "paths": dict(sorted(paths.items())),
+        "components": {"schemas": schemas,
+                       "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}}},
+    }
+
+
+def _version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("pd-router")
+    except Exception:  # run from a checkout that is not installed
+        return "0"
+
+
+DOCUMENT = web.AppKey("openapi_document", dict)
+
+
+async def openapi_document(request: web.Request) -> web.Response:
+    """This API, as an OpenAPI 3.1 document."""
+    document = request.app[DOCUMENT]
+    if not document:  # built once, from the route table as it serves (frozen by then)
+        document.update(build_document(request.app))
+    return json_response(document)
+
+
+def setup(app: web.Application) -> None:
+    app[DOCUMENT] = {}
+    app.router.add_get("/openapi.json", openapi_document)
