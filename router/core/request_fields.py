@@ -171,6 +171,8 @@ def generate_prompts(body: dict) -> tuple[int, bool]:
             return len(input_ids), True
         raise refuse("input_ids", "a list of token ids or a list of lists of token ids", first)
     embeds = body.get("input_embeds")
+    if embeds is None:  # SGLang's own refusal, without the round trip
+        raise BadRequest("one of text, input_ids or input_embeds is required", param="text")
     if isinstance(embeds, list) and embeds and isinstance(embeds[0], list) and embeds[0] \
             and isinstance(embeds[0][0], list):
         return len(embeds), True

@@ -19,6 +19,8 @@ CHAT = [{"role": "user", "content": "hi"}]
 G, C, CH = "/generate", "/v1/completions", "/v1/chat/completions"
 
 REFUSED = [
+    (G, {}, "text"),
+    (G, {"sampling_params": {"max_new_tokens": 2}, "rid": "r"}, "text"),
     (G, {"text": "x", "sampling_params": "x"}, "sampling_params"),
     (G, {"text": "x", "sampling_params": []}, "sampling_params"),
     (G, {"text": "x", "sampling_params": [7]}, "sampling_params"),
