@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import http.client
+import logging
 import threading
 import time
 
@@ -23,6 +24,22 @@ from ..sim_support import FAST
 SETTLE_S = 15.0
 
 
+class Tracebacks(logging.Handler):
+    """Every record the router logs from its thread with a traceback (its log must hold none for what a client
+    sent)."""
+
+    def __init__(self, thread: threading.Thread) -> None:
+        super().__init__(logging.DEBUG)
+        self.thread = thread
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if record.thread != self.thread.ident or not record.name.startswith(("router", "aiohttp")):
+            return  # (asyncio's "never retrieved" comes from whichever thread collects another test's task)
+        if record.exc_info or record.exc_text or "Traceback" in record.getMessage():
+            self.records.append(record)
+
+
 class LiveRouter:
     def __init__(self, prefill: int = 2, decode: int = 2, **overrides) -> None:
         self.counts = (prefill, decode)
@@ -33,6 +50,8 @@ class LiveRouter:
         self.port = 0
 
     def __enter__(self) -> "LiveRouter":
+        self.tracebacks = Tracebacks(self._thread)
+        logging.getLogger().addHandler(self.tracebacks)
         self._thread.start()
         self.call(self._start())
         return self
@@ -41,6 +60,7 @@ class LiveRouter:
         try:
             self.call(self._stop())
         finally:
+            logging.getLogger().removeHandler(self.tracebacks)
             self.loop.call_soon_threadsafe(self.loop.stop)
             self._thread.join(10)
             self.loop.close()
@@ -97,6 +117,8 @@ class LiveRouter:
                   and all(inflight == 0 and routable and status == "active" and breaker == "closed"
                           for _, _, status, routable, inflight, breaker in ours))
             if ok:
+                logged = [f"{r.name}: {r.getMessage()}" for r in self.tracebacks.records]
+                assert not logged, f"tracebacks in the router's log: {logged[:5]}"
                 return
             if time.monotonic() > deadline:
                 raise AssertionError(f"the router did not settle: {state}")
