@@ -43,6 +43,8 @@ class RouterProcess:
         """Start the process (again, after `kill`: same flags, same port); wait until it serves (`/health`
         200), or with `serving=False` only until its port answers."""
         first = self.proc is None
+        if not first and not self._log.closed:  # it exited on its own (SIGTERM): its log is still open
+            self._log.close()
         self._log = open(self.log_path, "wb" if first else "ab")
         env = {**os.environ, "PYTHONPATH": str(REPO)}
         self.proc = await asyncio.create_subprocess_exec(*self.argv, cwd=REPO, env=env, stdout=self._log,

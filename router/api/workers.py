@@ -13,7 +13,8 @@ from router.api.bodies import read_json_object
 from router.control.discovery import read_live_state, rejoin_check
 from router.core.config import DISCOVER, validate_port
 from router.core.allowlists import WorkerAllowList, resolve
-from router.core.errors import BadRequest, Conflict, Forbidden, NotFound, ServiceUnavailable, json_response
+from router.core.errors import (BadRequest, Conflict, Forbidden, NotFound, ServiceUnavailable, WorkerRemoved,
+                                json_response)
 from router.core.keys import CONFIG, COORDINATOR, DISCOVERY, REGISTRY, UPSTREAM, WORKER_SOURCES
 from router.core.registry import DuplicateWorker, Role, Worker, WorkerState
 from router.core.router_identity import is_own_address, literal_addresses, router_description, router_instance_of
@@ -97,16 +98,18 @@ async def check_not_a_router(app: web.Application, url: str, *, probe: bool) -> 
 
 
 async def register_worker(app: web.Application, url: str, role: Role | None, port, *, source: str,
-                          settle: float | None = REGISTER_SETTLE_SECS) -> Worker:
+                          settle: float | None = REGISTER_SETTLE_SECS, seed: bool = False) -> Worker:
     """Add a worker, pending until its server has been read (live role, bootstrap port, weights, readiness;
     waited for up to `settle` seconds): a live role other than `role` puts it in its live role's pool.
-    `settle=None` leaves it pending for `Discovery.start_up` to read with the others (before the router serves)."""
+    `settle=None` leaves it pending for `Discovery.start_up` to read with the others (before the router serves).
+    `seed`: a listing the router started with (a source's first), not a registration on purpose."""
     registry, upstream, discovery = app[REGISTRY], app[UPSTREAM], app[DISCOVERY]
     await check_worker_allowed(app, url)
     await check_not_a_router(app, url, probe=settle is not None and settle > 0 and role is not None)
     if registry.find(url) is not None:
         raise Conflict(f"worker {identity(url)} is already registered")
     await app[COORDINATOR].check_available("add worker")
+    await readmit(app, url, seed=seed, source=source)
     if role is None:
         live = await read_live_state(upstream, url)
         if live.router is not None:
@@ -133,6 +136,19 @@ async def register_worker(app: web.Application, url: str, role: Role | None, por
     return worker
 
 
+async def readmit(app: web.Application, url: str, *, seed: bool, source: str) -> None:
+    """A server the router replicas' cluster removed: a seed names it in vain (409), a registration on purpose
+    clears the removal's record (docs/CLUSTER.md, "Removed workers")."""
+    url = identity(url)  # the removal's record is the worker's identity's (credentials apart)
+    removal = app[COORDINATOR].removal(url)
+    if removal is None:
+        return
+    if seed:
+        raise WorkerRemoved(f"worker {url} was {removal}: {source} does not add it again (POST /workers does)",
+                            param="url")
+    await app[COORDINATOR].readmit(url)
+
+
 async def reregister_worker(app: web.Application, worker: Worker, role: Role, port: int | None) -> None:
     """A known server registers again (mini_lb's /register, e.g. after it restarted): the checks of an
     operator's reinstate (live role as registered, /health, not paused, the fleet's weights), then routed."""
@@ -154,11 +170,12 @@ async def reregister_worker(app: web.Application, worker: Worker, role: Role, po
     await app[COORDINATOR].publish()
 
 
-async def unregister_worker(app: web.Application, worker: Worker) -> None:
-    """Out of the fleet: removed on every router replica (refused while an operation runs on it)."""
+async def unregister_worker(app: web.Application, worker: Worker, *, by: str = "the worker API") -> None:
+    """Out of the fleet: removed on every router replica, and kept out of their command lines (refused while
+    an operation runs on it)."""
     if worker.state in BUSY_STATES:
         raise Conflict(f"worker {worker.url} is {worker.state}: wait for that operation to end")
-    await app[COORDINATOR].remove_worker(worker)
+    await app[COORDINATOR].remove_worker(worker, by)
     if app[REGISTRY].find(worker.id) is worker:
         app[REGISTRY].remove(worker)
 
@@ -204,7 +221,7 @@ async def add_worker_json(request: web.Request) -> web.Response:
 
 async def delete_worker(request: web.Request) -> web.Response:
     worker = find_worker(request.app, request.match_info["worker_id"])
-    await unregister_worker(request.app, worker)
+    await unregister_worker(request.app, worker, by="DELETE /workers")
     return json_response({"success": True, "message": f"Successfully removed worker: {worker.url}",
                           "worker_id": worker.id, "url": worker.url})
 
@@ -223,7 +240,7 @@ async def remove_worker_legacy(request: web.Request) -> web.Response:
     if not url:
         raise BadRequest("missing query parameter url", param="url")
     worker = find_worker(request.app, url)
-    await unregister_worker(request.app, worker)
+    await unregister_worker(request.app, worker, by="POST /remove_worker")
     return json_response({"success": True, "message": f"Successfully removed worker: {worker.url}"})
 
 

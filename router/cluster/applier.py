@@ -8,7 +8,10 @@ registry's own methods, synchronously: the request path sees the pools before or
   let back, its state and facts set; a deleted record removes the worker (a `pending` one, still being
   read here, stays: it is published once read, where absent);
 - the fleet record: its holds applied to admission, the weight flow's shared state (pause mode, released
-  memory) set.
+  memory) set;
+- a removal record (`removed/<url>`): a worker of that URL this replica has and the cluster does not (one its
+  command line added while etcd did not answer, or one still `pending` here, its server not read: published
+  by nobody) is removed; the cluster removed it, and no command line brings it back.
 Skipped: this replica's own writes coming back, and keys changed here that are not written yet (the
 publisher decides those). Nothing applied here is published again (`Publisher.applying`).
 """
@@ -24,7 +27,7 @@ from router.cluster.fleet_holds import FleetHolds
 from router.cluster.keys import ClusterKeys, decode
 from router.cluster.mirror import Change
 from router.cluster.publisher import Publisher
-from router.cluster.records import FACTS, hold_of, state_of
+from router.cluster.records import FACTS, describe_removal, hold_of, state_of
 from router.core.registry import DuplicateWorker, Registry, Role, Worker, WorkerState
 
 logger = logging.getLogger(__name__)
@@ -52,8 +55,13 @@ class Applier:
     def on_changes(self, changes: list[Change]) -> None:
         workers: dict[str, dict | None] = {}
         fleet: dict | None = None
+        removed: dict[str, dict] = {}
         for change in changes:
             kind, name = self.keys.kind_of(change.key)
+            if kind == "removed":
+                if change.new is not None and not self.publisher.known(change.key, change.revision):
+                    removed[name] = decode(change.new.value)
+                continue
             if kind not in ("worker", "fleet"):
                 continue
             if self.publisher.known(change.key, change.revision):
@@ -67,7 +75,7 @@ class Applier:
                 workers[name] = record
             else:
                 fleet = record if record is not None else {}
-        if not workers and fleet is None:
+        if not workers and fleet is None and not removed:
             return
         with self._applying():
             self._apply_versions(workers, fleet)
@@ -75,7 +83,19 @@ class Applier:
                 self._converge_worker(url, record)
             if fleet is not None:
                 self._apply_fleet(fleet)
-        self.applied += len(workers) + (fleet is not None)
+            for url, record in removed.items():
+                self._removed(url, record)
+        self.applied += len(workers) + (fleet is not None) + len(removed)
+
+    def _removed(self, url: str, record: dict) -> None:
+        """The cluster removed `url`: this replica's own copy goes too (not the cluster's record, if one was
+        created again since: then the removal record is stale and the record stands)."""
+        worker = self.registry.find(url)
+        if worker is None or self.publisher.mirror.get(self.keys.worker(url)) is not None:
+            return
+        logger.warning("cluster: %s (%s here) was %s: dropped here too; POST /workers adds it again", url,
+                       worker.state, describe_removal(record))
+        self.registry.remove(worker)
 
     def converge(self, key: str, kv: KeyValue | None) -> None:
         """One key as etcd has it (a change of this replica that lost)."""

@@ -30,6 +30,7 @@ from router.cluster.keys import ClusterKeys, decode, encode
 from router.cluster.leadership import Leadership
 from router.cluster.mirror import Change, Mirror
 from router.cluster.publisher import Fence, Publisher
+from router.cluster.records import describe_removal, removal_record
 from router.cluster.replica import Membership
 from router.core.coordination import FLEET, StopAction, StopReport, Ticket
 from router.core.errors import Conflict, ServiceUnavailable
@@ -38,6 +39,9 @@ from router.core.registry import Worker
 logger = logging.getLogger(__name__)
 
 HISTORY = 100  # finished operation records kept in etcd
+# Removal records kept (`removed/<url>`): beyond it the oldest are forgotten, a few per removal. Plenty for
+# command lines (which name tens of servers); a fleet whose URLs churn (new pods, new addresses) stays bounded.
+MAX_REMOVALS = 1000
 RELEASE_RETRY_S = 0.5
 
 
@@ -462,11 +466,20 @@ class EtcdCoordinator:
     async def publish(self) -> None:
         await self.publisher.flush(self.flush_timeout_s)
 
-    async def remove_worker(self, worker: Worker) -> None:
+    async def remove_worker(self, worker: Worker, by: str = "") -> None:
+        """Delete the worker's record and leave a removal record (`removed/<url>`) in the same transaction: no
+        replica's command line brings the server back (it seeds a cluster, it does not override it); only a
+        registration on purpose does (`readmit`). Refused while an operation holds the worker."""
         self._check_lease("remove worker")
-        key, lock = self.keys.worker(worker.url), self.keys.lock(f"worker/{worker.url}")
+        key, lock, removal = (self.keys.worker(worker.url), self.keys.lock(f"worker/{worker.url}"),
+                              self.keys.removal(worker.url))
+        forget = self._removals_to_forget(removal)
         try:
-            result = await self.client.txn([Compare.absent(lock)], [Op.delete(key)], [Op.get(lock)])
+            result = await self.client.txn(
+                [Compare.absent(lock)],
+                [Op.delete(key), Op.put(removal, encode(removal_record(worker, self.me, by))),
+                 *(Op.delete(old) for old in forget)],
+                [Op.get(lock)])
         except EtcdError as exc:
             raise self._unavailable("remove worker", exc) from exc
         if not result.succeeded:
@@ -474,7 +487,33 @@ class EtcdCoordinator:
             raise Conflict(f"worker {worker.url}: {self._holder(held)} is running on it; wait for it to end",
                            cluster=self.keys.name)
         self.publisher.deleted(key, result.revision)
+        self.publisher.seen(removal, result.revision, result.revision)  # its own write coming back
+        if forget:
+            logger.info("cluster: %d oldest removal record(s) forgotten (%d kept)", len(forget), MAX_REMOVALS)
         self.status.saw(True)
+
+    def _removals_to_forget(self, adding: str) -> list[str]:
+        kept = [kv for kv in self.mirror.under(self.keys.removals) if kv.key != adding]
+        kept.sort(key=lambda kv: kv.mod_revision)
+        return [kv.key for kv in kept[:max(len(kept) + 1 - MAX_REMOVALS, 0)]][:16]
+
+    def removal(self, url: str) -> str | None:
+        """Why the cluster has no such worker, when it removed it (from its removal record); None otherwise."""
+        kv = self.mirror.get(self.keys.removal(url))
+        return describe_removal(decode(kv.value)) if kv is not None else None
+
+    async def readmit(self, url: str) -> None:
+        """A registration on purpose (`POST /workers`, `/add_worker`, `/register`, a worker source's new entry):
+        the removal record goes, so the worker may be created again."""
+        key = self.keys.removal(url)
+        if self.mirror.get(key) is None:
+            return  # none known; one written meanwhile by another replica's removal makes the creation lose
+        try:
+            result = await self.client.txn([], [Op.delete(key)])
+        except EtcdError as exc:
+            raise self._unavailable("add worker", exc) from exc
+        self.publisher.seen(key, 0, result.revision)  # the watch's older removal must not remove it again
+        logger.info("cluster: %s registered again on purpose: its removal record is cleared", url)
 
     async def close(self) -> None:
         for task in list(self._releasing):

@@ -3,6 +3,8 @@
     replicas/<replica-id>            a live replica (on its lease): membership is these keys
     leader                           the replica that runs the singleton loops (rebalancer, reconciler), leased
     workers/<url>                    one server: role, bootstrap port, admin state, hold, facts (persistent)
+    removed/<url>                    a server the cluster removed: no command line brings it back (persistent,
+                                     until it is registered again on purpose; the newest coordinator.MAX_REMOVALS kept)
     fleet                            the fleet's weight version and holds (persistent)
     locks/fleet | locks/abort        the one fleet-wide operation running now, on its owner's lease
     locks/worker/<url>               the one operation on that server (a conversion, a reinstate), leased
@@ -55,6 +57,9 @@ class ClusterKeys:
     def worker(self, url: str) -> str:
         return f"{self.prefix}workers/{quote(url, safe='')}"
 
+    def removal(self, url: str) -> str:
+        return f"{self.prefix}removed/{quote(url, safe='')}"
+
     @property
     def fleet(self) -> str:
         return f"{self.prefix}fleet"
@@ -81,6 +86,10 @@ class ClusterKeys:
         return f"{self.prefix}workers/"
 
     @property
+    def removals(self) -> str:
+        return f"{self.prefix}removed/"
+
+    @property
     def locks(self) -> str:
         return f"{self.prefix}locks/"
 
@@ -93,8 +102,8 @@ class ClusterKeys:
 
     # ---- reading a key back --------------------------------------------------------------------------
     def kind_of(self, key: str) -> tuple[str, str]:
-        """("replica", id), ("worker", url), ("fleet", ""), ("leader", ""), ("lock", scope), ("op", id),
-        ("ack", "op-id/replica-id"), or ("other", key)."""
+        """("replica", id), ("worker", url), ("removed", url), ("fleet", ""), ("leader", ""), ("lock", scope),
+        ("op", id), ("ack", "op-id/replica-id"), or ("other", key)."""
         if not key.startswith(self.prefix):
             return "other", key
         rest = key[len(self.prefix):]
@@ -105,6 +114,8 @@ class ClusterKeys:
             return "replica", tail
         if head == "workers":
             return "worker", unquote(tail)
+        if head == "removed":
+            return "removed", unquote(tail)
         if head == "locks":
             if tail.startswith("worker/"):
                 return "lock", worker_scope(unquote(tail.removeprefix("worker/")))

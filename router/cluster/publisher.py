@@ -34,7 +34,7 @@ from router.core.registry import Registry, Worker, WorkerState
 logger = logging.getLogger(__name__)
 
 WORKER_EVENTS = frozenset({"added", "removed", "state", "moved", "info", "held", "hold_ended"})
-BATCH = 48  # keys per transaction (etcd allows 128 operations; each key takes a compare and a put)
+BATCH = 48  # keys per transaction (etcd allows 128 compares and 128 operations; a key takes up to 2 and 1)
 RETRY_S = (0.1, 2.0)
 
 
@@ -50,7 +50,7 @@ class Fence:
 class _Write:
     key: str
     value: bytes | None  # None: delete
-    compare: Compare
+    compares: tuple[Compare, ...]
 
 
 class Publisher:
@@ -171,7 +171,7 @@ class Publisher:
         if not writes:
             return
         try:
-            result = await self.client.txn([w.compare for w in writes],
+            result = await self.client.txn([c for w in writes for c in w.compares],
                                            [Op.put(w.key, w.value) if w.value is not None else Op.delete(w.key)
                                             for w in writes])
         except EtcdOutcomeUnknown:
@@ -189,7 +189,7 @@ class Publisher:
         for write in writes:
             op = Op.put(write.key, write.value) if write.value is not None else Op.delete(write.key)
             try:
-                result = await self.client.txn([write.compare], [op], [Op.get(write.key)])
+                result = await self.client.txn(list(write.compares), [op], [Op.get(write.key)])
             except EtcdOutcomeUnknown:
                 current = await self.client.get(write.key)
                 if (current is None and write.value is None) or (current is not None and current.value == write.value):
@@ -252,7 +252,16 @@ class Publisher:
             return None
         else:
             compare = Compare.mod_revision(key, "==", base)
-        return _Write(key, None if value is None else encode(value), compare)
+        compares = (compare,)
+        if kind == "worker" and value is not None:
+            # a server the cluster removed is not written back, by any hand: only a registration on purpose
+            # (which deletes the removal record first) creates it again; a write under a lock updates a record
+            # that still exists (one removed meanwhile is not re-created)
+            if current is None:
+                compares += (Compare.absent(self.keys.removal(name)),)
+            elif fence is not None:
+                compares += (Compare.exists(key),)
+        return _Write(key, None if value is None else encode(value), compares)
 
     @property
     def pending_count(self) -> int:

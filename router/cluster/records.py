@@ -36,6 +36,22 @@ def worker_record(worker: Worker, replica_id: str) -> dict:
     }
 
 
+def removal_record(worker: Worker, replica_id: str, by: str) -> dict:
+    """A server the cluster removed (`removed/<url>`): what it was, and who removed it how (for the warning a
+    replica logs when its command line names it)."""
+    return {"url": worker.url, "id": worker.id, "role": worker.role.value, "bootstrap_port": worker.bootstrap_port,
+            "by": replica_id, "how": by, "at": round(time.time(), 3)}
+
+
+def describe_removal(record: dict) -> str:
+    at = record.get("at")
+    when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(at)) if isinstance(at, (int, float)) else "?"
+    role = record.get("role") or "?"
+    port = f", bootstrap port {record['bootstrap_port']}" if record.get("bootstrap_port") is not None else ""
+    return (f"removed from the cluster at {when} by replica {record.get('by', '?')} ({record.get('how') or 'removed'}; "
+            f"it was {role}{port})")
+
+
 def fleet_record(weight_version: str | None, holds: dict[str, dict], silences: set[str], flags: dict,
                  replica_id: str) -> dict:
     """`holds`: admission's fleet-wide holds by reason; `silences`: the legs' expected silence (a pause in

@@ -75,6 +75,9 @@ async def describe(cluster: Cluster) -> dict:
         "lease": {"id": f"{lease:x}" if lease else None, "ttl_s": cluster.membership.ttl,
                   "joins": cluster.membership.joins},
         "fleet_holds": dict(cluster.holds.holds),
+        # workers the cluster removed, newest first: no command line brings them back (POST /workers does)
+        "removed": sorted(({k: v for k, v in decode(kv.value).items() if k in ("url", "role", "by", "how", "at")}
+                           for kv in mirror.under(keys.removals)), key=lambda r: -float(r.get("at") or 0))[:50],
         "published": cluster.publisher.stats(),
     }
 

@@ -9,6 +9,9 @@ finish). What the reconciler cannot apply now is kept as a problem and tried aga
 Precedence: a worker belongs to whoever registered it first (the command line, the API, a source). A source
 never takes over, changes or removes a worker it did not register; its entry waits (a problem) until the URL
 is free. A worker of a source that an operator removes through the API stays out until its entry changes.
+Router replicas (docs/CLUSTER.md): the first listing a source reads seeds the cluster as a command line does,
+so an entry of it that the cluster removed stays out until its entry changes; an entry listed later (new, or
+changed) is a registration on purpose, which brings a removed worker back.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from typing import Awaitable, Callable, Mapping
 
 from router.core.config import DISCOVER, validate_port
 from router.core.worker_url import BadWorkerUrl, parse_worker_url
-from router.core.errors import RouterError
+from router.core.errors import RouterError, WorkerRemoved
 from router.core.registry import Registry, Role, Worker
 
 logger = logging.getLogger(__name__)
@@ -119,9 +122,9 @@ def listing_of(entries: list, where: str) -> dict[str, Listing]:
     return listing
 
 
-# register(listing, source, read) -> the new worker (raises RouterError); unregister(worker) (raises Conflict
-# while an operation owns it).
-Register = Callable[[Listing, str, bool], Awaitable[Worker]]
+# register(listing, source, read, seed) -> the new worker (raises RouterError; WorkerRemoved for a seed the
+# cluster removed); unregister(worker) (raises Conflict while an operation owns it).
+Register = Callable[[Listing, str, bool, bool], Awaitable[Worker]]
 Unregister = Callable[[Worker], Awaitable[None]]
 
 
@@ -134,6 +137,8 @@ class SourceReconciler:
         self.listed: dict[str, Listing] = {}  # the source's last good listing
         self._owned: dict[str, tuple[Listing, Worker]] = {}  # what this source registered, as it was listed
         self._dismissed: dict[str, Listing] = {}  # removed by an operator: left out until the entry changes
+        self._removed_elsewhere: set[str] = set()  # of those, removed from the replicas' cluster (not here)
+        self._seeds: dict[str, Listing] | None = None  # entries of the first listing, as long as they stay so
         self.problems: dict[str, str] = {}  # url -> why its entry is not applied as listed (tried again)
         self.error: str | None = None  # why the source's last reading was refused (the listing stands)
         self.error_since: float | None = None
@@ -172,6 +177,10 @@ class SourceReconciler:
                 logger.info("%s: read again (%d entries)", self.name, len(listing))
             self.error = self.error_since = None
             self.listed = dict(listing)
+            if self._seeds is None:
+                self._seeds = dict(listing)
+            else:  # an entry added or changed since is a registration on purpose
+                self._seeds = {url: item for url, item in self._seeds.items() if listing.get(url) == item}
             await self._reconcile(read)
 
     async def retry(self) -> None:
@@ -191,6 +200,7 @@ class SourceReconciler:
         for url, dismissed in list(self._dismissed.items()):
             if self.listed.get(url) != dismissed:
                 del self._dismissed[url]
+                self._removed_elsewhere.discard(url)
         for url in [url for url in self.problems if url not in self.listed and url not in self._owned]:
             del self.problems[url]
         new = [item for url, item in self.listed.items() if url not in self._owned and url not in self._dismissed]
@@ -218,8 +228,15 @@ class SourceReconciler:
             self._problem(item.url, f"already registered ({existing.source or 'through the API'}): "
                                     f"left as it is while it stays registered")
             return
+        seed = self._seeds is not None and self._seeds.get(item.url) == item
         try:
-            worker = await self._register(item, self.name, read)
+            worker = await self._register(item, self.name, read, seed)
+        except WorkerRemoved as exc:  # the cluster removed it: left out until its entry changes
+            self._dismissed[item.url] = item
+            self._removed_elsewhere.add(item.url)
+            self.problems.pop(item.url, None)
+            logger.warning("%s: %s", self.name, exc.message)
+            return
         except RouterError as exc:
             self._problem(item.url, f"not registered: {exc.message}")
             return
@@ -242,6 +259,8 @@ class SourceReconciler:
             owned = self._owned.get(url)
             if owned is not None and owned[0] == item:
                 status = "registered"
+            elif url in self._removed_elsewhere:
+                status = "removed from the cluster"
             elif url in self._dismissed:
                 status = "removed through the API"
             else:

@@ -18,7 +18,7 @@ flows behave exactly as they do alone. Replicas sharing a fleet get the etcd imp
 
 Besides: `leading` (the singleton loops, rebalancer and reconciler, run on one replica), `check_available`
 (a control call answers 503 while the replicas cannot agree), `publish` (what this replica changed in the
-registry is shared before a call answers) and `remove_worker`.
+registry is shared before a call answers), `remove_worker` (and its record: `removal`, `readmit`).
 """
 
 from __future__ import annotations
@@ -129,8 +129,15 @@ class Coordinator(Protocol):
     async def publish(self) -> None:
         """Until what this replica changed in the registry is shared (raises ServiceUnavailable)."""
 
-    async def remove_worker(self, worker: Worker) -> None:
-        """Remove the worker from the fleet (raises Conflict while an operation runs on it)."""
+    async def remove_worker(self, worker: Worker, by: str = "") -> None:
+        """Remove the worker from the fleet (raises Conflict while an operation runs on it), recording the
+        removal (`by`: how, e.g. the API call): a replica's command line does not bring it back."""
+
+    def removal(self, url: str) -> str | None:
+        """Why there is no such worker: the cluster removed it (when, by whom, how); None when it did not."""
+
+    async def readmit(self, url: str) -> None:
+        """A registration on purpose: the removal's record goes, the worker may be added again."""
 
 
 class LocalCoordinator:
@@ -176,7 +183,13 @@ class LocalCoordinator:
     async def publish(self) -> None:
         return None
 
-    async def remove_worker(self, worker: Worker) -> None:
+    async def remove_worker(self, worker: Worker, by: str = "") -> None:
+        return None
+
+    def removal(self, url: str) -> str | None:
+        return None  # a lone router's command line is its whole fleet
+
+    async def readmit(self, url: str) -> None:
         return None
 
 

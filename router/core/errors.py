@@ -65,6 +65,11 @@ class Conflict(RouterError):
     type = "conflict"
 
 
+class WorkerRemoved(Conflict):
+    """A seed (a command line, a worker source's first listing) names a server the router replicas' cluster
+    removed: it is not added again but by a registration on purpose (POST /workers)."""
+
+
 class PayloadTooLarge(RouterError):
     status = 413
     type = "payload_too_large"

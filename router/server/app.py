@@ -27,6 +27,7 @@ from router.core.keys import (ADMISSION, CONFIG, COORDINATOR, DISCOVERY, LIFECYC
                               TRAFFIC, UPSTREAM, WORKER_SOURCES)
 from router.core.lifecycle import Lifecycle
 from router.core.registry import Registry, Role
+from router.core.worker_url import identity
 from router.core.request_shape import GENERATE_ROUTES
 from router.dataplane.admission import Admission
 from router.dataplane.proxy import Proxy
@@ -162,13 +163,21 @@ def _forget_removed(legs: UpstreamPool):
     return listener
 
 
-def _known(registry: Registry, url: str) -> bool:
-    """Already in the fleet (router replicas: the cluster's record wins over the command line)."""
-    worker = registry.find(url)
+def _known(app: web.Application, url: str, flag: str) -> bool:
+    """Already in the fleet, or removed from it (router replicas: the command line seeds a cluster, it does not
+    override it; the cluster's record, or its record of a removal, wins over the flag)."""
+    worker = app[REGISTRY].find(url)
+    url = identity(url)  # credentials apart: never shown
     if worker is not None:
         logger.info("%s is in the fleet already (as %s, %s): its command-line flag is not applied", url,
                     worker.role, worker.state)
-    return worker is not None
+        return True
+    removal = app[COORDINATOR].removal(url)
+    if removal is not None:
+        logger.warning("%s was %s: not added from %s. To bring it back on purpose: POST /workers {\"url\": \"%s\"} "
+                       "at any replica (its live role is read; the removal is cleared)", url, removal, flag, url)
+        return True
+    return False
 
 
 async def _workers_ctx(app: web.Application):
@@ -179,12 +188,12 @@ async def _workers_ctx(app: web.Application):
     app[DISCOVERY] = discovery
     for spec in config.prefill:
         given = spec.bootstrap_port is not DISCOVER
-        if _known(registry, spec.url):
+        if _known(app, spec.url, "--prefill"):
             continue
         discovery.register(spec.url, Role.PREFILL, spec.bootstrap_port if given else None, port_given=given,
                            source="--prefill")
     for spec in config.decode:
-        if not _known(registry, spec.url):
+        if not _known(app, spec.url, "--decode"):
             discovery.register(spec.url, Role.DECODE, None, port_given=True, source="--decode")
     sources = app[WORKER_SOURCES]
     await sources.load()

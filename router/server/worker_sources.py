@@ -47,16 +47,18 @@ class WorkerSources:
 def build(app: web.Application) -> WorkerSources:
     config = app[CONFIG]
 
-    async def register(item: Listing, source: str, read: bool) -> Worker:
+    async def register(item: Listing, source: str, read: bool, seed: bool) -> Worker:
         # read in the background (a source does not wait for a server), or at start-up with the others
         return await register_worker(app, item.address, item.role, item.bootstrap_port, source=source,
-                                     settle=0.0 if read else None)
+                                     settle=0.0 if read else None, seed=seed)
 
-    async def unregister(worker: Worker) -> None:
-        await unregister_worker(app, worker)
+    def unregister_from(source: str):
+        async def unregister(worker: Worker) -> None:
+            await unregister_worker(app, worker, by=f"{source}: its entry gone or changed")
+        return unregister
 
     def reconciler(name: str) -> SourceReconciler:
-        return SourceReconciler(name, app[REGISTRY], register, unregister)
+        return SourceReconciler(name, app[REGISTRY], register, unregister_from(name))
 
     sources: list[WorkerSource] = []
     settings = config.worker_sources
