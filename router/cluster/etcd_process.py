@@ -238,6 +238,8 @@ class EtcdProcess:
         self._reap(signal.SIGKILL)  # the group: anything etcd started
 
     def _signal(self, signum: int) -> None:
+        if self._process is None:
+            return
         try:
             os.killpg(self._process.pid, signum)
         except ProcessLookupError:
