@@ -28,7 +28,8 @@ returned inside the decision. Every decision, a refusal included, names the guar
   warmup         less than `warmup_secs` since the rebalancer started
   busy           a conversion is in progress (ours or an operator's): one at a time
   cooldown       less than `cooldown_secs` since a conversion the other way ended (no flapping)
-  step_cooldown  less than `step_cooldown_secs` since a conversion the same way ended (let it act first)
+  step_cooldown  less than `step_cooldown_secs` (default: a quarter of `cooldown_secs`) since a conversion the
+                 same way ended (let it act first)
   failure_cooldown  less than `failure_cooldown_secs` since a conversion failed
   floor          the donor pool would fall below its minimum size (refill: the donor has one server)
   confirmations  the proposal has not yet held for `confirmations` intervals (those that passed the margin); one
@@ -280,9 +281,9 @@ def decide(obs: Observation, state: RebalanceState, config: RebalanceConfig) -> 
             fired.append(COOLDOWN)
             notes_out.append(f"the last conversion went the other way ({config.cooldown_secs - since:.0f} s of "
                              f"cooldown left)")
-        elif state.last_direction in (None, direction) and since < config.step_cooldown_secs:
+        elif state.last_direction in (None, direction) and since < config.step_cooldown:
             fired.append(STEP_COOLDOWN)
-            notes_out.append(f"the last conversion went this way ({config.step_cooldown_secs - since:.0f} s "
+            notes_out.append(f"the last conversion went this way ({config.step_cooldown - since:.0f} s "
                              f"left to see it act)")
     if state.last_failure_at is not None and now - state.last_failure_at < config.failure_cooldown_secs:
         fired.append(FAILURE_COOLDOWN)

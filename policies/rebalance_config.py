@@ -28,7 +28,8 @@ class RebalanceConfig:
     # while it is confirmed (0: always `confirmations`).
     urgent_pressure: float = 3.0
     cooldown_secs: float = 60.0  # after a conversion, none the other way for this long (no flapping)
-    step_cooldown_secs: float = 15.0  # after a conversion, none the same way for this long (let it act)
+    # After a conversion, none the same way for this long (let it act first); None: a quarter of cooldown_secs.
+    step_cooldown_secs: float | None = None
     failure_cooldown_secs: float = 300.0
     min_prefill: int = 1
     min_decode: int = 1
@@ -69,6 +70,8 @@ class RebalanceConfig:
                 found.append(f"rebalance {name} must be a positive number, got {value!r}")
         for name in ("warmup_secs", "cooldown_secs", "step_cooldown_secs", "failure_cooldown_secs"):
             value = getattr(self, name)
+            if name == "step_cooldown_secs" and value is None:
+                continue
             if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0:
                 found.append(f"rebalance {name} must not be negative, got {value!r}")
         for name, low in (("confirmations", 1), ("min_prefill", 1), ("min_decode", 1), ("min_samples", 1),
@@ -100,6 +103,13 @@ class RebalanceConfig:
         if problems := changed.problems():
             raise ValueError("; ".join(problems))
         return changed
+
+    @property
+    def step_cooldown(self) -> float:
+        """The same-direction cooldown in force: step_cooldown_secs, or a quarter of cooldown_secs."""
+        if self.step_cooldown_secs is None:
+            return self.cooldown_secs / 4 if isinstance(self.cooldown_secs, (int, float)) else 0.0
+        return self.step_cooldown_secs
 
     @property
     def refills(self) -> bool:

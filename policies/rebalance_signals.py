@@ -17,7 +17,11 @@ Decode pool: its capacity is decode KV room and decode compute (a continuously b
 - `queue`: requests waiting for decode capacity, per decode server / `queue_target`: the decode waiting queue
   (KV arrived, no place in the batch), the prealloc requests whose handshake is done (`queues.prealloc_ready`:
   waiting for KV room) and the retracted ones. (A prefill's bootstrap queue holds the same requests seen from
-  the prefill side: it is not counted again.)
+  the prefill side: it is not counted again.) When the room they wait for is held by the decode's transfer
+  queue (reserved for KV a prefill has still to compute), they wait on prefill: a prealloc request counts for
+  prefill in the share of the decode's KV holders that are in its transfer queue. Seen on real 0.5.23 with long
+  prompts: a 4096-token decode pool admits two 1500-token requests; both wait for their prefill, and every other
+  request waits for their room.
 - `kv`: the decode servers' KV in use for their own work (`num_active_tokens`: without the room reserved for
   KV still to come from a prefill, which is the prefill's doing) / `kv_target`.
 - `itl`: the time between tokens / `itl_target_secs`: the servers' own mean decode step since the last poll
@@ -105,6 +109,17 @@ def _total(values) -> int | None:
     return sum(known) if known else None
 
 
+def blocked_share(w: WorkerView) -> float:
+    """Of a decode server's KV holders, the share in its transfer queue: their room is reserved for KV a
+    prefill has still to compute. Requests waiting for KV room behind them wait on prefill as much."""
+    holders = (w.transfer or 0) + (w.running or 0) + (w.waiting_queue or 0)
+    return (w.transfer or 0) / holders if holders else 0.0
+
+
+def _ready(w: WorkerView) -> float:
+    return w.prealloc_ready if w.prealloc_ready is not None else (w.prealloc or 0)
+
+
 def waits_on_prefill(obs: Observation) -> float | None:
     """Requests waiting for prefill compute (see the module docstring); None: nothing tells."""
     own = []
@@ -118,7 +133,8 @@ def waits_on_prefill(obs: Observation) -> float | None:
     if transfer is None:
         return mine
     seen_from_decode = max(0, transfer - (_total(w.inflight_queue for w in obs.prefill) or 0))
-    return max(mine or 0, seen_from_decode)
+    behind = sum(_ready(w) * blocked_share(w) for w in obs.decode if w.prealloc is not None)
+    return max(mine or 0, seen_from_decode) + behind
 
 
 def waits_on_decode(obs: Observation) -> float | None:
@@ -126,7 +142,7 @@ def waits_on_decode(obs: Observation) -> float | None:
     parts = []
     for w in obs.decode:
         if w.waiting_queue is not None or w.prealloc is not None:
-            ready = w.prealloc_ready if w.prealloc_ready is not None else (w.prealloc or 0)
+            ready = _ready(w) * (1 - blocked_share(w))
             parts.append((w.waiting_queue or 0) + ready + (w.retracted or 0))
         elif w.waiting is not None:  # no breakdown: its whole waiting count is read as its own
             parts.append(w.waiting)

@@ -18,7 +18,8 @@ from router.server.cli import FLAGS, config_from_args
 NO_DEFAULT_SHOWN = {"--prefill", "--decode", "--prefill-bootstrap-ports", "--prefill-policy", "--decode-policy",
                     "--api-key", "--admin-api-key", "--worker-api-key", "--prometheus-port", "--prometheus-host",
                     "--admin-allow-cidrs", "--worker-allow", "--etcd-data-dir",
-                    "--discovery-file", "--discovery-etcd-endpoints", "--etcd-endpoints"}
+                    "--discovery-file", "--discovery-etcd-endpoints", "--etcd-endpoints",
+                    "--rebalance-step-cooldown-secs"}  # its default is a quarter of the cooldown's
 # Switches that change nothing (mini_lb and SMG compatibility).
 NO_OP_SWITCHES = {"-h", "--pd-disaggregation", "--mini-lb", "--enable-rl"}
 # Config fields set by the launch forms rather than by a flag row, and the one field no flag sets.

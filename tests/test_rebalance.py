@@ -228,3 +228,12 @@ def test_config_rejects_unknown_keys_and_parses_the_mode():
     config = RebalanceConfig().with_changes({"mode": "enabled", "cooldown_secs": 5})
     assert config.mode is RebalanceMode.ENABLED and config.to_dict()["mode"] == "enabled"
     assert len(RebalanceConfig(interval_secs=0, confirmations=0, min_improvement=2).problems()) == 3
+
+
+def test_the_step_cooldown_is_a_quarter_of_the_cooldown_unless_set():
+    assert RebalanceConfig(cooldown_secs=60).step_cooldown == 15
+    assert RebalanceConfig(cooldown_secs=8).step_cooldown == 2
+    assert RebalanceConfig(cooldown_secs=60, step_cooldown_secs=0).step_cooldown == 0
+    state = replace(STARTED, last_conversion_at=NOW - 3, last_direction="to_prefill")
+    assert decide(observe(), state, replace(BASE, cooldown_secs=8, step_cooldown_secs=None)).convert  # 3 s > 2 s
+    assert decide(observe(), state, replace(BASE, cooldown_secs=20, step_cooldown_secs=None)).guards == (STEP_COOLDOWN,)

@@ -220,3 +220,30 @@ def test_too_few_in_the_window_takes_the_newest_rather_than_nothing():
     assert summary["ttft_s"] == 9.5 and summary["samples"] == 2
     assert window.summary(15, min_samples=6)["ttft_s"] is None  # fewer than that even four windows back
     assert window.summary(56, min_samples=1)["ttft_s"] is None  # all older than four windows
+
+
+def test_waiting_for_kv_room_held_by_requests_that_wait_on_prefill_is_prefill_pressure():
+    """Seen on real 0.5.23 with 1500-token prompts: a 4096-token decode pool admits two (prompt + 512 reserved),
+    both sit in the transfer queue waiting for the prefill, and the rest wait for their room (prealloc_ready).
+    Those wait on prefill compute, not on decode: a decode server must move to prefill."""
+    o = obs(prefill(1, waiting_queue=3), decode(2, transfer=2, prealloc_ready=2))
+    assert waits_on_decode(o) == 0 and waits_on_prefill(o) == 4 + 4
+    decision = decide(o, STARTED, BASE)
+    assert decision.convert and decision.to_role == "prefill", decision.reason
+    # the same wait for room, behind requests that decode: decode's own
+    busy = obs(prefill(1), decode(2, running=7, prealloc_ready=5))
+    assert waits_on_decode(busy) == 10 and waits_on_prefill(busy) == 0
+
+
+def test_requests_started_before_the_last_conversion_ended_do_not_count():
+    """A request that waited out a conversion's drain (or began under the old split) describes the old split:
+    its slow first token must not push the new one back."""
+    clock = Clock(100)
+    window = LatencyWindow(30, clock)
+    for started in (80.0, 85.0, 90.0):  # waited through the drain that ended at 95
+        window.observe(RequestRecord(route="/generate", stream=True, ttft_s=25.0, started=started, decode=PAIR))
+    for started in (96.0, 97.0):
+        window.observe(RequestRecord(route="/generate", stream=True, ttft_s=0.3, started=started, decode=PAIR))
+    assert window.summary(100, min_samples=2)["ttft_s"] == 25.0
+    after = window.summary(100, min_samples=2, since=95.0)
+    assert after["ttft_s"] == 0.3 and after["samples"] == 2

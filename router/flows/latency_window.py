@@ -6,6 +6,9 @@ waited (a lower bound of its TTFT): those are the worst first tokens of an overl
 answered ones would report the fleet as fine exactly when clients give up. Requests refused before reaching
 a pair (bad input, nothing routable) say nothing about capacity and are left out, as are client errors (4xx).
 
+After a conversion ends, only requests that started after it count: those that began under the old split
+(or waited out the conversion's drain) describe the old split, not the new one.
+
 A figure needs `min_samples` requests. When the window holds fewer (an overload finishes few), the newest ones
 up to `min_samples` count, from as far back as `LOOKBACK_WINDOWS` windows, rather than leaving the term empty
 at the height of the overload; with fewer still, the figure is None.
@@ -33,8 +36,8 @@ class LatencyWindow:
     def __init__(self, window_secs: float, clock: Callable[[], float], max_samples: int = 8192) -> None:
         self.window_secs = window_secs
         self.clock = clock
-        # (ended at, ttft or None, itl or None, ended without a first token)
-        self._samples: deque[tuple[float, float | None, float | None, bool]] = deque(maxlen=max_samples)
+        # (ended at, ttft or None, itl or None, ended without a first token, started at)
+        self._samples: deque[tuple[float, float | None, float | None, bool, float]] = deque(maxlen=max_samples)
 
     def observe(self, record: RequestRecord) -> None:
         if record.decode is None:
@@ -46,21 +49,22 @@ class LatencyWindow:
             ttft, censored = record.e2e_s, True
         if ttft is None and record.itl_s is None:
             return
-        self._samples.append((self.clock(), ttft, record.itl_s, censored))
+        self._samples.append((self.clock(), ttft, record.itl_s, censored, record.started))
 
-    def summary(self, now: float, min_samples: int) -> dict:
+    def summary(self, now: float, min_samples: int, since: float | None = None) -> dict:
         """p90 TTFT and ITL (None: too few samples), how many requests the window holds and how many of them
-        ended without a first token."""
+        ended without a first token; only requests started at or after `since` (the last conversion's end)."""
         samples = self._samples
         while samples and samples[0][0] < now - LOOKBACK_WINDOWS * self.window_secs:
             samples.popleft()
         horizon = now - self.window_secs
-        recent = [s for s in samples if s[0] >= horizon]
+        kept = [s for s in samples if since is None or s[4] >= since]
+        recent = [s for s in kept if s[0] >= horizon]
 
         def figure(index: int) -> float | None:
             values = [s[index] for s in recent if s[index] is not None]
             if len(values) < min_samples:
-                values = [s[index] for s in samples if s[index] is not None][-min_samples:]
+                values = [s[index] for s in kept if s[index] is not None][-min_samples:]
             return p90(values) if len(values) >= min_samples else None
 
         return {"ttft_s": figure(1), "itl_s": figure(2), "samples": len(recent),

@@ -165,7 +165,9 @@ class Rebalancer:
 
     def observe(self) -> Observation:
         now = self.clock()
-        latency = self.window.summary(now, self.config.min_samples)
+        # Latency of requests started since the last conversion ended (when none runs now): the new split's.
+        since = self.state.last_conversion_at if self.applying is None else None
+        latency = self.window.summary(now, self.config.min_samples, since=since)
         busy, converting_into = self._moving()
         pending = tuple(sorted({w.role.value for w in self.registry.workers() if w.state is WorkerState.PENDING}))
         return Observation(now=now,

@@ -23,7 +23,8 @@ _REBALANCE_HELP = {
     "confirmations": "intervals a proposal must hold (past the margin) before it converts",
     "urgent_pressure": "a hot pool at least this pressured converts on one sighting (0: never)",
     "cooldown_secs": "no conversion the other way this long after the last one ended (no flapping)",
-    "step_cooldown_secs": "no conversion the same way this long after the last one ended (let it act first)",
+    "step_cooldown_secs": "no conversion the same way this long after the last one ended (let it act first; "
+                          "default: a quarter of --rebalance-cooldown-secs)",
     "failure_cooldown_secs": "no conversion this long after one failed",
     "min_prefill": "never shrink the prefill pool below this",
     "min_decode": "never shrink the decode pool below this",
