@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import threading
+import time
 from dataclasses import dataclass, field
 
 from .real_client import post_json, stream_events
@@ -12,19 +13,23 @@ from .real_client import post_json, stream_events
 REQUEST_TIMEOUT_S = 120.0
 
 
+Prompt = str | tuple[int, ...]  # a text, or token ids (sent as input_ids)
+
+
 @dataclass
 class Outcome:
-    prompt: str
+    prompt: Prompt
     stream: bool
     status: int | None
     output_ids: list | None = None
     error: str = ""
+    sent: float = 0.0  # time.monotonic() when it was sent
 
 
 @dataclass
 class Load:
     url: str  # the router
-    expected: dict[str, list[int]]  # prompt -> output_ids the reference server answers
+    expected: dict[Prompt, list[int]]  # prompt -> output_ids the reference server answers
     sampling_params: dict
     concurrency: int = 3
     outcomes: list[Outcome] = field(default_factory=list)
@@ -69,13 +74,15 @@ class Load:
         prompts = list(self.expected)
         while not self._stop.is_set():
             turn = next(turns)
+            sent = time.monotonic()
             outcome = self._one(prompts[turn % len(prompts)], stream=turn % 2 == 1)
+            outcome.sent = sent
             with self._done:
                 self.outcomes.append(outcome)
                 self._done.notify_all()
 
-    def _one(self, prompt: str, stream: bool) -> Outcome:
-        body = {"text": prompt, "sampling_params": self.sampling_params}
+    def _one(self, prompt: Prompt, stream: bool) -> Outcome:
+        body = {**prompt_body(prompt), "sampling_params": self.sampling_params}
         try:
             if stream:
                 status, events = stream_events(self.url + "/generate", dict(body, stream=True),
@@ -92,3 +99,7 @@ class Load:
             return Outcome(prompt, False, status, answer["output_ids"])
         except Exception as e:  # a transport failure is an outcome to report, not a dead thread
             return Outcome(prompt, stream, None, error=f"{type(e).__name__}: {e}")
+
+
+def prompt_body(prompt: Prompt) -> dict:
+    return {"input_ids": list(prompt)} if isinstance(prompt, tuple) else {"text": prompt}

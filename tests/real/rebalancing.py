@@ -1,0 +1,59 @@
+"""What the real tier's rebalancer tests share: a router with the rebalancer's clock shortened to a test's pace,
+the expected answers from the reference server, and the rebalancer's record of its conversions."""
+
+from __future__ import annotations
+
+import random
+
+from .conftest import restore_launch_roles
+from .real_client import get_json, is_idle, post_json, wait_until
+from .router_process import RouterProcess
+
+# The rebalancer at a test's pace: a decision a second, a signal seen twice, cooldowns of seconds. Targets for
+# the tiny model on CPU: a queue of one request per server is full pressure; a decode step far under 1 s is
+# fine (so that CPU decode steps alone do not look like a decode bottleneck).
+REBALANCE_ARGS = ("--health-check-interval-secs", "10", "--load-poll-interval-secs", "0.5",
+                  "--rebalance-interval-secs", "1", "--rebalance-warmup-secs", "0", "--rebalance-confirmations", "2",
+                  "--rebalance-cooldown-secs", "5", "--rebalance-step-cooldown-secs", "2",
+                  "--rebalance-failure-cooldown-secs", "5", "--rebalance-queue-target", "1",
+                  "--rebalance-ttft-target-secs", "2", "--rebalance-itl-target-secs", "1")
+
+
+def start_router(fleet, log_path, *rebalance: str) -> RouterProcess:
+    """pd-router in front of the fleet's prefill, decode and spare (1P+2D) in their launch roles, idle, with the
+    rebalancer's flags."""
+    restore_launch_roles(((fleet.prefill, "prefill"), (fleet.decode, "decode"), (fleet.spare, "decode")))
+    for server in fleet.pd_servers:
+        wait_until(lambda: is_idle(server.url), timeout=60, what=f"{server.url} is idle")
+    return RouterProcess.start(prefill=[(fleet.prefill.url, fleet.prefill.bootstrap_port)],
+                               decode=[fleet.decode.url, fleet.spare.url], log_path=log_path,
+                               extra_args=(*REBALANCE_ARGS, *rebalance))
+
+
+def long_prompts(count: int, tokens: int, seed: int = 20) -> tuple[tuple[int, ...], ...]:
+    """Token-id prompts (long ones: their prefill is the work), the same every run."""
+    rng = random.Random(seed)
+    return tuple(tuple(rng.randrange(5, 900) for _ in range(tokens)) for _ in range(count))
+
+
+def expected_outputs(reference, prompts, sampling: dict) -> dict:
+    """What the regular (non-disaggregated) server answers: PD must answer the same tokens."""
+    expected = {}
+    for prompt in prompts:
+        body = {"input_ids": list(prompt)} if isinstance(prompt, tuple) else {"text": prompt}
+        status, answer = post_json(reference.url + "/generate", {**body, "sampling_params": sampling})
+        assert status == 200, answer
+        expected[prompt] = answer["output_ids"]
+    return expected
+
+
+def rebalancer_conversions(router) -> list[dict]:
+    return get_json(f"{router.url}/admin/rebalancer?limit=500")["conversions"]
+
+
+def rebalancer_decisions(router) -> list[dict]:
+    return get_json(f"{router.url}/admin/rebalancer?limit=500")["decisions"]
+
+
+def roles(router) -> dict[str, str]:
+    return {w["url"]: w["role"] for w in router.workers()}

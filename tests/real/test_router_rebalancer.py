@@ -1,0 +1,53 @@
+"""The rebalancer on real 0.5.23 servers: a workload that shifts from prefill-heavy to decode-heavy makes it
+convert, each time in the right direction, from what the real servers report, while every answer stays
+token-identical to the reference server's.
+
+The router runs 1P+2D (prefill P, decode D, spare decode S) with the rebalancer enabled at a test's pace.
+1. Prefill-heavy: long prompts (1500 tokens), one token answered. The prefill's forwards are the work; its
+   waiting queue and the decodes' transfer queues (KV room taken, waiting for the prefill's KV) grow, and the
+   decodes idle: a decode server must move to prefill.
+2. Decode-heavy: short prompts, long answers, more of them than a decode's KV pool admits (0.5.23 reserves
+   512 tokens per request in a 4096-token pool): they wait in the decode's prealloc queue and their prefill
+   legs in the prefill's bootstrap queue; a prefill server must move to decode.
+"""
+
+from __future__ import annotations
+
+from .load import Load
+from .real_client import live_role, wait_until
+from .rebalancing import expected_outputs, long_prompts, rebalancer_conversions, rebalancer_decisions, roles, start_router
+
+PREFILL_HEAVY = {"temperature": 0, "max_new_tokens": 1}
+DECODE_HEAVY = {"temperature": 0, "max_new_tokens": 120, "ignore_eos": True}
+SHORT_PROMPTS = ("Hello world, this is", "The quick brown fox", "Numbers 0 1 2 3 and", "SGLang router routes")
+PHASE_TIMEOUT_S = 120.0
+
+
+def test_a_shifting_workload_converts_in_the_right_direction_with_identical_answers(fleet, tmp_path):
+    long = expected_outputs(fleet.reference, long_prompts(6, 1500), PREFILL_HEAVY)
+    short = expected_outputs(fleet.reference, SHORT_PROMPTS, DECODE_HEAVY)
+    router = start_router(fleet, tmp_path / "router.log", "--rebalance", "enabled")
+    try:
+        with Load(router.url, long, PREFILL_HEAVY, concurrency=8) as load:
+            wait_until(lambda: any(c["to_role"] == "prefill" and c.get("ok") for c in rebalancer_conversions(router)),
+                       timeout=PHASE_TIMEOUT_S, what=lambda: f"a conversion to prefill ({roles(router)})")
+            load.wait_completed(load.completed() + 8, timeout=PHASE_TIMEOUT_S)  # served by the new split
+        assert not load.failures(), load.failures()[:3]
+        first = rebalancer_conversions(router)
+        assert [c["to_role"] for c in first] == ["prefill"] * len(first), first  # never the wrong way
+        moved = next(c for c in first if c["ok"])["url"]
+        assert live_role(moved) == "prefill"
+
+        with Load(router.url, short, DECODE_HEAVY, concurrency=12) as load:
+            wait_until(lambda: any(c["to_role"] == "decode" and c.get("ok") for c in rebalancer_conversions(router)),
+                       timeout=PHASE_TIMEOUT_S, what=lambda: f"a conversion to decode ({roles(router)})")
+            load.wait_completed(load.completed() + 12, timeout=PHASE_TIMEOUT_S)
+        assert not load.failures(), load.failures()[:3]
+        later = rebalancer_conversions(router)[len(first):]
+        converts = [(d["at"], d["reason"], d["pressures"]) for d in rebalancer_decisions(router) if d["action"] == "convert"]
+        assert later and [c["to_role"] for c in later] == ["decode"] * len(later), converts
+        decisions = [d for d in rebalancer_decisions(router) if d["action"] == "convert"]
+        assert all(not d["refill"] for d in decisions)  # the ratio rule, not a refill
+    finally:
+        router.stop()
+
