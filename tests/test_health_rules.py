@@ -13,7 +13,6 @@ from router.control.health import (
     after_probe,
     breaker_after_time,
     breaker_after_verdict,
-    agreed_weight_version,
     health_verdict,
     rejoin_refusal,
 )
@@ -151,16 +150,6 @@ def test_full_breaker_cycle_with_fake_clock():
 
 
 # ---- rejoin and the combined verdict ----------------------------------------------------------------------
-@pytest.mark.parametrize("versions,fleet", [
-    ([], None),
-    ([None, None], None),
-    (["v2", "v2", None], "v2"),
-    (["v1", "v2"], None),  # no agreement: nothing to hold a returning worker to
-])
-def test_agreed_weight_version(versions, fleet):
-    assert agreed_weight_version(versions) == fleet
-
-
 @pytest.mark.parametrize("version,fleet,refused", [
     ("v2", "v2", False),
     ("v1", "v2", True),

@@ -60,14 +60,6 @@ def classify(canonical_path: str) -> Access:
     return Access.ADMIN
 
 
-def route_access(request: web.Request) -> Access | None:
-    """The access class of the matched route; None when nothing matched (404/405: nothing to protect)."""
-    resource = request.match_info.route.resource
-    if resource is None:
-        return None
-    return classify(resource.canonical)
-
-
 def required_keys(access: Access, config: RouterConfig) -> tuple[bytes, ...]:
     """The keys that open a route of this class; empty: open to anyone."""
     api = config.api_key.encode() if config.api_key else None

@@ -128,8 +128,3 @@ class ClusterCollector:
                                   value=cluster.takeover.count)
         yield CounterMetricFamily(f"{prefix}_joins", "times this replica joined (again, after losing its lease)",
                                   value=cluster.membership.joins)
-
-
-def setup(app: web.Application, cluster: Cluster) -> None:
-    app[CLUSTER] = cluster
-    app.router.add_get("/admin/cluster", cluster_view)

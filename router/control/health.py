@@ -26,7 +26,6 @@ import asyncio
 import enum
 import logging
 import time
-from collections import Counter
 from dataclasses import dataclass
 from typing import Awaitable, Callable
 
@@ -115,12 +114,6 @@ def breaker_after_time(state: BreakerState, now: float, config: BreakerConfig) -
     if state.phase is Phase.OPEN and now - state.opened_at >= config.timeout_secs:
         return BreakerState(Phase.HALF_OPEN)
     return state
-
-
-def agreed_weight_version(versions: list[str | None]) -> str | None:
-    """The version the routable fleet agrees on: the only one reported, else None (no agreement to keep)."""
-    known = Counter(v for v in versions if v is not None)
-    return next(iter(known)) if len(known) == 1 else None
 
 
 def health_verdict(probe: ProbeState, breaker: BreakerState, refusal: str | None) -> tuple[bool, str]:

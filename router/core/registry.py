@@ -133,7 +133,6 @@ class Registry:
         self._routable: dict[Role, tuple[Worker, ...]] = {Role.PREFILL: (), Role.DECODE: ()}
         self._ids = itertools.count(1)
         self._listeners: list[Listener] = []
-        self._changed = asyncio.Event()
         self._fleet_version: str | None = None
 
     # ---- reads -------------------------------------------------------------------------------------
@@ -416,14 +415,5 @@ class Registry:
         except TimeoutError:
             return worker.inflight == 0
 
-    # ---- change notification -----------------------------------------------------------------------
-    async def wait_changed(self, timeout: float) -> None:
-        try:
-            await asyncio.wait_for(self._changed.wait(), timeout)
-        except asyncio.TimeoutError:
-            pass
-
     def _refresh(self, role: Role) -> None:
         self._routable[role] = tuple(w for w in self._workers.values() if w.role is role and w.routable)
-        changed, self._changed = self._changed, asyncio.Event()
-        changed.set()

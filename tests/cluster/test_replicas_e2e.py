@@ -81,7 +81,9 @@ async def test_a_killed_replicas_conversion_is_taken_over_and_a_restarted_replic
     # a request of replica 1 held on the server (~3 s of decoding), so that its drain waits
     long = {**BODY, "sampling_params": {"max_new_tokens": 600, "temperature": 0}}
     held: list[asyncio.Task] = []
+    deadline = time.monotonic() + 10
     while (await worker_view(r1, handle.url))["inflight"] == 0:
+        assert time.monotonic() < deadline, "none of replica 1's requests reached the server in 10 s"
         held.append(asyncio.ensure_future(r1.session.post(r1.url + "/generate", json=long)))
         await asyncio.sleep(0.05)
     load = cluster.load([r2, r3])

@@ -39,7 +39,15 @@ MODULE_ORDER = ("test_pair", "test_convert_pd_role", "test_prefix_cache_leak", "
 RUNS_LAST = "test_router_refill"
 
 
+# Per test, its fixtures included: the first test of the session waits for the fleet's servers to start.
+REAL_TEST_TIMEOUT_S = 900
+
+
 def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.get_closest_marker("timeout") is None:
+            item.add_marker(pytest.mark.timeout(REAL_TEST_TIMEOUT_S))
+
     def rank(item):
         name = item.module.__name__.rsplit(".", 1)[-1] if item.module else ""
         if name == RUNS_LAST:
