@@ -3,13 +3,19 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 
 import aiohttp
 import orjson
 import pytest
+from aiohttp import web
 
+from router.core.config import RouterConfig, WorkerSpec
+from router.core.keys import REGISTRY
 from router.core.registry import Role
+from router.server.app import create_app
 
+from .conftest import RUNNER_KWARGS
 from .helpers import wait_for
 
 
@@ -222,3 +228,38 @@ async def test_request_timeout_gives_504_and_aborts(fake_fleet, make_router):
     assert resp.status == 504
     await wait_for(lambda: len(d.aborts) == 1)
     await wait_for(lambda: inflight(client) == [0, 0])
+
+
+
+async def test_a_stream_whose_client_left_ends_as_a_disconnect_not_an_error(fake_fleet, caplog):
+    """Writing the stream fails once the client has gone, before anything cancelled the handler (here: no
+    handler cancellation at all): the request ends as the client's disconnect (both legs stopped and aborted,
+    counted once), never as an unhandled error."""
+    p, d = await fake_fleet(1, 1)
+    d.behaviour.stream_chunks, d.behaviour.stall_after = 40, 1
+    config = RouterConfig(prefill=(WorkerSpec(p.url, p.bootstrap_port),), decode=(WorkerSpec(d.url),)).validated()
+    runner = web.AppRunner(create_app(config), handler_cancellation=False, **RUNNER_KWARGS)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+    registry = runner.app[REGISTRY]
+    try:
+        async with aiohttp.ClientSession() as session:
+            resp = await session.post(url + "/generate", json={"text": "x", "stream": True})
+            assert resp.status == 200
+            assert (await resp.content.readany()).startswith(b"data: ")
+            resp.close()  # the client leaves while decode is stalled
+            caplog.set_level("INFO", logger="router")
+            d.release.set()  # decode goes on: the router's next writes find the client gone
+            await wait_for(lambda: [w.inflight for w in registry.workers()] == [0, 0], message="both legs ended")
+            rid = d.bodies()[0]["rid"]
+            await wait_for(lambda: {"rid": rid} in d.aborts, message="decode aborted")
+            async with session.get(url + "/metrics") as answer:
+                metrics = await answer.text()
+        assert 'pd_router_request_outcomes_total{outcome="client_disconnect",route="/generate"} 1.0' in metrics, \
+            [line for line in metrics.splitlines() if "outcomes" in line]
+        errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+        assert not errors, errors
+    finally:
+        await runner.cleanup()

@@ -31,7 +31,7 @@ from router.dataplane.admission import Admission
 from router.dataplane.attempt import Attempt, LegFailed
 from router.dataplane.dispatch import Dispatcher
 from router.dataplane.live import LiveRequests
-from router.dataplane.relay import end_stream_with_error
+from router.dataplane.relay import ClientGone, end_stream_with_error
 from router.dataplane.upstream_http import UpstreamPool, header_lines
 
 logger = logging.getLogger(__name__)
@@ -113,6 +113,10 @@ class Proxy:
             record.status = exc.status
             record.outcome = "error"
             raise
+        except ClientGone:  # writing the stream failed: the client left (its legs are stopped already)
+            record.outcome = "client_disconnect"
+            record.status = 499
+            return record.response  # aiohttp's end of it finds the connection gone, and says nothing
         except asyncio.CancelledError:
             record.outcome = "client_disconnect"
             record.status = 499
