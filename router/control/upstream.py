@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import enum
 import logging
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable, Iterable, TypeVar
@@ -37,13 +38,40 @@ async def fan_out(workers: Iterable[W], call: Callable[[W], Awaitable[T]]) -> li
     return list(await asyncio.gather(*(call(w) for w in workers)))
 
 
+class NoAnswer(str, enum.Enum):
+    """Why a call got no answer (`Reply.no_answer`, with status 0)."""
+
+    NOT_SENT = "not_sent"  # no connection was made (refused, no route, no such name): nothing reached the server
+    TIMEOUT = "timeout"  # no answer within the call's deadline: the server may have acted on it
+    CUT = "cut"  # the connection broke before a whole answer came: the server may have acted on it
+    REFUSED_HERE = "refused_here"  # the URL itself is unusable: nothing was sent
+
+    def __str__(self) -> str:
+        return self.value
+
+
+def no_answer_of(exc: BaseException) -> NoAnswer:
+    if isinstance(exc, aiohttp.ClientConnectorError):  # DNS, refused, TLS: before a byte of the request
+        return NoAnswer.NOT_SENT
+    if isinstance(exc, asyncio.TimeoutError):  # aiohttp's ServerTimeoutError is one too
+        return NoAnswer.TIMEOUT
+    return NoAnswer.CUT
+
+
 @dataclass(slots=True)
 class Reply:
-    """One answer of a server: status (0 when unreachable), parsed JSON (or None) and raw text."""
+    """One answer of a server: status (0 when unreachable), parsed JSON (or None) and raw text; with status 0,
+    `no_answer` says why (the text names the error)."""
 
     status: int
     data: Any
     text: str
+    no_answer: NoAnswer | None = None
+
+    @property
+    def reached(self) -> bool:
+        """The call may have reached the server (it answered, or was cut or timed out after being sent)."""
+        return self.no_answer not in (NoAnswer.NOT_SENT, NoAnswer.REFUSED_HERE)
 
     @property
     def ok(self) -> bool:
@@ -114,7 +142,7 @@ class Upstream:
             try:
                 parsed = parse_worker_url(url)
             except BadWorkerUrl as exc:
-                return Reply(0, None, str(exc))
+                return Reply(0, None, str(exc), NoAnswer.REFUSED_HERE)
             url = parsed.url
             if parsed.userinfo is not None and not self._auth:
                 base = {**base, "Authorization": basic_header(parsed.userinfo)}
@@ -130,7 +158,8 @@ class Upstream:
                 raw = await resp.read()
                 status = resp.status
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
-            return Reply(0, None, f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__)
+            return Reply(0, None, f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__,
+                         no_answer_of(exc))
         text = raw.decode(errors="replace")
         try:
             data = orjson.loads(raw) if raw else None

@@ -6,6 +6,7 @@ none of them needs to import the request path that writes them.
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
@@ -13,6 +14,15 @@ from router.core.registry import Worker
 
 if TYPE_CHECKING:
     from aiohttp import web
+
+
+class RequestOutcome(enum.StrEnum):
+    """How a client request ended, as its observers (metrics, access log, rebalancer) name it."""
+
+    SUCCESS = "success"
+    ERROR = "error"  # answered with an error (before or after the first byte)
+    CLIENT_DISCONNECT = "client_disconnect"  # the client left first
+    ABORTED = "aborted"  # answered with SGLang's abort answer after the router aborted its servers
 
 
 @dataclass(slots=True)
@@ -31,10 +41,24 @@ class RequestRecord:
     retries_aborted: int = 0
     prefill: Worker | None = None
     decode: Worker | None = None
-    outcome: str = "success"  # success | error | client_disconnect | aborted
+    outcome: RequestOutcome = RequestOutcome.SUCCESS  # set once, by `conclude`, when the request ends
     request_id: str = ""
-    error: str = ""
+    error: str = ""  # why it failed (set where the failure is seen: the request path, the relay)
+    client_gone: bool = False  # the client left before its answer ended
+    abort_answered: bool = False  # answered with SGLang's abort answer (the router aborted its servers)
     response: web.StreamResponse | None = None  # set once a stream has started
+
+    def conclude(self) -> RequestOutcome:
+        """The request's outcome, from what was recorded of it: the one place that names it."""
+        if self.client_gone:
+            self.outcome = RequestOutcome.CLIENT_DISCONNECT
+        elif self.abort_answered:
+            self.outcome = RequestOutcome.ABORTED
+        elif self.error or self.status >= 400:
+            self.outcome = RequestOutcome.ERROR
+        else:
+            self.outcome = RequestOutcome.SUCCESS
+        return self.outcome
 
 
 RequestObserver = Callable[[RequestRecord], None]

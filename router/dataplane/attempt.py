@@ -33,7 +33,7 @@ class LegFailed(Exception):
     failing with the same signature on two pairs is the request's fault (`Proxy`)."""
 
     def __init__(self, worker: Worker, status: int, body: bytes, content_type: str, *, retryable: bool,
-                 reason: str, router_abort: bool = False, signature: bytes | None = None):
+                 reason: str, abort: AbortAction | None = None, signature: bytes | None = None):
         super().__init__(reason)
         self.worker = worker
         self.status = status
@@ -41,14 +41,15 @@ class LegFailed(Exception):
         self.content_type = content_type
         self.retryable = retryable
         self.reason = reason
-        self.router_abort = router_abort
+        # The router aborted the attempt's servers: what to do with it (`Dispatcher.router_abort` decides).
+        self.abort = abort
         self.signature = signature
 
     @property
     def worker_fault(self) -> bool:
         """Unreachable or 5xx, not caused by the router's own abort nor by the partner leg (a failed KV
         transfer): counts against this worker's breaker."""
-        return self.status >= 500 and not self.router_abort and KV_TRANSFER_FAILURE not in self.body
+        return self.status >= 500 and self.abort is None and KV_TRANSFER_FAILURE not in self.body
 
     @property
     def blame_now(self) -> bool:
@@ -120,8 +121,27 @@ class Attempt:
     ended: bool = False
     relaying: object | None = None  # decode's UpstreamResponse while it is relayed to the client
 
-    def router_aborted(self) -> bool:
-        return self.abort_action is not None or (self.prefill.abort_epoch, self.decode.abort_epoch) != self.epochs
+    def give_up_on(self, worker: Worker, reason: str) -> bool:
+        """Stop waiting on `worker` for this attempt (`Proxy.evict`): its leg there is stopped and the attempt
+        fails as `reason` says, to be retried on another pair. False (nothing done) once the client has seen
+        bytes of it, or when it has no open leg of its own there."""
+        if self.streaming:
+            return False
+        for leg in self.legs:
+            if leg.worker is worker and leg.is_open and not leg.detached and not leg.task.done():
+                self.evicted = reason
+                leg.stop()
+                return True
+        return False
+
+    def cut(self, why: BaseException) -> None:
+        """Stop waiting for its servers (the shutdown's last resort): a stream being relayed ends (`why`), and
+        every leg still open is stopped, so the attempt answers what its mark asks for."""
+        if self.relaying is not None:
+            self.relaying.cut(why)
+        for leg in self.legs:
+            if leg.is_open:
+                leg.stop()
 
 
 class LegOwner(Protocol):
@@ -148,11 +168,17 @@ class Leg:
             self.is_open = False
             self.owner.leg_done(self.worker, self.role, outcome, fault)
 
+    def stop(self) -> None:
+        """Cancel its task (if still running); whoever awaits it concludes the leg. The one place a leg's
+        task is cancelled: `cancel`, `ensure_closed`, an eviction, a cut and an overdue lingering leg all
+        come here."""
+        if not self.task.done():
+            self.task.cancel()
+
     def cancel(self, rids: list[str]) -> None:
         """Stop the leg here and on its server (the other leg failed, or the client left)."""
         if self.is_open:
-            if not self.task.done():
-                self.task.cancel()
+            self.stop()
             self.owner.abort_on(self.worker, rids)
             self.finish(Outcome.CANCELLED)
 
@@ -163,8 +189,7 @@ class Leg:
     def ensure_closed(self) -> None:
         """Last resort on unexpected errors: never leak a count or a task."""
         if self.is_open and not self.detached:
-            if not self.task.done():
-                self.task.cancel()
+            self.stop()
             self.finish(Outcome.ERROR, fault=False)
 
 

@@ -71,11 +71,17 @@ class Dispatcher:
         self._lingering: dict[Leg, tuple[Attempt, float]] = {}  # leg -> (its attempt, its deadline)
         self._linger_look: asyncio.TimerHandle | None = None
 
-    def retry_abort(self, attempt: Attempt) -> bool:
-        """Whether a router-aborted attempt is re-sent (else the client gets the abort answer)."""
+    def router_abort(self, attempt: Attempt) -> AbortAction | None:
+        """What the request path does with this attempt's answer if it is an abort the router made (None: the
+        router aborted neither of its servers): RETRY, re-sent once the fleet is open (the client has seen
+        nothing of it), or ANSWER, SGLang's abort answer. The attempt's mark says which (a flow's or an
+        operator's abort); an abort seen only from the servers' abort epochs follows `retry_aborted`. The one
+        place that decides it: `LegFailed.abort` carries the decision to the attempt loop."""
         if attempt.abort_action is not None:
-            return attempt.abort_action == AbortAction.RETRY
-        return self._retry_aborted
+            return attempt.abort_action
+        if (attempt.prefill.abort_epoch, attempt.decode.abort_epoch) != attempt.epochs:
+            return AbortAction.RETRY if self._retry_aborted else AbortAction.ANSWER
+        return None
 
     # ---- legs --------------------------------------------------------------------------------------
     def _open_leg(self, worker: Worker, role: Role, coro) -> Leg:
@@ -116,7 +122,7 @@ class Dispatcher:
     def _failure(self, leg: Leg, attempt: Attempt) -> LegFailed | None:
         """Classify a finished leg task: None if it answered 200."""
         task, worker, role = leg.task, leg.worker, leg.role
-        router_abort = attempt.router_aborted()
+        abort = self.router_abort(attempt)
         if task.cancelled():
             if attempt.evicted is not None:
                 return LegFailed(worker, 502, b"", "", retryable=True,
@@ -130,7 +136,7 @@ class Dispatcher:
             # Closed before answering what it was sent (a request that crashes the server looks like this):
             # the request may be why; refused, silent or slow servers are the servers' state.
             closed = isinstance(exc, UpstreamProtocolError) and CLOSED_BEFORE_ANSWER in str(exc)
-            return LegFailed(worker, 502, b"", "", retryable=True, router_abort=router_abort,
+            return LegFailed(worker, 502, b"", "", retryable=True, abort=abort,
                              signature=b"closed before answering" if closed else None,
                              reason=f"{role} {worker.url} failed: {type(exc).__name__}: {exc}")
         status, body, content_type = task.result()[:3]
@@ -138,7 +144,7 @@ class Dispatcher:
             return None
         retryable = status >= 500 or status in RETRYABLE_CLIENT_STATUSES
         text = body[:300].decode(errors="replace")
-        return LegFailed(worker, status, body, content_type, retryable=retryable, router_abort=router_abort,
+        return LegFailed(worker, status, body, content_type, retryable=retryable, abort=abort,
                          signature=answer_signature(status, body) if status in REQUEST_SHAPED else None,
                          reason=f"{role} {worker.url} answered {status}: {text}")
 
@@ -179,7 +185,7 @@ class Dispatcher:
                 logger.warning("prefill %s had not ended its answer %g s after its decode answered: cut and "
                                "aborted (rids %s)", leg.worker.url, self._linger_timeout, attempt.rids)
                 self.abort_on(leg.worker, attempt.rids)
-                leg.task.cancel()  # _finish_later concludes it: an error that counts against the worker
+                leg.stop()  # _finish_later concludes it: an error that counts against the worker
         if self._lingering:
             self._linger_look = asyncio.get_running_loop().call_later(
                 min(self._linger_timeout / LINGER_LOOKS_PER_TIMEOUT, LINGER_LOOK_MAX_S), self._cut_overdue)
@@ -229,10 +235,10 @@ class Dispatcher:
                             other.cancel(attempt.rids)
                             raise failure
             status, body, content_type = d.task.result()
-            if attempt.router_aborted() and self.retry_abort(attempt) and some_sequence_aborted(body):
+            if self.router_abort(attempt) is AbortAction.RETRY and some_sequence_aborted(body):
                 # Nothing has reached the client yet, so even a partial answer can be re-sent whole.
                 p.cancel(attempt.rids)
-                raise LegFailed(d.worker, status, body, content_type, retryable=False, router_abort=True,
+                raise LegFailed(d.worker, status, body, content_type, retryable=False, abort=AbortAction.RETRY,
                                 reason="aborted by the router before the client saw a token")
             if shape.return_logprob:
                 if p.is_open:
@@ -317,11 +323,11 @@ class Dispatcher:
                 p.cancel(attempt.rids)
                 raise failure
             d_resp, events, splitter = d.task.result()[3]
-            if attempt.router_aborted() and self.retry_abort(attempt) \
+            if self.router_abort(attempt) is AbortAction.RETRY \
                     and aborted_before_first_token(sse.parse_event(events[0])):
                 d.finish(Outcome.CANCELLED)
                 p.cancel(attempt.rids)
-                raise LegFailed(d.worker, 200, b"", "", retryable=False, router_abort=True,
+                raise LegFailed(d.worker, 200, b"", "", retryable=False, abort=AbortAction.RETRY,
                                 reason="aborted by the router before the first token")
 
             # Phase 2: the client sees a stream from here on.
@@ -348,8 +354,7 @@ class Dispatcher:
                 self.abort_on(d.worker, attempt.rids)
             d.finish(Outcome.SUCCESS if ok else Outcome.ERROR)
             return response
-        except (asyncio.CancelledError, ClientGone):
-            record.outcome = "client_disconnect"
+        except (asyncio.CancelledError, ClientGone):  # the client left: both legs stop, here and on the servers
             p.cancel(attempt.rids)
             d.cancel(attempt.rids)
             raise

@@ -25,6 +25,7 @@ from router.core.records import RequestObserver, RequestRecord
 from router.core.request_body import NESTING_LIMIT, check_declared_size, decode_content
 from router.core.registry import Registry, Role, Worker
 from router.core.router_identity import HOP_LINE
+from router.core.traffic import AbortAction
 from router.core.request_shape import assign_rid, inject_bootstrap, prompt_text, shape_of
 from router.dataplane.aborts import abort_response
 from router.dataplane.admission import Admission
@@ -99,30 +100,29 @@ class Proxy:
                     message = f"request did not finish within {self._timeout:g} s"
                     if record.response is None:
                         raise GatewayTimeout(message, **_pair_of(record)) from None
-                    record.outcome, record.error = "error", message
+                    record.error = message
                     await end_stream_with_error(record.response, message, 504)
                     response = record.response
             record.status = response.status
             return response
         except RouterError as error:
             record.status = error.status
-            record.outcome = "error"
             record.error = error.message
             raise
         except web.HTTPException as exc:  # aiohttp's own, e.g. 413 while reading the body
             record.status = exc.status
-            record.outcome = "error"
             raise
         except ClientGone:  # writing the stream failed: the client left (its legs are stopped already)
-            record.outcome = "client_disconnect"
+            record.client_gone = True
             record.status = 499
             return record.response  # aiohttp's end of it finds the connection gone, and says nothing
-        except asyncio.CancelledError:
-            record.outcome = "client_disconnect"
+        except asyncio.CancelledError:  # the client left (the handler is cancelled), or the router stops
+            record.client_gone = True
             record.status = 499
             raise
         finally:
             record.e2e_s = time.monotonic() - record.started
+            record.conclude()
             for observe in self.request_observers:
                 observe(record)
 
@@ -189,16 +189,16 @@ class Proxy:
                         return await self._stream(request, upstream_path, attempt, shape, headers, record)
                     return await self._unary(upstream_path, attempt, shape, headers, record)
                 except LegFailed as failure:
-                    if failure.router_abort:
-                        if self._dispatcher.retry_abort(attempt) and aborted_retries < MAX_ABORT_RETRIES:
-                            # Aborted by the router (conversion, weight update) before any token: re-send.
+                    if failure.abort is not None:  # the router aborted its servers (a flow, an operator)
+                        if failure.abort is AbortAction.RETRY and aborted_retries < MAX_ABORT_RETRIES:
+                            # Before any token reached the client: re-sent, once the fleet is open again.
                             aborted_retries += 1
                             record.retries_aborted += 1
                             logger.info("re-sending request aborted by the router on %s (%s)",
                                         failure.worker.url, failure.reason)
                             continue
                         # The servers' answer to the abort was an error or nothing: give SGLang's abort answer.
-                        record.outcome = "aborted"
+                        record.abort_answered = True
                         record.error = failure.reason
                         return abort_response(route, body, shape, attempt.rids,
                                               weight_version=attempt.decode.weight_version)
@@ -209,7 +209,6 @@ class Proxy:
                             # The same failure on another pair: the request's own, not the servers'. Not
                             # retried further, and no breaker counts it.
                             held[:] = [f for f in held if f.signature != failure.signature]
-                            record.outcome = "error"
                             record.error = f"{failure.reason} (the same on {attempt_no} pairs: not retried)"
                             logger.info("request failed the same way on two pairs (%s): answered as the servers "
                                         "did, not retried, counted against no server", failure.reason)
@@ -220,7 +219,6 @@ class Proxy:
                                        failure.worker.url, failure.reason)
                         await asyncio.sleep(self._backoff(attempt_no - 1))
                         continue
-                    record.outcome = "error"
                     record.error = failure.reason
                     return failure.response()
                 finally:
@@ -244,14 +242,9 @@ class Proxy:
             return 0
         count = 0
         for attempt in self.live.on((worker,)):
-            if attempt.streaming:
-                continue
-            for leg in attempt.legs:
-                if leg.worker is worker and leg.is_open and not leg.detached and not leg.task.done():
-                    attempt.evicted = reason
-                    leg.task.cancel()
-                    self._dispatcher.abort_on(worker, attempt.rids)
-                    count += 1
+            if attempt.give_up_on(worker, reason):
+                self._dispatcher.abort_on(worker, attempt.rids)
+                count += 1
         if count:
             logger.warning("re-routing %d request(s) waiting on %s: %s", count, worker.url, reason)
         return count

@@ -75,7 +75,6 @@ async def relay(response: web.StreamResponse, d_resp: UpstreamResponse, events: 
                 tail = (tail + chunk)[-64:]
             saw_done = saw_done or tail.rstrip(b"\r\n").endswith(sse.DONE.rstrip(b"\n"))
     except (UpstreamError, asyncio.TimeoutError) as exc:
-        record.outcome = "error"
         record.error = f"decode stream failed: {exc}"
         logger.warning("decode %s failed mid-stream: %s", record.decode.url if record.decode else "?", exc)
         await write(sse.error_event(f"decode worker failed mid-stream: {type(exc).__name__}: {exc}") + sse.DONE)
@@ -83,7 +82,6 @@ async def relay(response: web.StreamResponse, d_resp: UpstreamResponse, events: 
     if record.events > 1:
         record.itl_s = (last_at - first_at) / (record.events - 1)
     if not saw_done:
-        record.outcome = "error"
         record.error = "decode stream ended without [DONE]"
         await write(sse.error_event("decode worker closed the stream before [DONE]") + sse.DONE)
         return False

@@ -72,11 +72,7 @@ class DataplaneControl:
 
     def cut(self, requests: Iterable[LiveRequest], reason: str) -> None:
         for attempt in requests:
-            if attempt.relaying is not None:
-                attempt.relaying.cut(UpstreamError(reason))
-            for leg in attempt.legs:
-                if leg.is_open and not leg.task.done():
-                    leg.task.cancel()
+            attempt.cut(UpstreamError(reason))
 
     def abort(self, requests: Iterable[LiveRequest]) -> None:
         if self._abort_on is None:

@@ -114,9 +114,8 @@ class RoleSwitch:
                 return reply.data if isinstance(reply.data, dict) else {}
             message = reply.message()
             if reply.status == 0:
-                # Refused connections mean nothing reached the server; a timeout or a cut answer may have.
-                reached = not reply.text.startswith("ClientConnector")
-                raise StepFailed(f"/{api} got no answer: {message}", safe=None if reached else True)
+                # A connection never made means nothing reached the server; a timeout or a cut answer may have.
+                raise StepFailed(f"/{api} got no answer: {message}", safe=None if reply.reached else True)
             data = reply.data if isinstance(reply.data, dict) else {}
             safe = data.get("safe_to_restore")
             if _not_idle(message) and safe is not False:

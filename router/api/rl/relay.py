@@ -16,7 +16,7 @@ from urllib.parse import urlencode
 
 from aiohttp import web
 
-from router.control.upstream import Reply, Upstream
+from router.control.upstream import NoAnswer, Reply, Upstream
 from router.core.errors import RouterError
 from router.core.redact import redact, redact_text
 from router.core.registry import Worker
@@ -95,8 +95,7 @@ def body_of(reply: Reply) -> tuple[object, bool]:
 
 def failure_code(reply: Reply) -> str:
     """SMG's code for a call that got no answer."""
-    cause = reply.text.split(":", 1)[0]
-    return "upstream_timeout" if "Timeout" in cause else "upstream_unreachable"
+    return "upstream_timeout" if reply.no_answer is NoAnswer.TIMEOUT else "upstream_unreachable"
 
 
 class Relay:
