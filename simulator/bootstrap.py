@@ -17,14 +17,27 @@ import asyncio
 import socket
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import aiohttp
 import orjson
 from aiohttp import web
 
+from .requests import HANDSHAKE, TRANSFER, Req
+
 if TYPE_CHECKING:
-    from .engine import Engine, Req
+    from .config import WorkerConfig
+
+
+class Engine(Protocol):
+    """What the bootstrap side uses of a worker's engine (`engine.Engine`, which uses this module)."""
+
+    config: WorkerConfig
+    role: str
+    rooms: RoomStore
+    unhealthy: bool
+
+    async def sleep(self, req: Req, delay: float) -> None: ...
 
 NOT_REGISTERED = "Prefill server not fully registered yet (0 workers registered)."
 TOMBSTONE_TTL_S = 60.0  # how long a failed room keeps answering "failed" to a late decode leg
@@ -283,8 +296,6 @@ class KvClient:
         self.session = session
 
     async def fetch(self, engine: "Engine", req: "Req") -> FetchResult:
-        from .requests import HANDSHAKE, TRANSFER  # noqa: PLC0415
-
         cfg = engine.config
         attempts = 0
         while True:
@@ -307,8 +318,6 @@ class KvClient:
 
     async def _pull_once(self, req: "Req", timeout: float) -> FetchResult | None:
         """One long poll; None if the request was aborted meanwhile (its abort closes the connection)."""
-        from .requests import TRANSFER  # noqa: PLC0415
-
         url = f"http://{req.bootstrap_addr}/_sim/kv/pull"
         body = orjson.dumps({"room": req.room, "rid": req.rid, "timeout": timeout})
         try:

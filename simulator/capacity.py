@@ -19,12 +19,26 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from .requests import FORWARD, QUEUED, WAITING, Req
 
 if TYPE_CHECKING:
-    from .engine import Engine
+    from .config import WorkerConfig
+    from .faults import FaultInjector
+
+
+class Engine(Protocol):
+    """What the forwards and batches use of their engine (`engine.Engine`, which builds them)."""
+
+    config: WorkerConfig
+    faults: FaultInjector
+    pause_mode: str | None
+    last_gen_throughput: float
+
+    def match_prefix(self, req: Req) -> None: ...
+
+    async def sleep(self, req: Req, delay: float) -> None: ...
 
 GEN_THROUGHPUT_STEPS = 40  # SGLang logs (and reports) decode throughput every 40 steps
 

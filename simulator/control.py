@@ -22,7 +22,7 @@ from . import outputs
 from .httputil import empty_response, is_response, json_response, read_json, require_fields, text_response
 
 if TYPE_CHECKING:
-    from .worker import Worker
+    from .server import Server
 
 FLUSH_OK = ("Cache flushed.\nPlease check backend logs for more details. "
             "(When there are running or waiting requests, the operation will not be performed.)\n")
@@ -32,7 +32,7 @@ CACHE_NOT_FLUSHED = ("Weights were updated, but the cache was not flushed becaus
 PAUSE_MODES = ("abort", "retract", "in_place")
 
 
-def add_routes(router: web.UrlDispatcher, worker: "Worker") -> None:
+def add_routes(router: web.UrlDispatcher, worker: "Server") -> None:
     c = Control(worker)
     v = worker.config
     router.add_post("/abort_request", c.abort_request)
@@ -59,7 +59,7 @@ MEMORY_TAGS = ("kv_cache", "weights", "cuda_graph")  # GPU_MEMORY_ALL_TYPES
 
 
 class Control:
-    def __init__(self, worker: "Worker") -> None:
+    def __init__(self, worker: "Server") -> None:
         self.worker = worker
         self.engine = worker.engine
         self.groups: set[str] = set()

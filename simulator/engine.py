@@ -496,11 +496,3 @@ class Engine(EngineControl):
     async def close(self) -> None:
         for batch in self.batches:
             await batch.close()
-
-    # ------------------------------------------------------------ views
-
-    def load(self) -> dict[str, int]:
-        """What the load report counts over every DP rank (loads.py): running, waiting, used tokens, queues."""
-        from .loads import summary  # noqa: PLC0415 (loads reads the engine)
-
-        return summary(self)

@@ -17,7 +17,7 @@ from .httputil import http_error, json_response, value_error
 
 if TYPE_CHECKING:
     from .inputs import GenerateCall
-    from .worker import Worker
+    from .server import Server
 
 SSE_DONE = b"data: [DONE]\n\n"
 
@@ -41,20 +41,20 @@ class StreamState:
 class Format:
     """How one call's items become an HTTP answer (native ``/generate`` here, OpenAI in openai.py)."""
 
-    def stream_state(self, worker: "Worker", reqs: list[Req], call: "GenerateCall") -> StreamState:
+    def stream_state(self, worker: "Server", reqs: list[Req], call: "GenerateCall") -> StreamState:
         return StreamState()
 
-    def whole(self, worker: "Worker", reqs: list[Req], call: "GenerateCall") -> web.Response:
+    def whole(self, worker: "Server", reqs: list[Req], call: "GenerateCall") -> web.Response:
         raise NotImplementedError
 
-    def chunks(self, worker: "Worker", req: Req, state: StreamState, *, batch: bool) -> list[bytes]:
+    def chunks(self, worker: "Server", req: Req, state: StreamState, *, batch: bool) -> list[bytes]:
         raise NotImplementedError
 
-    def failed_chunks(self, worker: "Worker", req: Req, state: StreamState, exc: RequestFailed,
+    def failed_chunks(self, worker: "Server", req: Req, state: StreamState, exc: RequestFailed,
                       *, batch: bool) -> list[bytes]:
         raise NotImplementedError
 
-    def tail(self, worker: "Worker", reqs: list[Req], state: StreamState) -> list[bytes]:
+    def tail(self, worker: "Server", reqs: list[Req], state: StreamState) -> list[bytes]:
         return []
 
     async def rejected_stream(self, request: web.Request, message: str) -> web.StreamResponse:
@@ -75,17 +75,17 @@ class Format:
 
 
 class NativeFormat(Format):
-    def whole(self, worker: "Worker", reqs: list[Req], call: "GenerateCall") -> web.Response:
+    def whole(self, worker: "Server", reqs: list[Req], call: "GenerateCall") -> web.Response:
         outs = [self._final(worker, req) for req in reqs]
         return json_response(outs[0] if call.is_single else outs)
 
     @staticmethod
-    def _final(worker: "Worker", req: Req) -> dict[str, Any]:
+    def _final(worker: "Server", req: Req) -> dict[str, Any]:
         if req.finish_reason and req.finish_reason.get("message") == "Abort in waiting queue":
             return outputs.waiting_abort_output(worker.engine, req)
         return outputs.generate_output(worker.engine, req, finished=True, first=True)
 
-    def chunks(self, worker: "Worker", req: Req, state: StreamState, *, batch: bool) -> list[bytes]:
+    def chunks(self, worker: "Server", req: Req, state: StreamState, *, batch: bool) -> list[bytes]:
         finished = req.done
         out = outputs.generate_output(worker.engine, req, finished=finished, first=not req.first_output_sent)
         req.first_output_sent = True
@@ -95,12 +95,12 @@ class NativeFormat(Format):
             out["index"] = state.extra.setdefault("index", {}).get(req.rid, 0)
         return [sse(out)]
 
-    def stream_state(self, worker: "Worker", reqs: list[Req], call: "GenerateCall") -> StreamState:
+    def stream_state(self, worker: "Server", reqs: list[Req], call: "GenerateCall") -> StreamState:
         state = StreamState()
         state.extra["index"] = {req.rid: i for i, req in enumerate(reqs)}
         return state
 
-    def failed_chunks(self, worker: "Worker", req: Req, state: StreamState, exc: RequestFailed,
+    def failed_chunks(self, worker: "Server", req: Req, state: StreamState, exc: RequestFailed,
                       *, batch: bool) -> list[bytes]:
         out = outputs.failed_output(worker.engine, req, exc.status, exc.message)
         req.first_output_sent = True

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from .worker import Worker
+    from .server import Server
 
 _DATA = Path(__file__).with_name("data") / "sglang_0_5_23_info.json"
 
@@ -25,7 +25,7 @@ def _template() -> dict[str, Any]:
     return json.loads(_DATA.read_text())
 
 
-def _launch_command(worker: "Worker") -> str:
+def _launch_command(worker: "Server") -> str:
     cfg = worker.config
     parts = [f"--model-path {cfg.model_path}", f"--host {cfg.host}", f"--port {worker.port}",
              f"--max-total-tokens {cfg.max_total_tokens}"]
@@ -40,7 +40,7 @@ def _launch_command(worker: "Worker") -> str:
     return " ".join(parts)
 
 
-def server_args(worker: "Worker") -> dict[str, Any]:
+def server_args(worker: "Server") -> dict[str, Any]:
     """The launch arguments as ``/server_info`` reports them (never changed by a role switch)."""
     cfg = worker.config
     args = copy.deepcopy(_template()["server_args"])
@@ -79,7 +79,7 @@ def server_args(worker: "Worker") -> dict[str, Any]:
     return args
 
 
-def internal_state(worker: "Worker", args: dict[str, Any]) -> dict[str, Any]:
+def internal_state(worker: "Server", args: dict[str, Any]) -> dict[str, Any]:
     tpl = _template()
     engine = worker.engine
     top_only = set(tpl["top_level_only"])
@@ -102,7 +102,7 @@ def internal_state(worker: "Worker", args: dict[str, Any]) -> dict[str, Any]:
     return state
 
 
-def server_info(worker: "Worker") -> dict[str, Any]:
+def server_info(worker: "Server") -> dict[str, Any]:
     args = server_args(worker)
     out = dict(args)
     out["internal_states"] = [internal_state(worker, args)]
@@ -112,7 +112,7 @@ def server_info(worker: "Worker") -> dict[str, Any]:
     return out
 
 
-def model_info(worker: "Worker") -> dict[str, Any]:
+def model_info(worker: "Server") -> dict[str, Any]:
     cfg = worker.config
     engine = worker.engine
     if not cfg.at_least("0.5.23"):

@@ -37,7 +37,7 @@ from .requests import BOOTSTRAP, DECODE, FORWARD, HANDSHAKE, QUEUED, RETRACTED, 
 
 if TYPE_CHECKING:
     from .engine import Engine
-    from .worker import Worker
+    from .server import Server
 
 SECTIONS = ("core", "memory", "spec", "lora", "disagg", "queues", "all")
 PROMETHEUS_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -136,7 +136,7 @@ def summary(engine: "Engine") -> dict[str, int]:
             "decode_retracted_queue_reqs": total.retracted}
 
 
-def rows(worker: "Worker") -> list[dict[str, Any]]:
+def rows(worker: "Server") -> list[dict[str, Any]]:
     """Every rank's full row (all sections), in 0.5.23's key order."""
     cfg = worker.config
     engine = worker.engine
@@ -196,7 +196,7 @@ def select(row: dict[str, Any], include: set[str] | None) -> dict[str, Any]:
     return {k: v for k, v in row.items() if not isinstance(v, dict) or k in keep}
 
 
-async def handle_v1_loads(request: web.Request, worker: "Worker") -> web.Response:
+async def handle_v1_loads(request: web.Request, worker: "Server") -> web.Response:
     query = request.query
     include = None
     if query.get("include"):
@@ -255,7 +255,7 @@ def prometheus(selected: list[dict[str, Any]]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def get_load(worker: "Worker") -> Any:
+def get_load(worker: "Server") -> Any:
     """``/get_load`` of 0.4.9 (tokens) and 0.5.6 (one row per DP rank); 0.5.23 has none (404)."""
     load = summary(worker.engine)
     if worker.config.sglang_version == "0.4.9":

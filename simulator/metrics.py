@@ -6,13 +6,15 @@ from typing import TYPE_CHECKING
 
 from aiohttp import web
 
+from .loads import summary
+
 if TYPE_CHECKING:
-    from .worker import Worker
+    from .server import Server
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 
-def add_routes(router: web.UrlDispatcher, worker: "Worker") -> None:
+def add_routes(router: web.UrlDispatcher, worker: "Server") -> None:
     if worker.config.enable_metrics:
         async def metrics(request: web.Request) -> web.Response:
             return web.Response(body=render(worker).encode(), headers={"Content-Type": CONTENT_TYPE})
@@ -20,9 +22,9 @@ def add_routes(router: web.UrlDispatcher, worker: "Worker") -> None:
         router.add_get("/metrics", metrics)
 
 
-def render(worker: "Worker") -> str:
+def render(worker: "Server") -> str:
     engine = worker.engine
-    load = engine.load()
+    load = summary(engine)  # what the load report counts over every DP rank
     counters = engine.counters
     labels = f'model_name="{worker.config.model_name}",engine_type="unified"'
     used = load["used_tokens"]

@@ -22,10 +22,10 @@ from .tokens import apply_chat_template, encode, token_logprob, token_text
 from .formats import Format, StreamState, sse
 
 if TYPE_CHECKING:
-    from .worker import Worker
+    from .server import Server
 
 
-def add_routes(router: web.UrlDispatcher, worker: "Worker") -> None:
+def add_routes(router: web.UrlDispatcher, worker: "Server") -> None:
     routes = OpenAIRoutes(worker)
     router.add_post("/v1/completions", routes.completions)
     router.add_post("/v1/chat/completions", routes.chat_completions)
@@ -38,7 +38,7 @@ def _bad_request(message: str, err_type: str = "BadRequestError") -> web.Respons
 
 
 class OpenAIRoutes:
-    def __init__(self, worker: "Worker") -> None:
+    def __init__(self, worker: "Server") -> None:
         self.worker = worker
 
     def _card(self, name: str) -> dict[str, Any]:
@@ -165,18 +165,18 @@ class OpenAIFormat(Format):
         return {"prompt_tokens": prompt, "total_tokens": prompt + completion, "completion_tokens": completion,
                 "prompt_tokens_details": None, "reasoning_tokens": 0, "completion_tokens_details": None}
 
-    def metadata(self, worker: "Worker", req: Req) -> dict[str, Any]:
+    def metadata(self, worker: "Server", req: Req) -> dict[str, Any]:
         spans = outputs.weight_version_spans(req, len(req.output_ids))
         return {"weight_version": spans[-1]["version"] if spans else worker.engine.weight_version,
                 "weight_versions": spans}
 
-    def stream_state(self, worker: "Worker", reqs: list[Req], call: GenerateCall) -> "StreamState":
+    def stream_state(self, worker: "Server", reqs: list[Req], call: GenerateCall) -> "StreamState":
         state = StreamState()
         state.extra["index"] = {req.rid: i for i, req in enumerate(reqs)}
         state.extra["id"] = reqs[0].rid if reqs else uuid.uuid4().hex
         return state
 
-    def failed_chunks(self, worker: "Worker", req: Req, state: "StreamState", exc: RequestFailed,
+    def failed_chunks(self, worker: "Server", req: Req, state: "StreamState", exc: RequestFailed,
                       *, batch: bool) -> list[bytes]:
         state.finals.add(id(req))
         err_type = {400: "BAD_REQUEST", 500: "INTERNAL_SERVER_ERROR", 503: "SERVICE_UNAVAILABLE"}.get(
@@ -191,7 +191,7 @@ class OpenAIFormat(Format):
             return _bad_request(exc.message)
         return json_response(outputs.http_error(exc.status, exc.message), exc.status)
 
-    def tail(self, worker: "Worker", reqs: list[Req], state: "StreamState") -> list[bytes]:
+    def tail(self, worker: "Server", reqs: list[Req], state: "StreamState") -> list[bytes]:
         if not self.include_usage:
             return []
         return [sse({"id": state.extra["id"], "object": self.chunk_object, "created": self.created,
@@ -216,7 +216,7 @@ class CompletionFormat(OpenAIFormat):
             self.logprobs = True
             self.top_logprobs = int(body["logprobs"])
 
-    def _logprobs(self, worker: "Worker", req: Req, start: int = 0) -> dict[str, Any] | None:
+    def _logprobs(self, worker: "Server", req: Req, start: int = 0) -> dict[str, Any] | None:
         if not self.logprobs:
             return None
         ids = req.output_ids[start:]
@@ -230,7 +230,7 @@ class CompletionFormat(OpenAIFormat):
             out["top_logprobs"].append(tops)
         return out
 
-    def whole(self, worker: "Worker", reqs: list[Req], call: GenerateCall) -> web.Response:
+    def whole(self, worker: "Server", reqs: list[Req], call: GenerateCall) -> web.Response:
         engine = worker.engine
         choices = [{"index": i, "text": outputs.output_text(engine, req), "logprobs": self._logprobs(worker, req),
                     "finish_reason": self.finish(req), "matched_stop": self.matched(req)}
@@ -239,7 +239,7 @@ class CompletionFormat(OpenAIFormat):
                               "model": self.model, "choices": choices, "usage": self.usage(reqs),
                               "metadata": self.metadata(worker, reqs[0])})
 
-    def chunks(self, worker: "Worker", req: Req, state: "StreamState", *, batch: bool) -> list[bytes]:
+    def chunks(self, worker: "Server", req: Req, state: "StreamState", *, batch: bool) -> list[bytes]:
         key = id(req)
         sent = state.sent_len.get(key, 0)
         delta = _text_delta(worker, req, state)
@@ -254,7 +254,7 @@ class CompletionFormat(OpenAIFormat):
                      "choices": [choice], "usage": None})]
 
 
-def _text_delta(worker: "Worker", req: Req, state: "StreamState") -> str:
+def _text_delta(worker: "Server", req: Req, state: "StreamState") -> str:
     """The text not streamed yet (stop strings trimmed, as the whole answer would be)."""
     if worker.engine.role == "prefill" and not req.done:
         return ""
@@ -292,7 +292,7 @@ class ChatFormat(OpenAIFormat):
                             "top_logprobs": tops[: self.top_logprobs]})
         return {"content": content}
 
-    def whole(self, worker: "Worker", reqs: list[Req], call: GenerateCall) -> web.Response:
+    def whole(self, worker: "Server", reqs: list[Req], call: GenerateCall) -> web.Response:
         engine = worker.engine
         choices = [{"index": i,
                     "message": {"role": "assistant", "content": outputs.output_text(engine, req),
@@ -310,7 +310,7 @@ class ChatFormat(OpenAIFormat):
                     "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish,
                                  "matched_stop": matched}]})
 
-    def chunks(self, worker: "Worker", req: Req, state: "StreamState", *, batch: bool) -> list[bytes]:
+    def chunks(self, worker: "Server", req: Req, state: "StreamState", *, batch: bool) -> list[bytes]:
         key = id(req)
         index = state.extra["index"].get(req.rid, 0)
         out: list[bytes] = []

@@ -32,7 +32,7 @@ from .bootstrap import first_free_port
 from .httputil import is_response, json_response, read_json
 
 if TYPE_CHECKING:
-    from .worker import Worker
+    from .server import Server
 
 SIM_FAULT = "simulated conversion failure"
 DEFAULT_IDLE_TIMEOUT_S = 30.0
@@ -40,7 +40,7 @@ MAX_IDLE_TIMEOUT_S = 600.0
 IDLE_POLL_S = 0.01
 
 
-def add_routes(router: web.UrlDispatcher, worker: "Worker") -> None:
+def add_routes(router: web.UrlDispatcher, worker: "Server") -> None:
     switcher = RoleSwitcher(worker)
     if worker.config.api == "convert":
         router.add_post("/convert_pd_role", switcher.convert_pd_role)
@@ -52,7 +52,7 @@ def add_routes(router: web.UrlDispatcher, worker: "Worker") -> None:
 
 
 class RoleSwitcher:
-    def __init__(self, worker: "Worker") -> None:
+    def __init__(self, worker: "Server") -> None:
         self.worker = worker
         self.engine = worker.engine
         self.waiting_for_idle = False  # a /convert_pd_role with check_idle false is waiting for the drain

@@ -19,10 +19,10 @@ from .httputil import json_response, read_json, is_response
 
 if TYPE_CHECKING:
     from .engine import Engine
-    from .worker import Worker
+    from .server import Server
 
 
-def add_routes(router: web.UrlDispatcher, worker: "Worker") -> None:
+def add_routes(router: web.UrlDispatcher, worker: "Server") -> None:
     api = SimApi(worker)
     router.add_get("/_sim/state", api.state)
     router.add_get("/_sim/faults", api.get_faults)
@@ -32,7 +32,7 @@ def add_routes(router: web.UrlDispatcher, worker: "Worker") -> None:
 
 
 class SimApi:
-    def __init__(self, worker: "Worker") -> None:
+    def __init__(self, worker: "Server") -> None:
         self.worker = worker
 
     async def state(self, request: web.Request) -> web.Response:

@@ -11,18 +11,23 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from router.cluster.etcd_types import EtcdError, EtcdLeaseNotFound, EtcdUnavailable
-
-if TYPE_CHECKING:
-    from router.cluster.etcd import EtcdClient
 
 logger = logging.getLogger(__name__)
 
 
+class LeaseCalls(Protocol):
+    """What a keeper asks of its client (`EtcdClient`, which builds keepers: a protocol, not an import)."""
+
+    async def revoke_lease(self, lease_id: int, *, timeout: float | None = None) -> None: ...
+    async def keep_alive_once(self, lease_id: int, *, timeout: float | None = None) -> int: ...
+    def forget(self, owned: object) -> None: ...
+
+
 class LeaseKeeper:
-    def __init__(self, client: EtcdClient, lease_id: int, ttl: int, *, interval: float | None = None,
+    def __init__(self, client: LeaseCalls, lease_id: int, ttl: int, *, interval: float | None = None,
                  since: float | None = None):
         self.client = client
         self.id = lease_id

@@ -16,15 +16,12 @@ import asyncio
 import logging
 import random
 from collections import deque
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import aiohttp
 import orjson
 
 from router.cluster.etcd_types import EtcdCompacted, WatchEvent, b64, header_revision
-
-if TYPE_CHECKING:
-    from router.cluster.etcd import EtcdClient
 
 logger = logging.getLogger(__name__)
 
@@ -33,12 +30,25 @@ logger = logging.getLogger(__name__)
 REQUIRE_LEADER = {"Grpc-Metadata-hasleader": "true", "Content-Type": "application/json"}
 
 
+class WatchCalls(Protocol):
+    """What a watch asks of its client (`EtcdClient`, which builds watches: a protocol, not an import)."""
+
+    session: aiohttp.ClientSession
+    timeout: float
+    connect_timeout: float
+
+    def endpoint_order(self) -> list[str]: ...
+    def prefer(self, endpoint: str) -> None: ...
+    async def healthy(self, endpoint: str, *, timeout: float) -> bool: ...
+    def forget(self, owned: object) -> None: ...
+
+
 class _StreamEnded(Exception):
     """The current stream is unusable: reconnect."""
 
 
 class Watch:
-    def __init__(self, client: EtcdClient, key: bytes, range_end: bytes | None, *, start_revision: int = 0,
+    def __init__(self, client: WatchCalls, key: bytes, range_end: bytes | None, *, start_revision: int = 0,
                  probe_interval: float = 5.0, backoff: tuple[float, float] = (0.05, 1.0)):
         self.client = client
         self.key = key
