@@ -13,7 +13,7 @@ import aiohttp
 import pytest
 
 from router.api.access import PUBLIC_ROUTES, Access, bearer_token, classify, key_matches, routes_by_access
-from router.core.keys import ADMISSION
+from router.dataplane.admission import ADMISSION
 
 from .helpers import wait_for
 

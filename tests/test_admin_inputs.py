@@ -10,7 +10,7 @@ import orjson
 import pytest
 
 from router.core.config import AdmissionConfig
-from router.core.keys import PROXY
+from router.dataplane.proxy import PROXY
 from router.dataplane.live import LiveRequests
 
 from .helpers import wait_for

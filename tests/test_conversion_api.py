@@ -9,7 +9,7 @@ import asyncio
 
 import pytest
 
-from router.core.keys import ADMISSION
+from router.dataplane.admission import ADMISSION
 from router.core.registry import Role, WorkerState
 
 from .helpers import wait_for

@@ -13,10 +13,11 @@ from dataclasses import dataclass, field
 import orjson
 import pytest
 
-from router.api.conversion import CONVERSIONS
+from router.flows.conversion import CONVERSIONS
 from router.server.app import create_app
 from router.core.config import RetryConfig, RouterConfig, WorkerSpec
-from router.core.keys import PROXY, REGISTRY
+from router.core.keys import REGISTRY
+from router.dataplane.proxy import PROXY
 from router.core.registry import Role, WorkerState
 from simulator.fleet import Fleet
 

@@ -14,9 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from router.api.conversion import CONVERSIONS
+from router.flows.conversion import CONVERSIONS
 from router.core.config import RouterConfig, WorkerSpec
-from router.core.keys import ADMISSION, REGISTRY
+from router.core.keys import REGISTRY
+from router.dataplane.admission import ADMISSION
 from router.core.registry import Role, WorkerState
 from router.server.app import create_app
 from simulator.fleet import Fleet

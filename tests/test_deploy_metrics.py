@@ -14,7 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from policies.rebalance import RebalanceConfig
 from router.core.config import BreakerConfig, HealthConfig, LoadMonitorConfig, RetryConfig, RouterConfig, WorkerSpec
-from router.core.keys import METRICS
+from router.obs.metrics import METRICS
 from router.server.app import create_app
 from simulator.fleet import Fleet
 

@@ -11,7 +11,8 @@ import orjson
 import pytest
 
 from router.core.config import AdmissionConfig, BreakerConfig, HealthConfig, RetryConfig
-from router.core.keys import ADMISSION, HEALTH
+from router.control.health import HEALTH
+from router.dataplane.admission import ADMISSION
 from router.core.registry import Role
 from simulator.config import Timing
 from simulator.fleet import Fleet

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from router.core.config import BreakerConfig, HealthConfig, RetryConfig
-from router.core.keys import HEALTH
+from router.control.health import HEALTH
 from router.core.registry import Role, WorkerState
 
 from .helpers import wait_for
@@ -237,7 +237,7 @@ async def test_admin_health_state(fake_fleet, make_router):
 
 async def test_no_probing_while_the_fleet_is_held(fake_fleet, make_router):
     """During a weight update servers are paused and their /health would fail: probes wait for the hold."""
-    from router.core.keys import ADMISSION
+    from router.dataplane.admission import ADMISSION
 
     p, d = await fake_fleet(1, 1)
     client = await make_router([p], [d], health=HealthConfig(interval_secs=0.02, timeout_secs=0.5,

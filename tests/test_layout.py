@@ -1,18 +1,25 @@
-"""The package shows its layers: import direction, no cycles, small modules (issue 12).
+"""The package shows its layers: import direction, no cycles, small modules, typed wiring (issues 12 and 22).
 
-Imports are read from the source (AST), so the test sees what a newcomer reads. Imports under
-`if TYPE_CHECKING:` are for type checkers only and do not count.
+Imports are read from the source (AST), so the test sees what a newcomer reads, and every import counts: at
+the top of a module, inside a function, and under `if TYPE_CHECKING:` (an arrow a type checker follows is an
+arrow a reader follows). Each rule is a function from a checkout's root to its violations, so that
+`test_each_rule_catches_a_planted_violation` can run it on a copy with one planted.
 """
 
 from __future__ import annotations
 
 import ast
+import functools
+import shutil
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
-ROUTER = ROOT / "router"
 MAX_LINES = 600
 MAX_TOP_LEVEL_MODULES = 8
+SIZED = ("router", "policies", "simulator")  # no module of these over MAX_LINES
+ACYCLIC = ("router", "simulator")  # no import cycle within each
 
 # layer -> layers of router/ it may import (besides itself); policies/ is outside router/ and below it
 ALLOWED = {
@@ -26,124 +33,246 @@ ALLOWED = {
     "ctl": set(),
     "server": {"core", "control", "dataplane", "flows", "api", "obs", "cluster"},
 }
+# What a `setup(app)` may not do: it adds routes; the composition root (server/composition.py) builds, stores
+# and starts everything else.
+APP_LIFE = frozenset({"cleanup_ctx", "on_startup", "on_cleanup", "on_shutdown"})
 
 
-def module_name(path: Path) -> str:
-    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+def module_name(path: Path, root: Path = ROOT) -> str:
+    parts = list(path.relative_to(root).with_suffix("").parts)
     if parts[-1] == "__init__":
         parts.pop()
     return ".".join(parts)
 
 
-def _is_type_checking(node: ast.If) -> bool:
-    test = node.test
-    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
-        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+@functools.lru_cache(maxsize=None)
+def _tree(source: str) -> ast.Module:
+    return ast.parse(source)
 
 
-def imports_of(path: Path, *, top_level_only: bool) -> set[str]:
-    """Absolute names of the router/policies modules a module imports at run time."""
-    tree = ast.parse(path.read_text())
-    this = module_name(path)
-    package = this if path.name == "__init__.py" else this.rpartition(".")[0]
+def tree_of(path: Path) -> ast.Module:
+    return _tree(path.read_text())
+
+
+def imports_of(path: Path, root: Path = ROOT) -> set[str]:
+    """Absolute names of the modules (and module attributes) a module imports, wherever the import is."""
+    return set(_imports(path.read_text(), module_name(path, root), path.name == "__init__.py"))
+
+
+@functools.lru_cache(maxsize=None)
+def _imports(source: str, this: str, is_package: bool) -> frozenset[str]:
+    tree = _tree(source)
+    package = this if is_package else this.rpartition(".")[0]
     found: set[str] = set()
-
-    def visit(nodes, nested: bool) -> None:
-        for node in nodes:
-            if isinstance(node, ast.If) and _is_type_checking(node):
-                visit(node.orelse, nested)
-                continue
-            if isinstance(node, ast.Import):
-                found.update(alias.name for alias in node.names)
-            elif isinstance(node, ast.ImportFrom):
-                base = node.module or ""
-                if node.level:
-                    parent = package.split(".")[: len(package.split(".")) - (node.level - 1)]
-                    base = ".".join(parent + ([base] if base else []))
-                found.add(base)
-                for alias in node.names:  # `from router.api import info` imports a module
-                    found.add(f"{base}.{alias.name}")
-            if top_level_only and isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                continue
-            if isinstance(node, ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef | ast.If | ast.Try
-                          | ast.With | ast.AsyncWith | ast.For | ast.AsyncFor | ast.While):
-                visit(getattr(node, "body", []), True)
-                visit(getattr(node, "orelse", []), True)
-                visit(getattr(node, "finalbody", []), True)
-                for handler in getattr(node, "handlers", []):
-                    visit(handler.body, True)
-
-    visit(tree.body, False)
-    return found
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parent = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                base = ".".join(parent + ([base] if base else []))
+            found.add(base)
+            for alias in node.names:  # `from router.api import info` imports a module
+                found.add(f"{base}.{alias.name}")
+    return frozenset(found)
 
 
-def router_modules() -> dict[str, Path]:
-    return {module_name(p): p for p in sorted(ROUTER.rglob("*.py"))}
+def modules_of(root: Path, package: str) -> dict[str, Path]:
+    return {module_name(p, root): p for p in sorted((root / package).rglob("*.py"))}
 
 
-def _known(names: set[str], modules: dict[str, Path]) -> set[str]:
-    return {n for n in names if n in modules}
+# ---- the rules: each returns its violations ------------------------------------------------------------------
+def oversized(root: Path) -> list[str]:
+    return [f"{p.relative_to(root)}: {n} lines" for package in SIZED for p in sorted((root / package).rglob("*.py"))
+            if (n := len(p.read_text().splitlines())) > MAX_LINES]
 
 
-def test_router_top_level_has_few_modules():
-    top = [p.name for p in ROUTER.glob("*.py")]
-    assert len(top) <= MAX_TOP_LEVEL_MODULES, top
-
-
-def test_no_module_of_router_or_policies_is_over_the_limit():
-    too_long = {str(p.relative_to(ROOT)): n for p in [*ROUTER.rglob("*.py"), *(ROOT / "policies").rglob("*.py")]
-                if (n := len(p.read_text().splitlines())) > MAX_LINES}
-    assert not too_long, too_long
-
-
-def test_each_layer_imports_only_the_layers_below_it():
-    modules = router_modules()
+def wrong_layers(root: Path) -> list[str]:
+    """Imports against the layer order (type checkers' included: core names no layer above it at all)."""
+    modules = modules_of(root, "router")
     wrong = []
     for name, path in modules.items():
         parts = name.split(".")
         if len(parts) < 3:
             continue  # router/__init__, router/__main__ assemble everything
-        layer = parts[1]
-        allowed = ALLOWED[layer] | {layer}
-        for target in _known(imports_of(path, top_level_only=False), modules):
+        allowed = ALLOWED[parts[1]] | {parts[1]}
+        for target in sorted(imports_of(path, root) & modules.keys()):
             tparts = target.split(".")
-            if len(tparts) >= 2 and tparts[1] not in allowed and tparts[1] not in ("__init__",):
+            if len(tparts) >= 2 and tparts[1] not in allowed:
                 wrong.append(f"{name} -> {target}")
+    return wrong
+
+
+def request_path_internals(root: Path) -> list[str]:
+    """The flows and the admin API reach the request path only through core's interfaces."""
+    modules = modules_of(root, "router")
+    wrong = []
+    for name, path in modules.items():
+        targets = imports_of(path, root)
+        if name.startswith(("router.flows", "router.api")):
+            wrong += [f"{name} -> {t}" for t in sorted(targets) if t.startswith("router.dataplane")]
+        if name.startswith("router.dataplane"):
+            wrong += [f"{name} -> {t}" for t in sorted(targets) if t.startswith("router.api")]
+    return wrong
+
+
+def cycles(root: Path) -> list[list[str]]:
+    """Import cycles within each package (every import counts, see the module's docstring)."""
+    found = []
+    for package in ACYCLIC:
+        modules = modules_of(root, package)
+        graph = {name: (imports_of(path, root) & modules.keys()) - {name} for name, path in modules.items()}
+        state: dict[str, int] = {}
+        stack: list[str] = []
+
+        def dfs(node: str) -> None:
+            state[node] = 1
+            stack.append(node)
+            for nxt in sorted(graph[node]):
+                if state.get(nxt) == 1:
+                    found.append(stack[stack.index(nxt):] + [nxt])
+                elif nxt not in state:
+                    dfs(nxt)
+            stack.pop()
+            state[node] = 2
+
+        for node in graph:
+            if node not in state:
+                dfs(node)
+    return found
+
+
+def untyped_app_keys(root: Path) -> list[str]:
+    """Every `web.AppKey` is `web.AppKey(name, Type)` with a real type: no key typed `object` (or Any), and
+    none typed for type checkers only."""
+    wrong = []
+    for path in sorted((root / "router").rglob("*.py")):
+        for node in ast.walk(tree_of(path)):
+            if not (isinstance(node, ast.Call) and _name(node.func) == "AppKey"):
+                continue
+            kind = node.args[1] if len(node.args) > 1 else None
+            if kind is None or _name(kind) in ("object", "Any", "None"):
+                wrong.append(f"{path.relative_to(root)}:{node.lineno}: {ast.unparse(node)}")
+    return wrong
+
+
+def setups_beyond_routes(root: Path) -> list[str]:
+    """A module's `setup(app)` adds routes, nothing more: no object stored in the app, no start-up or
+    clean-up hook (that is the composition root's)."""
+    wrong = []
+    for path in sorted((root / "router").rglob("*.py")):
+        for node in ast.walk(tree_of(path)):
+            if not (isinstance(node, ast.FunctionDef) and node.name == "setup"):
+                continue
+            for inner in ast.walk(node):
+                stored = isinstance(inner, ast.Subscript) and isinstance(inner.ctx, ast.Store)
+                hooked = isinstance(inner, ast.Attribute) and inner.attr in APP_LIFE
+                if stored or hooked:
+                    wrong.append(f"{path.relative_to(root)}:{inner.lineno}: {ast.unparse(inner)[:100]}")
+    return wrong
+
+
+def _name(node: ast.AST) -> str | None:
+    if isinstance(node, ast.Name):
+        return node.id
+    if isinstance(node, ast.Attribute):
+        return node.attr
+    return None
+
+
+# ---- the checkout holds them ------------------------------------------------------------------------------
+def test_router_top_level_has_few_modules():
+    top = [p.name for p in (ROOT / "router").glob("*.py")]
+    assert len(top) <= MAX_TOP_LEVEL_MODULES, top
+
+
+def test_no_module_of_router_policies_or_simulator_is_over_the_limit():
+    assert not oversized(ROOT), oversized(ROOT)
+
+
+def test_each_layer_imports_only_the_layers_below_it():
+    wrong = wrong_layers(ROOT)
     assert not wrong, "\n".join(wrong)
 
 
 def test_flows_and_the_rebalancer_stay_off_the_request_path_internals():
-    modules = router_modules()
-    for name, path in modules.items():
-        if name.startswith("router.flows") or name.startswith("router.api"):
-            dataplane = {t for t in imports_of(path, top_level_only=False) if t.startswith("router.dataplane")}
-            assert not dataplane, f"{name} imports {dataplane}"
-    for name, path in modules.items():
-        if name.startswith("router.dataplane"):
-            api = {t for t in imports_of(path, top_level_only=False) if t.startswith("router.api")}
-            assert not api, f"{name} imports {api}"
+    wrong = request_path_internals(ROOT)
+    assert not wrong, "\n".join(wrong)
 
 
 def test_no_import_cycle():
-    modules = router_modules()
-    graph = {name: _known(imports_of(path, top_level_only=True), modules) - {name}
-             for name, path in modules.items()}
-    state: dict[str, int] = {}
-    stack: list[str] = []
-    cycles = []
+    found = cycles(ROOT)
+    assert not found, found
 
-    def dfs(node: str) -> None:
-        state[node] = 1
-        stack.append(node)
-        for nxt in graph[node]:
-            if state.get(nxt) == 1:
-                cycles.append(stack[stack.index(nxt):] + [nxt])
-            elif nxt not in state:
-                dfs(nxt)
-        stack.pop()
-        state[node] = 2
 
-    for node in graph:
-        if node not in state:
-            dfs(node)
-    assert not cycles, cycles
+def test_every_app_key_is_typed():
+    wrong = untyped_app_keys(ROOT)
+    assert not wrong, "\n".join(wrong)
+
+
+def test_setup_functions_only_add_routes():
+    wrong = setups_beyond_routes(ROOT)
+    assert not wrong, "\n".join(wrong)
+
+
+def test_every_test_has_a_deadline(pytestconfig):
+    """pytest-timeout bounds each test (pyproject's `timeout`), so a hang fails one test, not the run."""
+    assert pytestconfig.pluginmanager.hasplugin("timeout")
+    assert float(pytestconfig.getini("timeout")) > 0
+
+
+# ---- and each rule can fail ---------------------------------------------------------------------------------
+PLANTS = {
+    # rule -> (file, text appended)
+    "oversized": (oversized, "simulator/planted.py", "x = 1\n" * (MAX_LINES + 1)),
+    "core names an upper layer for type checkers": (
+        wrong_layers, "router/core/planted.py",
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from router.dataplane.proxy import Proxy\n"),
+    "a flow reaches into the request path": (
+        request_path_internals, "router/flows/planted.py", "def f():\n    from router.dataplane import live\n"),
+    "a cycle through a type checker's import": (
+        cycles, "simulator/planted_a.py",
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .worker import Worker\n"),
+    "a cycle through a function's import": (
+        cycles, "router/core/planted_a.py", "def f():\n    from router.core import planted_b\n"),
+    "a key typed object": (untyped_app_keys, "router/api/planted.py",
+                           "from aiohttp import web\nTHING = web.AppKey('thing', object)\n"),
+    "a key typed for type checkers only": (untyped_app_keys, "router/api/planted.py",
+                                           "from aiohttp import web\nTHING: web.AppKey[int] = web.AppKey('thing')\n"),
+    "a setup that stores an object": (setups_beyond_routes, "router/api/planted.py",
+                                      "def setup(app):\n    app[KEY] = object()\n    app.router.add_get('/x', h)\n"),
+    "a setup that adds a clean-up context": (setups_beyond_routes, "router/obs/planted.py",
+                                             "def setup(app):\n    app.cleanup_ctx.append(ctx)\n"),
+}
+PLANTED_PARTNERS = {  # the other half of a planted cycle
+    "simulator/planted_a.py": ("simulator/worker.py", "from . import planted_a\n"),
+    "router/core/planted_a.py": ("router/core/planted_b.py", "from router.core import planted_a\n"),
+}
+
+
+@pytest.fixture(scope="module")
+def checkout(tmp_path_factory) -> Path:
+    """A copy of the packages the rules read, which the checkout's own tests find clean."""
+    copy = tmp_path_factory.mktemp("checkout")
+    for package in ("router", "policies", "simulator"):
+        shutil.copytree(ROOT / package, copy / package, ignore=shutil.ignore_patterns("__pycache__", "data"))
+    return copy
+
+
+@pytest.mark.parametrize("plant", sorted(PLANTS))
+def test_each_rule_catches_a_planted_violation(checkout, plant):
+    rule, where, text = PLANTS[plant]
+    partner, line = PLANTED_PARTNERS.get(where, (None, ""))
+    before = (checkout / partner).read_text() if partner and (checkout / partner).exists() else None
+    (checkout / where).write_text(text)
+    if partner:
+        (checkout / partner).write_text((before or "") + line)
+    try:
+        assert rule(checkout), f"{rule.__name__} did not see: {plant}"
+    finally:  # the copy is clean again for the next plant
+        (checkout / where).unlink()
+        if partner and before is None:
+            (checkout / partner).unlink()
+        elif partner:
+            (checkout / partner).write_text(before)

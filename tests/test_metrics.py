@@ -8,7 +8,7 @@ import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
 from router.core.config import BreakerConfig, HealthConfig, RetryConfig
-from router.core.keys import METRICS
+from router.obs.metrics import METRICS
 
 from .helpers import free_port, wait_for
 

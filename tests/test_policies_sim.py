@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from router.core.config import LoadMonitorConfig
-from router.core.keys import LOAD_MONITOR
+from router.control.load_monitor import LOAD_MONITOR
 from simulator import expected_generation
 from simulator.fleet import Fleet
 from tests.sim_support import FAST

@@ -9,7 +9,9 @@ from policies import ServerLoad
 from policies.rebalance import RebalanceMode, RebalanceConfig
 from router.server.cli import config_from_args
 from router.core.config import ConfigError, LoadMonitorConfig
-from router.core.keys import LOAD_MONITOR, PROXY, REBALANCER
+from router.control.load_monitor import LOAD_MONITOR
+from router.dataplane.proxy import PROXY
+from router.flows.rebalancer import REBALANCER
 from router.core.registry import Role
 
 from .helpers import wait_for

@@ -15,7 +15,7 @@ import pytest
 
 from policies.rebalance import RebalanceConfig, RebalanceMode
 from router.core.config import BreakerConfig, HealthConfig
-from router.core.keys import REBALANCER
+from router.flows.rebalancer import REBALANCER
 from router.core.registry import Role
 from simulator.fleet import Fleet
 

@@ -10,7 +10,7 @@ import pytest
 
 from router.api.shared_answers import SHARED_ANSWERS, SharedAnswer
 from router.core.errors import ServiceUnavailable
-from router.core.keys import WEIGHTS
+from router.flows.weights import WEIGHTS
 
 from .fakes import INFO_PATHS
 from .helpers import wait_for

@@ -11,7 +11,8 @@ import time
 import pytest
 
 from router.core.config import HealthConfig, RetryConfig, RouterConfig, WorkerSpec
-from router.core.keys import PROXY, TRAFFIC
+from router.core.keys import TRAFFIC
+from router.dataplane.proxy import PROXY
 from router.server.app import create_app
 from simulator.fleet import Fleet
 

@@ -16,7 +16,10 @@ import pytest
 
 from router.server.app import create_app
 from router.core.config import AdmissionConfig, HealthConfig, RouterConfig, WorkerSpec
-from router.core.keys import ADMISSION, PROXY, REGISTRY, WEIGHTS
+from router.core.keys import REGISTRY
+from router.dataplane.admission import ADMISSION
+from router.dataplane.proxy import PROXY
+from router.flows.weights import WEIGHTS
 from router.core.registry import WorkerState
 from simulator.fleet import Fleet
 

@@ -6,7 +6,8 @@ from __future__ import annotations
 from urllib.parse import quote
 
 from router.core.config import BreakerConfig, HealthConfig, RetryConfig
-from router.core.keys import DISCOVERY, PROXY
+from router.control.discovery import DISCOVERY
+from router.dataplane.proxy import PROXY
 
 from .helpers import free_port, wait_for
 from .test_metrics import scrape

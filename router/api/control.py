@@ -12,21 +12,19 @@ nothing was changed).
 from __future__ import annotations
 
 import asyncio
-from typing import Callable
-
 from aiohttp import web
 
 from router.api.bodies import Empty, read_body
 from router.api.control_bodies import (BROADCAST_BODIES, UPDATE_BODIES, AbortRequest, ContinueGeneration,
                                        InitUpdateGroup, PauseGeneration, ReleaseMemory, Retryable, ResumeMemory)
-from router.api.conversion import CONVERSIONS
-from router.api.info import INFO_ANSWER_TTL, any_prefill_first, shared_handler
+from router.api.info import any_prefill_first, shared_handler
 from router.core.errors import BadRequest, NotFound, ServiceUnavailable, json_response
-from router.core.keys import CONFIG, COORDINATOR, LIFECYCLE, METRICS, REGISTRY, TASKS, TRAFFIC, UPSTREAM, WEIGHTS
+from router.control.upstream import UPSTREAM
+from router.core.keys import CONFIG, REGISTRY
 from router.core.redact import redact
 from router.core.router_identity import MARKER_FIELD, marker
 from router.flows.fleet import INFO_TIMEOUT, read_fleet_weight_version
-from router.flows.weights import DISK, DISTRIBUTED, TENSOR, UPDATE_KINDS, VERSION, WeightFlow
+from router.flows.weights import DISK, DISTRIBUTED, TENSOR, VERSION, WEIGHTS, WeightFlow
 
 
 def _flow(request: web.Request) -> WeightFlow:
@@ -179,32 +177,8 @@ async def rejoin(request: web.Request) -> web.Response:
     return json_response(await _flow(request).reconcile())
 
 
-# ---- wiring --------------------------------------------------------------------------------------------
-async def _weights_ctx(app: web.Application):
-    flow = WeightFlow(app[CONFIG], app[REGISTRY], app[UPSTREAM], app[TRAFFIC], app[TASKS].spawn,
-                      coordinator=app[COORDINATOR])
-    app[WEIGHTS] = flow
-    flow.refusing = app[LIFECYCLE].refusal
-    if CONVERSIONS in app:
-        flow.conversions_running = app[CONVERSIONS].running
-    if METRICS in app:
-        flow.observers.append(_metrics_observer(app[METRICS]))
-    flow.start()
-    yield
-    await flow.close()
-
-
-def _metrics_observer(metrics) -> Callable:
-    def observe(op) -> None:
-        if op.kind in UPDATE_KINDS:
-            metrics.observe_weight_update(op.state, op.duration_s or 0.0)
-        metrics.observe_abort(op.kind, op.aborted_requests)
-
-    return observe
-
-
+# ---- routes --------------------------------------------------------------------------------------------
 def setup(app: web.Application) -> None:
-    app.cleanup_ctx.append(_weights_ctx)
     r = app.router
     r.add_post("/abort_request", abort_request)
     r.add_post("/pause_generation", pause_generation)
@@ -219,7 +193,7 @@ def setup(app: web.Application) -> None:
         r.add_route(method, "/resume_memory_occupation", resume_memory_occupation)
     r.add_get("/get_weight_version", get_weight_version)
     r.add_get("/weight_version", get_weight_version)
-    info = shared_handler(app, "model_info", model_info, INFO_ANSWER_TTL)
+    info = shared_handler("model_info", model_info)
     r.add_get("/model_info", info)
     r.add_get("/get_model_info", info)
     r.add_get("/weight_updates", weight_updates)

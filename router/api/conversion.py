@@ -25,12 +25,10 @@ from router.api.bodies import Empty, read_body
 from router.api.conversion_bodies import ConvertPdRole, ConvertWorker, PdRoleSwitch
 from router.api.workers import find_worker
 from router.core.errors import BadRequest, NotFound, RouterError, json_response
-from router.core.keys import ADMISSION, CONFIG, COORDINATOR, LIFECYCLE, METRICS, REGISTRY, TASKS, UPSTREAM
+from router.core.keys import REGISTRY
 from router.core.registry import Worker
-from router.flows.conversion import Conversions
+from router.flows.conversion import CONVERSIONS
 from router.flows.conversion_record import Conversion, Plan
-
-CONVERSIONS = web.AppKey("conversions", Conversions)
 
 
 def worker_by_url(app: web.Application, url: str) -> Worker:
@@ -149,40 +147,7 @@ async def reinstate_worker(request: web.Request) -> web.Response:
     return json_response({"success": True, "message": message, "worker": worker.to_dict()})
 
 
-def _metrics_observer(metrics):
-    def observe(event: str, conversion: Conversion, details: dict) -> None:
-        if event == "finished":
-            metrics.observe_conversion(conversion.outcome.value, conversion.duration_s or 0.0)
-        elif event == "abort_all":
-            metrics.observe_abort("conversion", details.get("inflight", 0))
-    return observe
-
-
-async def _conversions_ctx(app: web.Application):
-    config, admission = app[CONFIG], app[ADMISSION]
-
-    def fleet_busy() -> str | None:
-        if (refusal := app[LIFECYCLE].refusal()) is not None:
-            return f"{refusal}: no conversion starts now"
-        if admission.is_open:
-            return None
-        return (f"the fleet is held ({', '.join(admission.state()['holds'])}): convert once that operation "
-                f"has ended")
-
-    conversions = Conversions(app[REGISTRY], app[UPSTREAM], app[TASKS].spawn,
-                              drain_timeout_s=config.drain_timeout_secs,
-                              switch_timeout_s=config.switch_timeout_secs, fleet_busy=fleet_busy,
-                              coordinator=app[COORDINATOR])
-    app[CONVERSIONS] = conversions
-    if METRICS in app:
-        conversions.observers.append(_metrics_observer(app[METRICS]))
-    yield
-    await conversions.close()
-
-
 def setup(app: web.Application) -> None:
-    """Call after the session context is registered (the flows use its upstream client)."""
-    app.cleanup_ctx.append(_conversions_ctx)
     r = app.router
     r.add_post("/convert_pd_role", convert_pd_role)
     r.add_post("/pd_role_switch", pd_role_switch)

@@ -8,10 +8,11 @@ from urllib.parse import urlencode
 
 from aiohttp import web
 
-from router.api.shared_answers import shared_answer
+from router.api.shared_answers import SHARED_ANSWERS
 from router.control.upstream import Reply, fan_out
 from router.core.errors import ServiceUnavailable, json_response
-from router.core.keys import ADMISSION, LIFECYCLE, REGISTRY, UPSTREAM
+from router.control.upstream import UPSTREAM
+from router.core.keys import LIFECYCLE, REGISTRY, TRAFFIC
 from router.core.redact import redact
 from router.core.registry import Registry, Role, Worker, WorkerState
 from router.core.router_identity import MARKER_FIELD, marker
@@ -19,6 +20,10 @@ from router.core.router_identity import MARKER_FIELD, marker
 ADMIN_TIMEOUT = 30.0
 # How long the public info routes reuse an answer (any registry change drops it sooner).
 INFO_ANSWER_TTL = 1.0
+# The routes answered once for concurrent callers (api/shared_answers.py), by name, and how long an answer is
+# reused: the info routes' (/model_info is api/control.py's), and /health_generate's, fresh each time.
+SHARED_ROUTES = {"health_generate": 0.0, "server_info": INFO_ANSWER_TTL, "model_info": INFO_ANSWER_TTL,
+                 "models": INFO_ANSWER_TTL}
 
 
 def worker_outcomes(results: Iterable[tuple[Worker, Reply]]) -> list[dict]:
@@ -46,9 +51,10 @@ async def health(request: web.Request) -> web.Response:
                              "unhealthy": sum(not w.healthy for w in members),
                              "breaker_open": sum(w.breaker == "open" for w in members)}
     ready = all(p["routable"] > 0 for p in pools.values())
-    admission = request.app[ADMISSION]
+    admission = request.app[TRAFFIC].admission_state()
     body = {"status": "ok" if ready else "unavailable", "pools": pools,
-            "admission": {"in_flight": admission.active, "queued": admission.waiting, "held": not admission.is_open}}
+            "admission": {"in_flight": admission["active"], "queued": admission["waiting"],
+                          "held": not admission["open"]}}
     lifecycle = request.app[LIFECYCLE]
     if lifecycle.shutting_down:  # a balancer stops sending here; keep-alive connections still get an answer
         body.update(status="shutting down", shutdown=lifecycle.to_dict(), message=lifecycle.refusal())
@@ -111,13 +117,13 @@ async def models(app: web.Application) -> tuple[dict, int]:
     raise ServiceUnavailable(f"no worker answered: {last.message()}")
 
 
-def shared_handler(app: web.Application, name: str, produce, ttl: float = 0.0):
+def shared_handler(name: str, produce):
     """A GET handler answering `produce(app)`'s (body, status), computed once for concurrent callers (and
-    reused `ttl` seconds): see shared_answers."""
-    answer = shared_answer(app, name, ttl)
+    reused for the time SHARED_ROUTES gives `name`): see shared_answers."""
 
     async def handler(request: web.Request) -> web.Response:
-        body, status = await answer.get(lambda: produce(app))
+        app = request.app
+        body, status = await app[SHARED_ANSWERS][name].get(lambda: produce(app))
         return json_response(body, status=status)
 
     handler.__name__ = name
@@ -127,11 +133,11 @@ def shared_handler(app: web.Application, name: str, produce, ttl: float = 0.0):
 def setup(app: web.Application) -> None:
     r = app.router
     r.add_get("/health", health)
-    r.add_get("/health_generate", shared_handler(app, "health_generate", health_generate))
+    r.add_get("/health_generate", shared_handler("health_generate", health_generate))
     r.add_route("POST", "/flush_cache", flush_cache)
     r.add_route("GET", "/flush_cache", flush_cache)
-    info = shared_handler(app, "server_info", server_info, INFO_ANSWER_TTL)
+    info = shared_handler("server_info", server_info)
     r.add_get("/get_server_info", info)
     r.add_get("/server_info", info)
     # /model_info and /get_model_info: api_control (with the fleet's live weight version)
-    r.add_get("/v1/models", shared_handler(app, "models", models, INFO_ANSWER_TTL))
+    r.add_get("/v1/models", shared_handler("models", models))

@@ -210,17 +210,13 @@ def _version() -> str:
         return "0"
 
 
-DOCUMENT = web.AppKey("openapi_document", dict)
-
-
-async def openapi_document(request: web.Request) -> web.Response:
-    """This API, as an OpenAPI 3.1 document."""
-    document = request.app[DOCUMENT]
-    if not document:  # built once, from the route table as it serves (frozen by then)
-        document.update(build_document(request.app))
-    return json_response(document)
-
-
 def setup(app: web.Application) -> None:
-    app[DOCUMENT] = {}
+    document: dict = {}
+
+    async def openapi_document(request: web.Request) -> web.Response:
+        """This API, as an OpenAPI 3.1 document."""
+        if not document:  # built once, from the route table as it serves (frozen by then)
+            document.update(build_document(request.app))
+        return json_response(document)
+
     app.router.add_get("/openapi.json", openapi_document)

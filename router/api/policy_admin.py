@@ -14,8 +14,10 @@ from policies import effective_load
 from policies.rebalance import UnknownFields
 from router.api.bodies import read_json_object
 from router.core.errors import BadRequest, RouterError, json_response
-from router.core.keys import CONFIG, LOAD_MONITOR, PROXY, REBALANCER, REGISTRY
+from router.control.load_monitor import LOAD_MONITOR
+from router.core.keys import CONFIG, POLICIES, REGISTRY
 from router.core.registry import Role, Worker
+from router.flows.rebalancer import REBALANCER
 
 
 class Unprocessable(RouterError):
@@ -46,12 +48,12 @@ def worker_load(worker: Worker, now: float) -> dict:
 
 async def get_policies(request: web.Request) -> web.Response:
     app = request.app
-    proxy, registry, monitor = app[PROXY], app[REGISTRY], app[LOAD_MONITOR]
+    policies, registry, monitor = app[POLICIES], app[REGISTRY], app[LOAD_MONITOR]
     now = monitor.clock()
     pools = {}
     for role in Role:
         pools[role.value] = {
-            "policy": proxy.policies[role].state(),
+            "policy": policies[role].state(),
             "workers": [worker_load(w, now) for w in registry.workers(role)],
         }
     return json_response({"pools": pools, "params": _params(app[CONFIG].policy_params),

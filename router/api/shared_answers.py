@@ -17,7 +17,7 @@ from typing import Any, Awaitable, Callable
 
 from aiohttp import web
 
-from router.core.keys import REGISTRY
+from router.core.registry import Registry
 
 Produce = Callable[[], Awaitable[Any]]
 
@@ -70,26 +70,24 @@ class SharedAnswer:
             self._running.cancel()
 
 
-SHARED_ANSWERS = web.AppKey("shared_answers", dict)
+class SharedAnswers:
+    """The router's SharedAnswer of each shared route, by name (routes that give the same answer share one),
+    each with its TTL; any change to the registry drops every kept answer."""
+
+    def __init__(self, registry: Registry, ttls: dict[str, float]) -> None:
+        self._answers = {name: SharedAnswer(ttl) for name, ttl in ttls.items()}
+        registry.subscribe(self._on_registry_event)
+
+    def __getitem__(self, name: str) -> SharedAnswer:
+        return self._answers[name]
+
+    def _on_registry_event(self, event: str, worker, details: dict) -> None:
+        for answer in self._answers.values():
+            answer.invalidate()
+
+    def close(self) -> None:
+        for answer in self._answers.values():
+            answer.close()
 
 
-def shared_answer(app: web.Application, name: str, ttl: float = 0.0) -> SharedAnswer:
-    """The app's SharedAnswer for a route (routes that give the same answer share a name)."""
-    if SHARED_ANSWERS not in app:
-        app[SHARED_ANSWERS] = {}
-        app[REGISTRY].subscribe(lambda event, worker, details: _invalidate_all(app))
-        app.on_cleanup.append(_close_all)
-    answers = app[SHARED_ANSWERS]
-    if name not in answers:
-        answers[name] = SharedAnswer(ttl)
-    return answers[name]
-
-
-def _invalidate_all(app: web.Application) -> None:
-    for answer in app[SHARED_ANSWERS].values():
-        answer.invalidate()
-
-
-async def _close_all(app: web.Application) -> None:
-    for answer in app[SHARED_ANSWERS].values():
-        answer.close()
+SHARED_ANSWERS = web.AppKey("shared_answers", SharedAnswers)

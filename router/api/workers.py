@@ -10,12 +10,14 @@ from urllib.parse import unquote, urlsplit
 from aiohttp import web
 
 from router.api.bodies import read_json_object
-from router.control.discovery import read_live_state, rejoin_check
+from router.control.discovery import DISCOVERY, read_live_state, rejoin_check
+from router.control.upstream import UPSTREAM
+from router.control.worker_sources import WORKER_SOURCES
 from router.core.config import DISCOVER, validate_port
-from router.core.allowlists import WorkerAllowList, resolve
+from router.core.allowlists import resolve
 from router.core.errors import (BadRequest, Conflict, Forbidden, NotFound, ServiceUnavailable, WorkerRemoved,
                                 json_response)
-from router.core.keys import CONFIG, COORDINATOR, DISCOVERY, REGISTRY, UPSTREAM, WORKER_SOURCES
+from router.core.keys import CONFIG, COORDINATOR, REGISTRY, WORKER_ALLOW
 from router.core.registry import DuplicateWorker, Role, Worker, WorkerState
 from router.core.router_identity import is_own_address, literal_addresses, router_description, router_instance_of
 from router.core.worker_url import BadWorkerUrl, identity, parse_worker_url
@@ -24,7 +26,6 @@ from router.core.worker_url import BadWorkerUrl, identity, parse_worker_url
 REGISTER_SETTLE_SECS = 5.0
 RESOLVE_TIMEOUT_S = 2.0
 PROBE_TIMEOUT_S = 5.0  # asking a server being registered whether it is a pd-router
-WORKER_ALLOW = web.AppKey("worker_allow", WorkerAllowList)
 BUSY_STATES = (WorkerState.DRAINING, WorkerState.ABORTING, WorkerState.CONVERTING, WorkerState.VERIFYING)
 
 
@@ -281,7 +282,6 @@ async def register(request: web.Request) -> web.Response:
 
 
 def setup(app: web.Application) -> None:
-    app[WORKER_ALLOW] = WorkerAllowList.parse(app[CONFIG].worker_allow)
     r = app.router
     r.add_get("/workers", list_workers)
     r.add_post("/workers", add_worker_json)

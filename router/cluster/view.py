@@ -10,17 +10,13 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import TYPE_CHECKING
-
 from aiohttp import web
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from router.cluster.etcd_types import EtcdError
 from router.cluster.keys import decode
+from router.cluster.runtime import Cluster
 from router.core.errors import json_response
-
-if TYPE_CHECKING:
-    from router.cluster.runtime import Cluster
 
 LEASE_INFO_TIMEOUT_S = 1.0
 
@@ -86,7 +82,7 @@ async def cluster_view(request: web.Request) -> web.Response:
     return json_response(await describe(request.app[CLUSTER]))
 
 
-CLUSTER: web.AppKey[Cluster] = web.AppKey("cluster")
+CLUSTER = web.AppKey("cluster", Cluster)
 
 
 class ClusterCollector:

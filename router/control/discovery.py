@@ -24,6 +24,8 @@ import logging
 from dataclasses import dataclass
 from typing import Awaitable, Callable
 
+from aiohttp import web
+
 from router.control.upstream import (
     Upstream,
     bootstrap_port_of,
@@ -303,3 +305,6 @@ class Discovery:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         self._tasks.clear()
+
+
+DISCOVERY = web.AppKey("discovery", Discovery)

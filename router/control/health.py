@@ -29,10 +29,10 @@ import time
 from dataclasses import dataclass
 from typing import Awaitable, Callable
 
+from aiohttp import web
+
 from router.control.upstream import Upstream
 from router.core.config import BreakerConfig, HealthConfig
-from router.core.errors import json_response
-from router.core.keys import ADMISSION, CONFIG, DISCOVERY, HEALTH, PROXY, REGISTRY, UPSTREAM
 from router.core.registry import Registry, Worker, WorkerState
 from router.core.routability import HoldKind, rejoin_refusal  # noqa: F401 (rejoin_refusal: importable here too)
 
@@ -165,7 +165,9 @@ class WorkerHealth:
 
 class HealthMonitor:
     def __init__(self, registry: Registry, upstream: Upstream, health: HealthConfig, breaker: BreakerConfig,
-                 *, clock: Callable[[], float] = time.monotonic, is_held: Callable[[], bool] = lambda: False) -> None:
+                 *, clock: Callable[[], float] = time.monotonic, is_held: Callable[[], bool] = lambda: False,
+                 refresh: Callable[[Worker], Awaitable[object]] | None = None,
+                 on_down: list[Callable[[Worker, str], object]] | None = None) -> None:
         self.registry = registry
         # True while a fleet-wide hold (weight update) is on: servers are paused and a real server's /health
         # waits for progress that cannot come, so probes then would only condemn healthy workers.
@@ -176,14 +178,14 @@ class HealthMonitor:
         self.clock = clock
         # Reads a server's live state again into the registry (Discovery.refresh): a worker coming back from
         # being unhealthy may have been restarted, converted or updated meanwhile.
-        self.refresh: Callable[[Worker], Awaitable[object]] | None = None
+        self.refresh = refresh
         self._records: dict[str, WorkerHealth] = {}
         self._loop_task: asyncio.Task | None = None
         self._closed = False
         self.rounds = 0  # probe rounds run (tests wait on it)
         # Called with (worker, reason) when probes declare a worker down: the proxy re-routes the requests
         # still waiting on it (Proxy.evict), which would otherwise wait for the request deadline.
-        self.on_down: list[Callable[[Worker, str], object]] = []
+        self.on_down = on_down if on_down is not None else []
         registry.subscribe(self._on_registry_event)
 
     # ---- lifecycle --------------------------------------------------------------------------------------
@@ -349,27 +351,4 @@ class HealthMonitor:
         return self._records.get(worker.id)
 
 
-# ---- wiring -----------------------------------------------------------------------------------------------
-async def _health_ctx(app):
-    config = app[CONFIG]
-    admission = app[ADMISSION]
-    monitor = HealthMonitor(app[REGISTRY], app[UPSTREAM], config.health, config.breaker,
-                            is_held=lambda: not admission.is_open)
-    monitor.refresh = app[DISCOVERY].refresh
-    app[HEALTH] = monitor
-    app[PROXY].leg_observers.append(monitor.on_leg)
-    monitor.on_down.append(app[PROXY].evict)
-    monitor.start()
-    yield
-    await monitor.close()
-
-
-async def health_state(request):
-    # `warnings`: what the configuration leaves unsafe (admin routes open to the network), as logged at start.
-    return json_response({**request.app[HEALTH].state(), "warnings": request.app[CONFIG].warnings()})
-
-
-def setup(app) -> None:
-    """Start the monitor after the session (it needs the upstream client and the proxy); `GET /admin/health`."""
-    app.cleanup_ctx.append(_health_ctx)
-    app.router.add_get("/admin/health", health_state)
+HEALTH = web.AppKey("health", HealthMonitor)

@@ -22,6 +22,8 @@ import logging
 import time
 from typing import Callable
 
+from aiohttp import web
+
 from policies import ServerLoad
 from policies.load_report import LoadReport
 from router.control.upstream import Upstream
@@ -115,3 +117,6 @@ class LoadMonitor:
             "last_round_age_secs": None if self.last_round_at is None
             else round(self.clock() - self.last_round_at, 3),
         }
+
+
+LOAD_MONITOR = web.AppKey("load_monitor", LoadMonitor)

@@ -18,6 +18,7 @@ from urllib.parse import unquote
 
 import aiohttp
 import orjson
+from aiohttp import web
 
 from policies.load_report import LoadReport, parse_loads
 from router.core.redact import redact_text
@@ -273,3 +274,6 @@ def switch_api_of(server_info: Any) -> str | None:
     if server_info.get("enable_pd_convert"):
         return "convert_pd_role"
     return None
+
+
+UPSTREAM = web.AppKey("upstream", Upstream)  # the control plane's client of the servers

@@ -20,7 +20,9 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Awaitable, Callable, Mapping
+from typing import Awaitable, Callable, Mapping, Protocol
+
+from aiohttp import web
 
 from router.core.config import DISCOVER, validate_port
 from router.core.worker_url import BadWorkerUrl, parse_worker_url
@@ -274,3 +276,38 @@ class SourceReconciler:
         return {"source": self.name, "listed": len(self.listed), "registered": len(self._owned),
                 "error": self.error, "error_since": self.error_since, "applied_at": self.applied_at,
                 "workers": entries}
+
+
+class WorkerSource(Protocol):
+    """One listing of workers kept outside the router (`--discovery-file`, `--discovery-etcd-endpoints`)."""
+
+    reconciler: SourceReconciler
+
+    async def load(self) -> None: ...
+    def start(self, spawn: Callable[[Awaitable], asyncio.Task]) -> None: ...
+    async def close(self) -> None: ...
+    def to_dict(self) -> dict: ...
+
+
+class WorkerSources:
+    """The sources the command line names, as one: loaded before the servers are first read, watched after."""
+
+    def __init__(self, sources: list[WorkerSource]) -> None:
+        self.sources = sources
+
+    async def load(self) -> None:
+        """Every source's first listing, registered pending: read with the command line's workers."""
+        await asyncio.gather(*(source.load() for source in self.sources))
+
+    def start(self, spawn: Callable[[Awaitable], asyncio.Task]) -> None:
+        for source in self.sources:
+            source.start(spawn)
+
+    async def close(self) -> None:
+        await asyncio.gather(*(source.close() for source in self.sources))
+
+    def to_dict(self) -> dict:
+        return {"sources": [source.to_dict() for source in self.sources]}
+
+
+WORKER_SOURCES = web.AppKey("worker_sources", WorkerSources)  # GET /admin/discovery

@@ -1,41 +1,34 @@
-"""Typed keys of the objects the application owns (one module, so handlers need not import app).
+"""The application keys of core's own types.
 
-The types are named for type checkers only: core must not import the layers above it at run time.
+Every key is typed (`web.AppKey(name, Type)`) and declared beside its type: the keys below hold core's
+objects; a key of an upper layer's object is declared in the module that defines its class (`PROXY` in
+`dataplane/proxy.py`, `UPSTREAM` in `control/upstream.py`, `WEIGHTS` in `flows/weights.py`, ...), so one
+import gives a handler the key and the type, and core names no layer above it. Only the composition root
+(`server/composition.py`) stores objects under them.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import aiohttp
 from aiohttp import web
 
+from policies import Policy
+from router.core.allowlists import WorkerAllowList
 from router.core.config import RouterConfig
 from router.core.coordination import Coordinator
 from router.core.lifecycle import Lifecycle
 from router.core.registry import Registry
+from router.core.states import Role
+from router.core.tasks import BackgroundTasks
 from router.core.traffic import RequestPathControl
-
-if TYPE_CHECKING:
-    from router.control.health import HealthMonitor
-    from router.control.upstream import Upstream
-    from router.dataplane.admission import Admission
-    from router.obs.metrics import RouterMetrics
 
 CONFIG = web.AppKey("config", RouterConfig)
 REGISTRY = web.AppKey("registry", Registry)
-SESSION = web.AppKey("session", aiohttp.ClientSession)
-UPSTREAM: web.AppKey[Upstream] = web.AppKey("upstream")
-ADMISSION: web.AppKey[Admission] = web.AppKey("admission")
-PROXY = web.AppKey("proxy", object)
+SESSION = web.AppKey("session", aiohttp.ClientSession)  # the control plane's one client session
+TASKS = web.AppKey("tasks", BackgroundTasks)
+LIFECYCLE = web.AppKey("lifecycle", Lifecycle)  # serving, or shutting down
 TRAFFIC = web.AppKey("traffic", RequestPathControl)  # the request path as the flows see it
 COORDINATOR = web.AppKey("coordinator", Coordinator)  # the other router replicas of the fleet, as flows see them
-TASKS = web.AppKey("tasks", object)
-DISCOVERY = web.AppKey("discovery", object)
-HEALTH: web.AppKey[HealthMonitor] = web.AppKey("health")
-LOAD_MONITOR = web.AppKey("load_monitor", object)
-REBALANCER = web.AppKey("rebalancer", object)
-METRICS: web.AppKey[RouterMetrics] = web.AppKey("metrics")
-WEIGHTS = web.AppKey("weights", object)  # flows.weights.WeightFlow
-LIFECYCLE = web.AppKey("lifecycle", Lifecycle)  # serving, or shutting down
-WORKER_SOURCES = web.AppKey("worker_sources", object)  # server.worker_sources.WorkerSources
+# Each pool's policy (the request path's own: admin views and upkeep read the same objects).
+POLICIES: web.AppKey[dict[Role, Policy]] = web.AppKey("policies", dict)
+WORKER_ALLOW = web.AppKey("worker_allow", WorkerAllowList)  # --worker-allow

@@ -15,6 +15,8 @@ import asyncio
 import collections
 import time
 
+from aiohttp import web
+
 from router.core.config import AdmissionConfig
 from router.core.errors import ServiceUnavailable, TooManyRequests
 
@@ -182,3 +184,6 @@ class _Slot:
 
     async def __aexit__(self, *exc) -> None:
         self._admission._leave()
+
+
+ADMISSION = web.AppKey("admission", Admission)

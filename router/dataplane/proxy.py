@@ -46,8 +46,9 @@ class Proxy:
     """One client request from admission to its record: attempts on fresh pairs until one answers."""
 
     def __init__(self, *, config: RouterConfig, registry: Registry, upstream: UpstreamPool,
-                 prefill_policy: Policy, decode_policy: Policy, admission: Admission,
+                 policies: dict[Role, Policy], admission: Admission,
                  spawn: Callable[[Awaitable], asyncio.Task]) -> None:
+        """`policies`: each pool's policy (the dict is kept: admin views and upkeep read the same objects)."""
         self.config = config
         self.registry = registry
         # With a worker key, every call to a worker carries it (the client's own Authorization is for us).
@@ -56,20 +57,19 @@ class Proxy:
         self.live = live = LiveRequests()  # attempts in flight, by rid (abort endpoint, flows)
         self._dispatcher = dispatcher = Dispatcher(
             registry=registry, upstream=upstream, spawn=spawn,
-            policies={Role.PREFILL: prefill_policy, Role.DECODE: decode_policy},
+            policies=policies,
             abort_headers=HOP_LINE + (header_lines({"Authorization": self._worker_auth}) if self._worker_auth
                                       else b""),
             retry_aborted=config.retry.retry_aborted, live=live,
             linger_timeout=config.upstream_idle_timeout_secs or None)
-        # The dispatcher's own dict and list, under the names the app and the policy runtime use.
-        self.policies = dispatcher.policies
-        self.leg_observers = dispatcher.leg_observers
+        self.policies = policies
+        self.leg_observers = dispatcher.leg_observers  # (worker, verdict) of every leg: passive health
         # Bound once: the attempt loop calls them without a hop through the dispatcher.
         self._unary = dispatcher.unary
         self.abort_on = dispatcher.abort_on  # (worker, rids): in the background, over the legs' pool
         self._stream = dispatcher.stream
         self.request_observers: list[RequestObserver] = []
-        self._needs_text = prefill_policy.needs_text or decode_policy.needs_text
+        self._needs_text = any(policy.needs_text for policy in policies.values())
         self._timeout = config.request_timeout_secs
         self._retry = config.retry
         self._max_payload = config.admission.max_payload_size
@@ -254,3 +254,6 @@ def _pair_of(record: RequestRecord) -> dict:
     """The pair an error happened on, for the error body (operators and the soak run attribute failures)."""
     return {"prefill": record.prefill.url if record.prefill else None,
             "decode": record.decode.url if record.decode else None}
+
+
+PROXY = web.AppKey("proxy", Proxy)

@@ -27,6 +27,8 @@ import logging
 import time
 from typing import Any, Awaitable, Callable
 
+from aiohttp import web
+
 from router.control.discovery import rejoin_check
 from router.control.upstream import Upstream
 from router.core.coordination import Coordinator, LocalCoordinator, StopAction, Ticket, while_owned, worker_scope
@@ -55,7 +57,8 @@ class Conversions:
                  drain_timeout_s: float = 300.0, switch_timeout_s: float = 120.0,
                  verify_timeout_s: float = VERIFY_TIMEOUT_SECS, history_size: int = HISTORY_SIZE,
                  fleet_busy: Callable[[], str | None] = lambda: None,
-                 coordinator: Coordinator | None = None) -> None:
+                 coordinator: Coordinator | None = None,
+                 observers: list[Callable[[str, Conversion, dict], None]] | None = None) -> None:
         self.registry = registry
         self.upstream = upstream
         self.server = RoleSwitch(registry, upstream)  # the calls to the server being converted
@@ -76,7 +79,7 @@ class Conversions:
         self._history_size = history_size
         # (event, conversion, details): "finished" once per conversion (refusals included); "abort_all" per
         # abort sent, with `inflight` = the router's requests it aborted (counted once per conversion)
-        self.observers: list[Callable[[str, Conversion, dict], None]] = []
+        self.observers = observers if observers is not None else []
 
     # ---- reads -------------------------------------------------------------------------------------
     def running(self) -> list[Conversion]:
@@ -482,3 +485,6 @@ class Conversions:
             task.cancel()
         if tasks:
             await asyncio.gather(*tasks, return_exceptions=True)
+
+
+CONVERSIONS = web.AppKey("conversions", Conversions)

@@ -97,18 +97,20 @@ class OperationRunner:
     its turn up to `timeout_s`, then gets 409."""
 
     def __init__(self, timeout_s: float, spawn: Callable[[Awaitable], asyncio.Task],
-                 coordinator: Coordinator | None = None) -> None:
+                 coordinator: Coordinator | None = None, *, refusing: Callable[[], str | None] = lambda: None,
+                 observers: list[Callable[["Operation"], None]] | None = None) -> None:
+        """`refusing`: why no new operation may start now (the router shuts down), or None; `observers`: told
+        of every finished operation (metrics)."""
         self.timeout_s = timeout_s
         self.spawn = spawn
         self.coordinator = coordinator or LocalCoordinator()
         self.current: Operation | None = None
         self.history: collections.deque[Operation] = collections.deque(maxlen=HISTORY_SIZE)
-        self.observers: list[Callable[[Operation], None]] = []  # told of every finished operation (metrics)
+        self.observers = observers if observers is not None else []
         # Held while an operation runs; whatever must not change the fleet under one (the reconciler) takes it.
         self.lock = asyncio.Lock()
         self._ids = itertools.count(1)
-        # Why no new operation may start now (the router is shutting down), or None (set by the app).
-        self.refusing: Callable[[], str | None] = lambda: None
+        self.refusing = refusing
         self._task: asyncio.Task | None = None  # the running operation's task
         self._rolling_back = False
 

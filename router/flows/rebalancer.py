@@ -27,6 +27,8 @@ from collections import Counter, deque
 from dataclasses import dataclass
 from typing import Awaitable, Callable, Protocol
 
+from aiohttp import web
+
 from policies.rebalance import (
     Decision,
     Observation,
@@ -372,3 +374,6 @@ class Rebalancer:
 
 def _age(now: float, then: float | None) -> float | None:
     return None if then is None else round(now - then, 3)
+
+
+REBALANCER = web.AppKey("rebalancer", Rebalancer)

@@ -34,6 +34,8 @@ import time
 from contextlib import asynccontextmanager
 from typing import Awaitable, Callable
 
+from aiohttp import web
+
 from router.control.upstream import Upstream, fan_out
 from router.core.config import RouterConfig
 from router.core.coordination import Coordinator, LocalCoordinator, StopAction
@@ -76,7 +78,14 @@ SESSION_ALREADY_OPEN = "already open"
 
 class WeightFlow:
     def __init__(self, config: RouterConfig, registry: Registry, upstream: Upstream, traffic: RequestPathControl,
-                 spawn: Callable[[Awaitable], asyncio.Task], coordinator: Coordinator | None = None) -> None:
+                 spawn: Callable[[Awaitable], asyncio.Task], coordinator: Coordinator | None = None, *,
+                 refusing: Callable[[], str | None] = lambda: None,
+                 conversions_running: Callable[[], list] = lambda: [],
+                 observers: list[Callable[[Operation], None]] | None = None) -> None:
+        """`refusing`: why no new operation may start now (the router shuts down), or None.
+        `conversions_running`: the role conversions running now; an operation waits for them after closing
+        admission (which keeps new ones from starting), so no server switches role under a fleet-wide one.
+        `observers`: told of every finished operation (metrics)."""
         self.config = config
         self.registry = registry
         self.upstream = upstream
@@ -85,7 +94,8 @@ class WeightFlow:
         # them, and every replica holds, marks and empties before a server changes.
         self.coordinator = coordinator or LocalCoordinator()
         self.spawn = spawn
-        self.operations = OperationRunner(config.weight_update_timeout_secs, spawn, self.coordinator)
+        self.operations = OperationRunner(config.weight_update_timeout_secs, spawn, self.coordinator,
+                                          refusing=refusing, observers=observers)
         self.membership = FleetMembership(registry, upstream, self.operations.lock, config.health.interval_secs,
                                           spawn, self.coordinator)
         self.aborts = RequestAborts(traffic, upstream, self.targets, config.abort_timeout_secs, self.coordinator)
@@ -93,9 +103,7 @@ class WeightFlow:
         self.released_tags: set[str] = set()
         self.session_open = False  # a begin_weight_update session opened through the router
         self._no_session_api: set[str] = set()  # workers whose server has no begin/end_weight_update
-        # Role conversions running now (set by the app): an operation waits for them after closing admission
-        # (which keeps new ones from starting), so no server switches role under a fleet-wide operation.
-        self.conversions_running: Callable[[], list] = lambda: []
+        self.conversions_running = conversions_running
         registry.subscribe(self._on_registry_event)
 
     # ---- lifecycle ---------------------------------------------------------------------------------
@@ -129,15 +137,6 @@ class WeightFlow:
     @property
     def observers(self) -> list[Callable[[Operation], None]]:
         return self.operations.observers
-
-    @property
-    def refusing(self) -> Callable[[], str | None]:
-        """Why no new operation may start now (the router is shutting down), or None (set by the app)."""
-        return self.operations.refusing
-
-    @refusing.setter
-    def refusing(self, refusal: Callable[[], str | None]) -> None:
-        self.operations.refusing = refusal
 
     def state(self) -> dict:
         last = self.history[-1] if self.history else None
@@ -558,3 +557,6 @@ def _paused_count(results: list[WorkerResult]) -> int:
         elif isinstance(value, int) and not isinstance(value, bool):
             total += value
     return total
+
+
+WEIGHTS = web.AppKey("weights", WeightFlow)

@@ -132,14 +132,3 @@ def log_request(record) -> None:
     access_logger.log(level, "%s %s %s in %.1f ms (%d attempt(s), prefill %s, decode %s)%s", record.route,
                       record.status, record.outcome, record.e2e_s * 1000, record.attempts, fields["prefill"],
                       fields["decode"], f": {fields['error']}" if record.error else "", extra={"fields": fields})
-
-
-def setup(app: web.Application) -> None:
-    """Access lines from the proxy's request observer (added once the proxy exists)."""
-    from router.core.keys import PROXY
-
-    async def observe(app: web.Application):
-        app[PROXY].request_observers.append(log_request)
-        yield
-
-    app.cleanup_ctx.append(observe)

@@ -16,6 +16,7 @@ lock per increment and scan buckets in Python: several microseconds per request)
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from bisect import bisect_left
 
@@ -24,7 +25,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, H
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.utils import floatToGoString
 
-from router.core.keys import ADMISSION, CONFIG, METRICS, PROXY, REGISTRY
+from router.core.config import RouterConfig
 from router.core.registry import Registry, Role, Worker, WorkerState
 from router.dataplane.admission import Admission
 
@@ -280,14 +281,15 @@ async def metrics_endpoint(request: web.Request) -> web.Response:
     return web.Response(body=request.app[METRICS].render(), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
-async def _prometheus_port_ctx(app: web.Application):
-    """`--prometheus-port`: the same registry on its own port (open, like sgl-router's exporter)."""
-    config = app[CONFIG]
+@contextlib.asynccontextmanager
+async def metrics_port(metrics: RouterMetrics, config: RouterConfig):
+    """`--prometheus-port`: the same registry on its own port (open, like sgl-router's exporter), while the
+    context lasts; nothing without the flag."""
     if config.prometheus_port is None:
         yield
         return
     exporter = web.Application()
-    exporter[METRICS] = app[METRICS]
+    exporter[METRICS] = metrics
     exporter.router.add_get("/metrics", metrics_endpoint)
     runner = web.AppRunner(exporter, access_log=None)
     await runner.setup()
@@ -301,16 +303,8 @@ async def _prometheus_port_ctx(app: web.Application):
         await runner.cleanup()
 
 
-def setup(app: web.Application) -> RouterMetrics:
-    """Create the app's metrics, hook them to the registry now and to the proxy when it exists."""
-    metrics = RouterMetrics(app[REGISTRY], app[ADMISSION])
-    app[METRICS] = metrics
+def setup(app: web.Application) -> None:
     app.router.add_get("/metrics", metrics_endpoint)
 
-    async def observe_requests(app: web.Application):
-        app[PROXY].request_observers.append(metrics.observe_request)
-        yield
 
-    app.cleanup_ctx.append(observe_requests)
-    app.cleanup_ctx.append(_prometheus_port_ctx)
-    return metrics
+METRICS = web.AppKey("metrics", RouterMetrics)

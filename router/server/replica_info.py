@@ -51,6 +51,5 @@ async def get_replica(request: web.Request) -> web.Response:
     return web.json_response(request.app[REPLICA].state())
 
 
-def setup(app: web.Application, info: ReplicaInfo) -> None:
-    app[REPLICA] = info
+def setup(app: web.Application) -> None:
     app.router.add_get("/admin/replica", get_replica)

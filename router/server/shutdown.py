@@ -31,10 +31,12 @@ from typing import Callable
 
 from aiohttp import web
 
-from router.api.conversion import CONVERSIONS
-from router.core.keys import ADMISSION, CONFIG, COORDINATOR, LIFECYCLE, REGISTRY, TRAFFIC, WEIGHTS
+from router.core.keys import CONFIG, COORDINATOR, LIFECYCLE, REGISTRY, TRAFFIC
 from router.core.lifecycle import ABORTING, CLOSING
 from router.core.traffic import AbortAction
+from router.dataplane.admission import ADMISSION
+from router.flows.conversion import CONVERSIONS
+from router.flows.weights import WEIGHTS
 from router.server.serving import StopSignals
 
 logger = logging.getLogger(__name__)

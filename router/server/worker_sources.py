@@ -1,64 +1,34 @@
-"""The worker sources the command line names (`--discovery-file`, `--discovery-etcd-endpoints`), wired to the
-worker API's own calls, so a listed worker is registered and removed exactly as `POST /workers` and
-`DELETE /workers/{id}` would."""
+"""The worker sources the command line names (`--discovery-file`, `--discovery-etcd-endpoints`), built with the
+calls that register and remove a worker (the worker API's own, given by the composition root), so a listed
+worker is registered and removed exactly as `POST /workers` and `DELETE /workers/{id}` would."""
 
 from __future__ import annotations
 
-import asyncio
-from typing import Awaitable, Callable, Protocol
+from typing import Awaitable, Callable
 
-from aiohttp import web
-
-from router.api.workers import register_worker, unregister_worker
 from router.control.discovery_file import WorkerFile
-from router.control.worker_sources import Listing, SourceReconciler
-from router.core.keys import CONFIG, REGISTRY
-from router.core.registry import Worker
+from router.control.worker_sources import Listing, SourceReconciler, WorkerSource, WorkerSources
+from router.core.config import RouterConfig
+from router.core.registry import Registry, Role, Worker
+
+# (url with its credentials, role or None for the live one, bootstrap port or DISCOVER, source, read now, seed:
+# a source's first listing, which seeds a cluster as a command line does)
+RegisterWorker = Callable[[str, "Role | None", object, str, bool, bool], Awaitable[Worker]]
+UnregisterWorker = Callable[[Worker, str], Awaitable[None]]  # (worker, by: how it goes)
 
 
-class WorkerSource(Protocol):
-    reconciler: SourceReconciler
-
-    async def load(self) -> None: ...
-    def start(self, spawn: Callable[[Awaitable], asyncio.Task]) -> None: ...
-    async def close(self) -> None: ...
-    def to_dict(self) -> dict: ...
-
-
-class WorkerSources:
-    def __init__(self, sources: list[WorkerSource]) -> None:
-        self.sources = sources
-
-    async def load(self) -> None:
-        """Every source's first listing, registered pending: read with the command line's workers."""
-        await asyncio.gather(*(source.load() for source in self.sources))
-
-    def start(self, spawn: Callable[[Awaitable], asyncio.Task]) -> None:
-        for source in self.sources:
-            source.start(spawn)
-
-    async def close(self) -> None:
-        await asyncio.gather(*(source.close() for source in self.sources))
-
-    def to_dict(self) -> dict:
-        return {"sources": [source.to_dict() for source in self.sources]}
-
-
-def build(app: web.Application) -> WorkerSources:
-    config = app[CONFIG]
-
+def build(config: RouterConfig, registry: Registry, register_worker: RegisterWorker,
+          unregister_worker: UnregisterWorker) -> WorkerSources:
     async def register(item: Listing, source: str, read: bool, seed: bool) -> Worker:
-        # read in the background (a source does not wait for a server), or at start-up with the others
-        return await register_worker(app, item.address, item.role, item.bootstrap_port, source=source,
-                                     settle=0.0 if read else None, seed=seed)
+        return await register_worker(item.address, item.role, item.bootstrap_port, source, read, seed)
 
     def unregister_from(source: str):
         async def unregister(worker: Worker) -> None:
-            await unregister_worker(app, worker, by=f"{source}: its entry gone or changed")
+            await unregister_worker(worker, f"{source}: its entry gone or changed")
         return unregister
 
     def reconciler(name: str) -> SourceReconciler:
-        return SourceReconciler(name, app[REGISTRY], register, unregister_from(name))
+        return SourceReconciler(name, registry, register, unregister_from(name))
 
     sources: list[WorkerSource] = []
     settings = config.worker_sources

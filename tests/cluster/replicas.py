@@ -13,7 +13,8 @@ from aiohttp.test_utils import TestClient, TestServer
 
 from router.cluster.view import CLUSTER
 from router.core.config import ClusterConfig, HealthConfig, RouterConfig, WorkerSpec
-from router.core.keys import ADMISSION, REGISTRY
+from router.core.keys import REGISTRY
+from router.dataplane.admission import ADMISSION
 from router.server.app import create_app
 from simulator.fleet import Fleet
 

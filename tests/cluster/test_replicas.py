@@ -13,7 +13,9 @@ import time
 import pytest
 
 from router.cluster.keys import decode
-from router.core.keys import COORDINATOR, REBALANCER, WEIGHTS
+from router.core.keys import COORDINATOR
+from router.flows.rebalancer import REBALANCER
+from router.flows.weights import WEIGHTS
 from router.core.registry import Role, WorkerState
 from simulator.fleet import Fleet
 

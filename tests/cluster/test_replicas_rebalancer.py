@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from policies.rebalance import RebalanceConfig, RebalanceMode
-from router.core.keys import REBALANCER
+from router.flows.rebalancer import REBALANCER
 from router.core.registry import Role
 from simulator.fleet import Fleet
 

@@ -14,7 +14,8 @@ import orjson
 from aiohttp import web
 
 from router.core.config import DISCOVER, RouterConfig, WorkerSpec
-from router.core.keys import ADMISSION, REGISTRY
+from router.core.keys import REGISTRY
+from router.dataplane.admission import ADMISSION
 from router.server.app import create_app
 from router.server.http_errors import RouterRunner
 from simulator.fleet import Fleet

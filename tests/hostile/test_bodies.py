@@ -16,7 +16,7 @@ import pytest
 
 from router.api.access import Access, routes_by_access
 from router.core.config import AdmissionConfig
-from router.core.keys import ADMISSION
+from router.dataplane.admission import ADMISSION
 
 from ..helpers import wait_for
 

@@ -7,7 +7,7 @@ import pytest
 
 from router.core import request_shape
 from router.core.config import AdmissionConfig, ConfigError
-from router.core.keys import ADMISSION
+from router.dataplane.admission import ADMISSION
 from router.server.cli import config_from_args
 
 from ..helpers import wait_for

@@ -11,7 +11,7 @@ import orjson
 import pytest
 
 from router.core.config import BreakerConfig, RetryConfig
-from router.core.keys import ADMISSION
+from router.dataplane.admission import ADMISSION
 
 from ..helpers import wait_for
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import orjson
 import pytest
 
-from router.core.keys import ADMISSION
+from router.dataplane.admission import ADMISSION
 
 from ..helpers import wait_for
 

@@ -20,20 +20,18 @@ from aiohttp import web
 
 from router.api.access import JSON_BODY
 from router.api.rl import fleet
-from router.api.rl.relay import (FLEET_ONLY_PATHS, Relay, engine_path, forwarded_headers, query_without_selector,
+from router.api.rl.relay import (FLEET_ONLY_PATHS, RELAY, engine_path, forwarded_headers, query_without_selector,
                                  rl_error)
 from router.api.rl.selector import SelectorError, parse
-from router.api.rl.workers import PROTOCOL_VERSION, LaunchFactsCache, row_of, selector_keys, sorted_by_url
+from router.api.rl.workers import FACTS, PROTOCOL_VERSION, row_of, selector_keys, sorted_by_url
 from router.core.errors import json_response
-from router.core.keys import CONFIG, REGISTRY, UPSTREAM
+from router.core.keys import REGISTRY
 from router.core.registry import Worker
 
 FANOUT_PREFIX = "/v1/rl/engine/"
 # Its own route, so the access middleware bounds its body by --max-payload-size as on /update_weights_from_tensor
 # (serialized tensors), not by the admin bound.
 TENSOR_FANOUT = FANOUT_PREFIX + "update_weights_from_tensor"
-RELAY = web.AppKey("rl_relay", Relay)
-FACTS = web.AppKey("rl_launch_facts", LaunchFactsCache)
 
 
 def _worker(request: web.Request) -> Worker:
@@ -98,15 +96,7 @@ async def engine_fanout(request: web.Request) -> web.Response:
     return json_response(answer, status=status)
 
 
-async def _rl_ctx(app: web.Application):
-    config = app[CONFIG]
-    app[FACTS] = LaunchFactsCache(app[REGISTRY], app[UPSTREAM])
-    app[RELAY] = Relay(app[UPSTREAM], config.rl_control_timeout_secs, config.rl_fanout_concurrency)
-    yield
-
-
 def setup(app: web.Application) -> None:
-    app.cleanup_ctx.append(_rl_ctx)
     r = app.router
     r.add_get("/v1/rl/workers", list_workers)
     r.add_get("/v1/rl/workers/{worker_id}", get_worker)

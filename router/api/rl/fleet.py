@@ -30,9 +30,9 @@ from router.api.control_bodies import (BROADCAST_BODIES, UPDATE_BODIES, AbortReq
                                        InitUpdateGroup, PauseGeneration, ReleaseMemory, ResumeMemory)
 from router.api.rl.relay import fanout_answer, rl_error
 from router.core.errors import BadRequest
-from router.core.keys import CONFIG, REGISTRY, WEIGHTS
+from router.core.keys import CONFIG, REGISTRY
 from router.core.registry import Worker
-from router.flows.weights import WeightFlow
+from router.flows.weights import WEIGHTS, WeightFlow
 
 MEMORY_PATHS = ("release_memory_occupation", "resume_memory_occupation")
 Operation = Callable[[web.Application, dict], Awaitable[tuple[int, dict | None]]]

@@ -157,3 +157,6 @@ def fanout_answer(results: dict, failed: list[dict], total: int, **extra) -> tup
     failed.sort(key=lambda f: f["worker_id"])
     answer = {"results": results, "failed": failed, "total": total, "succeeded": total - len(failed), **extra}
     return (207 if failed else 200), answer
+
+
+RELAY = web.AppKey("rl_relay", Relay)

@@ -15,6 +15,8 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass
 
+from aiohttp import web
+
 from router.control.upstream import Upstream
 from router.core.registry import Registry, Worker, WorkerState
 
@@ -141,3 +143,6 @@ def row_of(worker: Worker, facts: LaunchFacts) -> dict:
 def sorted_by_url(workers: list[Worker]) -> list[Worker]:
     """SMG lists rows by base_url."""
     return sorted(workers, key=lambda w: w.url)
+
+
+FACTS = web.AppKey("rl_launch_facts", LaunchFactsCache)

@@ -1,0 +1,293 @@
+"""The composition root: every long-lived object of one router, built here and nowhere else.
+
+`assemble` reads top to bottom in the order the objects need each other. Each is built with explicit
+constructor arguments, stored under its typed key (declared beside its type), started where it must start,
+and its closing is registered at once, so the router closes in the reverse order and a start-up that fails
+half-way closes what it built. Handlers only read these keys; `setup()` functions only add routes.
+
+    lifecycle, tasks, admission, metrics    what everything else reports into
+    session -> upstream                     the control plane's client of the servers
+    policies, legs -> proxy -> traffic      the request path, and the narrow face the flows see of it
+    [cluster]                               replicas sharing the fleet: traffic becomes the fleet's holds,
+                                            the coordinator etcd's; joined before any worker is registered
+    discovery, worker sources               the fleet's servers, read before the router serves
+    conversions                             live P/D role conversion
+    health (discovery, proxy)               probes and breakers; a worker found down is evicted
+    load monitor, upkeep, rebalancer        what policies need beside the request path
+    weights (conversions)                   fleet-wide operations
+    RL relay, shared answers                what handlers keep between calls
+
+Adding a component: build it here where what it needs exists, give it its key beside its class, register
+its closing on `stack`; a route that shows it goes in its api module's `setup`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from typing import Callable
+
+import aiohttp
+from aiohttp import web
+
+from policies import Policy, make_policy
+from router.api import workers as api_workers
+from router.api.info import SHARED_ROUTES
+from router.api.rl.relay import RELAY, Relay
+from router.api.rl.workers import FACTS, LaunchFactsCache
+from router.api.shared_answers import SHARED_ANSWERS, SharedAnswers
+from router.control.discovery import DISCOVERY, Discovery
+from router.control.health import HEALTH, HealthMonitor
+from router.control.load_monitor import LOAD_MONITOR, LoadMonitor
+from router.control.upstream import UPSTREAM, Upstream
+from router.control.worker_sources import WORKER_SOURCES
+from router.core.allowlists import WorkerAllowList
+from router.core.config import DISCOVER, RouterConfig
+from router.core.coordination import Coordinator, LocalCoordinator
+from router.core.keys import (CONFIG, COORDINATOR, LIFECYCLE, POLICIES, REGISTRY, SESSION, TASKS, TRAFFIC,
+                              WORKER_ALLOW)
+from router.core.lifecycle import Lifecycle
+from router.core.registry import Registry, Role
+from router.core.tasks import BackgroundTasks
+from router.core.traffic import RequestPathControl
+from router.core.worker_url import identity
+from router.dataplane.admission import ADMISSION, Admission
+from router.dataplane.proxy import PROXY, Proxy
+from router.dataplane.traffic import DataplaneControl
+from router.dataplane.upstream_http import UpstreamPool
+from router.flows.conversion import CONVERSIONS, Conversions
+from router.flows.rebalancer import REBALANCER, FlowConverter, Rebalancer
+from router.flows.weights import UPDATE_KINDS, WEIGHTS, WeightFlow
+from router.obs import logs
+from router.obs.metrics import METRICS, RouterMetrics, metrics_port
+from router.obs.policy_metrics import PolicyCollector
+from router.server import policy_runtime, worker_sources
+from router.server.replica_info import REPLICA
+
+logger = logging.getLogger(__name__)
+
+
+async def assemble(app: web.Application, stack: contextlib.AsyncExitStack) -> None:
+    """Build, store and start every long-lived object of the router `app` serves (its CONFIG, REGISTRY and
+    REPLICA are given); `stack` closes them."""
+    config, registry = app[CONFIG], app[REGISTRY]
+
+    # ---- what everything reports into ------------------------------------------------------------------
+    lifecycle = app[LIFECYCLE] = Lifecycle()
+    tasks = app[TASKS] = BackgroundTasks()
+    admission = app[ADMISSION] = Admission(config.admission)
+    metrics = app[METRICS] = RouterMetrics(registry, admission)
+    spawn = tasks.spawn
+
+    # ---- the control plane's client ----------------------------------------------------------------------
+    session = app[SESSION] = make_session(config)
+    stack.push_async_callback(session.close)
+    upstream = app[UPSTREAM] = Upstream(session, api_key=config.worker_api_key)
+    upstream.follow_credentials(registry)
+
+    # ---- the request path ----------------------------------------------------------------------------------
+    policies: dict[Role, Policy] = {Role.PREFILL: make_policy(config.prefill_policy, config.policy_params),
+                                    Role.DECODE: make_policy(config.decode_policy, config.policy_params)}
+    app[POLICIES] = policies
+    legs = UpstreamPool(max_connections=config.max_connections, connect_timeout=config.connect_timeout_secs,
+                        silence_timeout=config.upstream_idle_timeout_secs)
+    stack.push_async_callback(legs.close)
+    stack.push_async_callback(tasks.close)  # before the pools close: aborts and lingering legs use them
+    registry.subscribe(_forget_removed(legs))
+    proxy = app[PROXY] = Proxy(config=config, registry=registry, upstream=legs, policies=policies,
+                               admission=admission, spawn=spawn)
+    traffic: RequestPathControl = DataplaneControl(admission, proxy.live, legs, abort_on=proxy.abort_on)
+    coordinator: Coordinator = LocalCoordinator()
+
+    # ---- replicas sharing the fleet: joined before any worker of the command line is registered ---------------
+    cluster = None
+    if config.cluster.enabled:
+        from router.cluster import view  # etcd's modules only where a cluster is configured
+        from router.cluster.runtime import Cluster
+
+        cluster = app[view.CLUSTER] = Cluster(config, registry, traffic, upstream, spawn,
+                                              replica_id=app[REPLICA].id)
+        traffic, coordinator = cluster.holds, cluster.coordinator  # the flows' holds and turns are the fleet's
+        metrics.prometheus.register(view.ClusterCollector(cluster))
+        await cluster.start(config.worker_startup_timeout_secs)
+        stack.push_async_callback(cluster.close)
+    app[TRAFFIC], app[COORDINATOR] = traffic, coordinator
+
+    # ---- the fleet's servers, read before the router serves -------------------------------------------------
+    app[WORKER_ALLOW] = WorkerAllowList.parse(config.worker_allow)
+    discovery = app[DISCOVERY] = Discovery(registry, upstream, spawn, retry_interval=config.health.interval_secs)
+    stack.push_async_callback(discovery.close)
+    sources = app[WORKER_SOURCES] = worker_sources.build(config, registry, *_worker_api(app))
+    stack.push_async_callback(sources.close)
+    _register_command_line(config, registry, coordinator, discovery)
+    await sources.load()
+    if not sources.sources and (not config.prefill or not config.decode):
+        logger.warning("started with %d prefill and %d decode workers; add workers through POST /workers",
+                       len(config.prefill), len(config.decode))
+    await discovery.start_up(config.worker_startup_timeout_secs)
+    sources.start(spawn)
+
+    # ---- live role conversion -------------------------------------------------------------------------------
+    conversions = app[CONVERSIONS] = Conversions(
+        registry, upstream, spawn, drain_timeout_s=config.drain_timeout_secs,
+        switch_timeout_s=config.switch_timeout_secs, fleet_busy=_conversion_refusal(lifecycle, admission),
+        coordinator=coordinator, observers=[_observe_conversion(metrics)])
+    stack.push_async_callback(conversions.close)
+
+    # ---- health: probes and breakers --------------------------------------------------------------------------
+    health = app[HEALTH] = HealthMonitor(registry, upstream, config.health, config.breaker,
+                                         is_held=lambda: not admission.is_open, refresh=discovery.refresh,
+                                         on_down=[proxy.evict])
+    proxy.leg_observers.append(health.on_leg)
+    health.start()
+    stack.push_async_callback(health.close)
+
+    # ---- what policies need beside the request path -----------------------------------------------------------
+    load_monitor = app[LOAD_MONITOR] = LoadMonitor(registry, upstream, config.load_monitor)
+    registry.subscribe(policy_runtime.forget_departed(policies))
+    rebalancer = app[REBALANCER] = Rebalancer(registry, config.rebalance, converter=FlowConverter(conversions),
+                                              spawn=spawn, leading=lambda: coordinator.leading)
+    metrics.prometheus.register(PolicyCollector(registry, policies, load_monitor, rebalancer))
+    loops = [rebalancer.run(), *(policy_runtime.upkeep(p) for p in {id(p): p for p in policies.values()}.values()
+                                 if p.maintenance_interval)]
+    if config.load_monitor.enabled:
+        loops.append(load_monitor.run())
+    stack.push_async_callback(_cancelled, [spawn(loop) for loop in loops])
+
+    # ---- what the request path's records go to ----------------------------------------------------------------
+    proxy.request_observers += [rebalancer.window.observe, metrics.observe_request, logs.log_request]
+    await stack.enter_async_context(metrics_port(metrics, config))
+
+    # ---- fleet-wide operations ---------------------------------------------------------------------------------
+    weights = app[WEIGHTS] = WeightFlow(config, registry, upstream, traffic, spawn, coordinator=coordinator,
+                                        refusing=lifecycle.refusal, conversions_running=conversions.running,
+                                        observers=[_observe_fleet_operation(metrics)])
+    weights.start()
+    stack.push_async_callback(weights.close)
+    if cluster is not None:
+        cluster.attach(weights)  # the weight flow's share of the fleet record (pause, released memory)
+
+    # ---- what handlers keep between calls -------------------------------------------------------------------
+    app[FACTS] = LaunchFactsCache(registry, upstream)
+    app[RELAY] = Relay(upstream, config.rl_control_timeout_secs, config.rl_fanout_concurrency)
+    answers = app[SHARED_ANSWERS] = SharedAnswers(registry, SHARED_ROUTES)
+    stack.callback(answers.close)
+
+
+async def router_context(app: web.Application):
+    """The app's one clean-up context (`create_app` gives it): assemble, serve, close in reverse order."""
+    async with contextlib.AsyncExitStack() as stack:
+        await assemble(app, stack)
+        yield
+
+
+def make_session(config: RouterConfig) -> aiohttp.ClientSession:
+    connector = aiohttp.TCPConnector(
+        limit=config.max_connections,
+        limit_per_host=0,  # the total limit already bounds each worker; a per-host cap would stall bursts
+        ttl_dns_cache=300,
+        keepalive_timeout=30,
+    )
+    return aiohttp.ClientSession(
+        connector=connector,
+        timeout=aiohttp.ClientTimeout(total=None, connect=config.connect_timeout_secs),
+        auto_decompress=False,
+        read_bufsize=2**17,
+    )
+
+
+# ---- the pieces' glue -----------------------------------------------------------------------------------------
+def _forget_removed(legs: UpstreamPool):
+    """A registry listener: a removed worker's connections are closed and its pool entry dropped."""
+
+    def listener(event: str, worker, details: dict) -> None:
+        if event == "removed":
+            legs.forget(worker.url)
+
+    return listener
+
+
+def _known(registry: Registry, coordinator: Coordinator, url: str, flag: str) -> bool:
+    """Already in the fleet, or removed from it (router replicas: the command line seeds a cluster, it does not
+    override it; the cluster's record, or its record of a removal, wins over the flag)."""
+    worker = registry.find(url)
+    url = identity(url)  # credentials apart: never shown
+    if worker is not None:
+        logger.info("%s is in the fleet already (as %s, %s): its command-line flag is not applied", url,
+                    worker.role, worker.state)
+        return True
+    removal = coordinator.removal(url)
+    if removal is not None:
+        logger.warning("%s was %s: not added from %s. To bring it back on purpose: POST /workers {\"url\": \"%s\"} "
+                       "at any replica (its live role is read; the removal is cleared)", url, removal, flag, url)
+        return True
+    return False
+
+
+def _register_command_line(config: RouterConfig, registry: Registry, coordinator: Coordinator,
+                           discovery: Discovery) -> None:
+    """The command line's workers, pending until their servers have been read (`Discovery.start_up`)."""
+    for spec in config.prefill:
+        given = spec.bootstrap_port is not DISCOVER
+        if not _known(registry, coordinator, spec.url, "--prefill"):
+            discovery.register(spec.url, Role.PREFILL, spec.bootstrap_port if given else None, port_given=given,
+                               source="--prefill")
+    for spec in config.decode:
+        if not _known(registry, coordinator, spec.url, "--decode"):
+            discovery.register(spec.url, Role.DECODE, None, port_given=True, source="--decode")
+
+
+def _worker_api(app: web.Application):
+    """The worker API's own calls, for the worker sources: a listed worker is registered and removed exactly
+    as `POST /workers` and `DELETE /workers/{id}` would."""
+
+    async def register(url: str, role: Role | None, bootstrap_port, source: str, read: bool, seed: bool):
+        # read in the background (a source does not wait for a server), or at start-up with the others
+        return await api_workers.register_worker(app, url, role, bootstrap_port, source=source,
+                                                 settle=0.0 if read else None, seed=seed)
+
+    async def unregister(worker, by: str) -> None:
+        await api_workers.unregister_worker(app, worker, by=by)
+
+    return register, unregister
+
+
+def _conversion_refusal(lifecycle: Lifecycle, admission: Admission) -> Callable[[], str | None]:
+    """Why no conversion may start now: the router shuts down, or a fleet-wide operation holds the fleet."""
+
+    def refusal() -> str | None:
+        if (shutting_down := lifecycle.refusal()) is not None:
+            return f"{shutting_down}: no conversion starts now"
+        if admission.is_open:
+            return None
+        return (f"the fleet is held ({', '.join(admission.state()['holds'])}): convert once that operation "
+                f"has ended")
+
+    return refusal
+
+
+def _observe_conversion(metrics: RouterMetrics):
+    def observe(event: str, conversion, details: dict) -> None:
+        if event == "finished":
+            metrics.observe_conversion(conversion.outcome.value, conversion.duration_s or 0.0)
+        elif event == "abort_all":
+            metrics.observe_abort("conversion", details.get("inflight", 0))
+
+    return observe
+
+
+def _observe_fleet_operation(metrics: RouterMetrics):
+    def observe(op) -> None:
+        if op.kind in UPDATE_KINDS:
+            metrics.observe_weight_update(op.state, op.duration_s or 0.0)
+        metrics.observe_abort(op.kind, op.aborted_requests)
+
+    return observe
+
+
+async def _cancelled(tasks: list[asyncio.Task]) -> None:
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+
