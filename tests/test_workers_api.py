@@ -128,3 +128,46 @@ async def test_facts_learnt_for_workers_given_with_ports(fake_fleet, make_router
     from .helpers import wait_for
     await wait_for(lambda: all(w.weight_version == "v7" for w in client.registry.workers()),
                    message="weight version learnt from /server_info")
+
+
+# ---- one worker-entry body, one set of rules (router/core/worker_entry.py) ---------------------------------
+BAD_ENTRIES = [
+    ({"url": "http://127.0.0.1:9", "worker_type": "decode", "boostrap_port": 1}, "boostrap_port"),  # misspelt
+    ({"url": "http://127.0.0.1:9", "worker_type": "decode", "priority": 50}, "priority"),  # not taken (yet)
+    ({"url": "http://127.0.0.1:9", "worker_type": "prefill", "role": "decode"}, "disagree"),
+    ({"url": "http://127.0.0.1:9", "worker_type": "prefill", "bootstrap_port": 0}, "bootstrap_port"),
+    ({"url": "http://127.0.0.1", "worker_type": "decode"}, "no port"),
+]
+
+
+@pytest.mark.parametrize("entry,says", BAD_ENTRIES)
+async def test_an_entry_refused_by_the_discovery_file_is_refused_by_every_way_in(fake_fleet, make_router, entry,
+                                                                                   says):
+    """The discovery file, an etcd key's value, POST /workers and POST /add_worker read one model: what one
+    refuses (an unknown field among them: never silently dropped), every one refuses, saying why; nothing is
+    registered."""
+    from router.control.worker_sources import ListingError, parse_listing
+
+    with pytest.raises(ListingError) as refused:
+        parse_listing(entry, "workers[0]")
+    assert says in str(refused.value)
+    p, d = await fake_fleet(1, 1)
+    client = await make_router([p], [d])
+    for path, kw in (("/workers", {"json": entry}), ("/add_worker", {"params": {k: str(v) for k, v in entry.items()}})):
+        resp = await client.post(path, **kw)
+        error = (await resp.json())["error"]
+        assert resp.status == 400 and says in error["message"], (path, error)
+        if says in entry:  # an unknown field is the error's param
+            assert error["param"] == says, (path, error)
+    assert len(client.registry) == 2
+
+
+async def test_register_refuses_fields_mini_lb_does_not_send(fake_fleet, make_router):
+    p, d = await fake_fleet(1, 1)
+    client = await make_router([p], [d])
+    resp = await client.post("/register", json={"mode": "decode", "registry_url": "http://127.0.0.1:9",
+                                                "bootstrap_port": None, "worker_type": "decode"})
+    error = (await resp.json())["error"]
+    assert resp.status == 400 and "unknown field 'worker_type'" in error["message"] and error["param"] == "worker_type"
+    assert "known: bootstrap_port, mode, registry_url" in error["message"]
+    assert len(client.registry) == 2

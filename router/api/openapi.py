@@ -80,15 +80,22 @@ class ChatCompletionRequest(_Forwarded):
     rid: str | Texts | None = None
 
 
-class WorkerRegistration(_Forwarded):
-    """sgl-router's `POST /workers`."""
+class _WorkerEntry(BaseModel):
+    """A worker-entry body (router/core/worker_entry.py: unknown fields are refused)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+class WorkerRegistration(_WorkerEntry):
+    """sgl-router's and SMG's `POST /workers`."""
 
     url: str = Field(..., description="http(s)://host:port of a SGLang server (never a pd-router)")
     worker_type: Literal["prefill", "decode"] | None = Field(None, description="absent: the server's live role")
-    bootstrap_port: int | None = Field(None, ge=1, le=65535)
+    role: Literal["prefill", "decode"] | None = Field(None, description="worker_type's other name (both: agreeing)")
+    bootstrap_port: int | None = Field(None, ge=1, le=65535, description="absent or null: the server's own")
 
 
-class MiniLbRegistration(_Forwarded):
+class MiniLbRegistration(_WorkerEntry):
     """mini_lb's `POST /register` (servers started with --pdlb-url)."""
 
     mode: Literal["prefill", "decode"]
@@ -124,6 +131,7 @@ BODIES: dict[tuple[str, str], type[BaseModel]] = {
 }
 QUERIES: dict[tuple[str, str], dict[str, dict]] = {
     ("POST", "/add_worker"): {"url": {"type": "string"}, "worker_type": {"enum": ["prefill", "decode"]},
+                              "role": {"enum": ["prefill", "decode"]},
                               "bootstrap_port": {"type": "integer", "minimum": 1, "maximum": 65535}},
     ("POST", "/remove_worker"): {"url": {"type": "string"}},
     ("POST", "/flush_cache"): {"timeout": {"type": "number", "minimum": 0}},

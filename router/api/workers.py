@@ -13,14 +13,15 @@ from router.api.bodies import read_json_object
 from router.control.discovery import DISCOVERY, read_live_state, rejoin_check
 from router.control.upstream import UPSTREAM
 from router.control.worker_sources import WORKER_SOURCES
-from router.core.config import DISCOVER, validate_port
+from router.core.config import DISCOVER
 from router.core.allowlists import resolve
 from router.core.errors import (BadRequest, Conflict, Forbidden, NotFound, ServiceUnavailable, WorkerRemoved,
                                 json_response)
 from router.core.keys import CONFIG, COORDINATOR, REGISTRY, WORKER_ALLOW
 from router.core.registry import DuplicateWorker, Role, Worker, WorkerState
 from router.core.router_identity import is_own_address, literal_addresses, router_description, router_instance_of
-from router.core.worker_url import BadWorkerUrl, identity, parse_worker_url
+from router.core.worker_entry import REGISTER_FIELDS, WorkerEntry, WorkerEntryError, parse_worker_entry
+from router.core.worker_url import identity, parse_worker_url
 
 # How long an API registration waits to learn a prefill's bootstrap port before answering.
 REGISTER_SETTLE_SECS = 5.0
@@ -29,34 +30,13 @@ PROBE_TIMEOUT_S = 5.0  # asking a server being registered whether it is a pd-rou
 BUSY_STATES = (WorkerState.DRAINING, WorkerState.ABORTING, WorkerState.CONVERTING, WorkerState.VERIFYING)
 
 
-def parse_role(value: object, field: str = "worker_type") -> Role | None:
-    if value is None:
-        return None
-    if value == "regular":
-        raise BadRequest("pd-router routes prefill/decode pairs only: worker_type must be 'prefill' or 'decode'",
-                         param=field)
+def entry_of(data: dict, *, names: dict[str, str] | None = None) -> WorkerEntry:
+    """The worker-entry body (core/worker_entry.py: the one model of every way a worker gets in), or 400
+    naming every problem (unknown fields first)."""
     try:
-        return Role(value)
-    except ValueError:
-        raise BadRequest(f"{field} must be 'prefill' or 'decode', got {value!r}", param=field) from None
-
-
-def parse_port(value: object, field: str = "bootstrap_port") -> int | None:
-    if isinstance(value, str) and value.isdigit():
-        value = int(value)
-    elif isinstance(value, str) and value.lower() in ("none", "null", ""):
-        value = None
-    if (problem := validate_port(value, field)) is not None:
-        raise BadRequest(problem, param=field)
-    return value
-
-
-def checked_url(value: object, param: str = "url") -> str:
-    """The worker URL in its canonical form (credentials kept, for the registry to set apart), or 400."""
-    try:
-        return parse_worker_url(value).with_credentials
-    except BadWorkerUrl as exc:
-        raise BadRequest(str(exc), param=param) from None
+        return parse_worker_entry(data, names=names)
+    except WorkerEntryError as exc:
+        raise BadRequest("; ".join(exc.problems), param=exc.param, problems=exc.problems) from None
 
 
 async def check_worker_allowed(app: web.Application, url: str) -> None:
@@ -211,11 +191,9 @@ async def get_worker(request: web.Request) -> web.Response:
 
 
 async def add_worker_json(request: web.Request) -> web.Response:
-    body = await read_json_object(request)
-    url = checked_url(body.get("url"))
-    role = parse_role(body.get("worker_type", body.get("role")))
-    port = parse_port(body["bootstrap_port"]) if body.get("bootstrap_port") is not None else DISCOVER
-    worker = await register_worker(request.app, url, role, port, source="POST /workers")
+    entry = entry_of(await read_json_object(request))
+    worker = await register_worker(request.app, entry.address, entry.given_role,
+                                   entry.bootstrap_port_of(null_means=DISCOVER), source="POST /workers")
     return json_response({"success": True, "message": f"Successfully added worker: {worker.url}",
                           "worker_id": worker.id, "url": worker.url, "worker": worker.to_dict()})
 
@@ -228,10 +206,9 @@ async def delete_worker(request: web.Request) -> web.Response:
 
 
 async def add_worker_legacy(request: web.Request) -> web.Response:
-    url = checked_url(request.query.get("url"))
-    role = parse_role(request.query.get("worker_type", request.query.get("role")))
-    port = parse_port(request.query["bootstrap_port"]) if "bootstrap_port" in request.query else DISCOVER
-    worker = await register_worker(request.app, url, role, port, source="POST /add_worker")
+    entry = entry_of(dict(request.query))  # the body's fields as query parameters
+    worker = await register_worker(request.app, entry.address, entry.given_role,
+                                   entry.bootstrap_port_of(null_means=None), source="POST /add_worker")
     return json_response({"success": True, "message": f"Successfully added worker: {worker.url}",
                           "worker_id": worker.id})
 
@@ -265,8 +242,10 @@ async def register(request: web.Request) -> web.Response:
     mode = body.get("mode")
     if mode not in ("prefill", "decode"):
         raise BadRequest("Invalid mode. Must be either PREFILL or DECODE.", param="mode")
-    url = checked_url(body.get("registry_url"), "registry_url")
-    port = parse_port(body.get("bootstrap_port"))
+    entry = entry_of(body, names=REGISTER_FIELDS)
+    url, port = entry.address, entry.bootstrap_port_of(null_means=None)
+    if port is DISCOVER:  # mini_lb's body always has the field (null for a decode)
+        port = None
     if mode == "prefill" and port is None:
         raise BadRequest("Bootstrap port is required for prefill server", param="bootstrap_port")
     if mode == "decode" and port is not None:

@@ -24,16 +24,12 @@ from typing import Awaitable, Callable, Mapping, Protocol
 
 from aiohttp import web
 
-from router.core.config import DISCOVER, validate_port
-from router.core.worker_url import BadWorkerUrl, parse_worker_url
+from router.core.config import DISCOVER
+from router.core.worker_entry import WorkerEntryError, parse_worker_entry
 from router.core.errors import RouterError, WorkerRemoved
 from router.core.registry import Registry, Role, Worker
 
 logger = logging.getLogger(__name__)
-
-ROLE_FIELDS = ("worker_type", "role")  # SMG's /workers body says worker_type; mini_lb and pd-router say role
-LISTING_FIELDS = frozenset({"url", "bootstrap_port", *ROLE_FIELDS})
-
 
 class ListingError(ValueError):
     """A listing the source cannot use; every problem found."""
@@ -73,37 +69,18 @@ class Listing:
 
 def parse_listing(entry: object, where: str) -> Listing:
     """An entry: a URL, or an object with `url`, `worker_type` (or `role`) and `bootstrap_port`, the body of
-    `POST /workers`. Raises ListingError naming `where`."""
+    `POST /workers` (core/worker_entry.py: the same model and rules). Raises ListingError naming `where`."""
     if isinstance(entry, str):
         entry = {"url": entry}
     if not isinstance(entry, dict):
         raise ListingError([f"{where}: expected a URL or an object with url, worker_type, bootstrap_port; "
                             f"got {type(entry).__name__}"])
-    problems = [f"{where}: unknown field {key!r} (known: {', '.join(sorted(LISTING_FIELDS))})"
-                for key in entry if key not in LISTING_FIELDS]
-    url = entry.get("url")
     try:
-        address = parse_worker_url(url)
-    except BadWorkerUrl as exc:
-        problems.append(f"{where}: {exc}")
-        address = None
-    roles = {entry[key] for key in ROLE_FIELDS if entry.get(key) is not None}
-    role = None
-    if len(roles) > 1:
-        problems.append(f"{where}: worker_type and role disagree ({', '.join(sorted(map(str, roles)))})")
-    elif roles:
-        (value,) = roles
-        if value in (Role.PREFILL.value, Role.DECODE.value):
-            role = Role(value)
-        else:
-            problems.append(f"{where}: worker_type must be 'prefill' or 'decode' (pd-router routes pairs only), "
-                            f"got {value!r}")
-    port = entry.get("bootstrap_port", DISCOVER)
-    if port is not DISCOVER and (problem := validate_port(port)) is not None:
-        problems.append(f"{where}: {problem}")
-    if problems:
-        raise ListingError(problems)
-    return Listing(address.url, role, port, address.userinfo)
+        parsed = parse_worker_entry(entry, where=where)
+    except WorkerEntryError as exc:
+        raise ListingError(exc.problems) from None
+    address = parsed.parsed_url
+    return Listing(address.url, parsed.given_role, parsed.bootstrap_port_of(null_means=None), address.userinfo)
 
 
 def listing_of(entries: list, where: str) -> dict[str, Listing]:

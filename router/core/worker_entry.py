@@ -1,0 +1,135 @@
+"""One worker as every way in names it: the one model of a worker-entry body.
+
+`POST /workers` (sgl-router's and SMG's body), `POST /add_worker` (the same fields as query parameters), mini_lb's
+`POST /register` (its own names: `mode`, `registry_url`), an entry of a `--discovery-file`, and the value of an
+etcd discovery key are all read into a `WorkerEntry`, checked by the same rules: fields the model does not
+know are refused, naming them (a misspelt `boostrap_port` is never silently dropped); the URL is a worker URL
+(core/worker_url.py); a role is `prefill` or `decode` (`worker_type`, or `role`; both must agree); a bootstrap
+port is an integer in 1..65535 (a string of digits too, as a query string writes it), or null. Each problem is
+reported, all at once (`WorkerEntryError.problems`).
+
+One difference between the ways in is named by each, not decided by it: what a `null` bootstrap port means
+(`bootstrap_port_of(null_means=...)`). `POST /workers` reads it as sgl-router's body does, the field not given
+(the server's own port is read); `/add_worker`'s `none`, `/register`'s null and a listing's null (the file,
+etcd) mean what they mean to mini_lb, decode's default port.
+
+A field a peer sends that pd-router takes is added here, once, for every way in.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+from pydantic import BaseModel, ConfigDict, ValidationError, field_validator, model_validator
+
+from router.core.config import DISCOVER, validate_port
+from router.core.states import Role
+from router.core.worker_url import BadWorkerUrl, WorkerUrl, parse_worker_url
+
+ROLES = (Role.PREFILL.value, Role.DECODE.value)
+# mini_lb's /register names: its field -> the model's
+REGISTER_FIELDS = {"mode": "worker_type", "registry_url": "url", "bootstrap_port": "bootstrap_port"}
+
+
+class WorkerEntryError(ValueError):
+    """An entry the router cannot take; every problem found, and the first field at fault (`param`)."""
+
+    def __init__(self, problems: list[str], param: str | None = None):
+        super().__init__("; ".join(problems))
+        self.problems = problems
+        self.param = param
+
+
+class WorkerEntry(BaseModel):
+    """One worker: where it is, and what is known of its role and bootstrap port (absent: the server's)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    url: str  # as given, checked (its canonical form: `address`)
+    worker_type: Role | None = None  # SMG's and sgl-router's name
+    role: Role | None = None  # mini_lb's and pd-router's name; absent both: the server's live role
+    bootstrap_port: int | None = None  # absent (not in model_fields_set): the server's own
+
+    @field_validator("url", mode="before")
+    @classmethod
+    def _url(cls, value: Any) -> str:
+        try:
+            parse_worker_url(value)
+        except BadWorkerUrl as exc:
+            raise ValueError(str(exc)) from None
+        return value
+
+    @field_validator("worker_type", "role", mode="before")
+    @classmethod
+    def _role(cls, value: Any) -> Role | None:
+        if value is None or value in ROLES:
+            return None if value is None else Role(value)
+        raise ValueError(f"must be 'prefill' or 'decode' (pd-router routes prefill/decode pairs only), got "
+                         f"{value!r}")
+
+    @field_validator("bootstrap_port", mode="before")
+    @classmethod
+    def _port(cls, value: Any) -> int | None:
+        if isinstance(value, str):  # a query string's, or a client's that writes numbers as strings
+            value = int(value) if value.isdigit() else None if value.lower() in ("none", "null", "") else value
+        if (problem := validate_port(value, "")) is not None:
+            raise ValueError(problem.strip())
+        return value
+
+    @model_validator(mode="after")
+    def _one_role(self) -> "WorkerEntry":
+        if self.worker_type is not None and self.role is not None and self.worker_type is not self.role:
+            raise ValueError(f"worker_type and role disagree ({self.worker_type}, {self.role})")
+        return self
+
+    # ---- what the router takes from it -------------------------------------------------------------------
+    @property
+    def parsed_url(self) -> WorkerUrl:
+        return parse_worker_url(self.url)
+
+    @property
+    def address(self) -> str:
+        """The URL to register: canonical, with its credentials (the registry sets them apart)."""
+        return self.parsed_url.with_credentials
+
+    @property
+    def given_role(self) -> Role | None:
+        """The role the entry names; None: the server's live role."""
+        return self.worker_type or self.role
+
+    def bootstrap_port_of(self, *, null_means: object) -> int | None | str:
+        """The port to register: DISCOVER when absent (the server's own); `null_means` for an explicit null
+        (DISCOVER for the worker API, None, decode's default, for a listing)."""
+        if "bootstrap_port" not in self.model_fields_set:
+            return DISCOVER
+        return null_means if self.bootstrap_port is None else self.bootstrap_port
+
+
+def parse_worker_entry(data: Mapping[str, Any], *, where: str = "", names: Mapping[str, str] | None = None,
+                       ) -> WorkerEntry:
+    """`data` as a WorkerEntry, or WorkerEntryError listing every problem (prefixed `where: ` when given).
+    `names`: the way in's own field names (e.g. REGISTER_FIELDS), each mapped to the model's; a field outside
+    them is unknown, and problems say the way in's names."""
+    names = names if names is not None else {field: field for field in WorkerEntry.model_fields}
+    shown = {model: own for own, model in names.items()}
+    problems: list[str] = [f"unknown field {key!r} (known: {', '.join(sorted(names))})"
+                           for key in data if key not in names]
+    param = next((key for key in data if key not in names), None)
+    entry = None
+    try:
+        entry = WorkerEntry.model_validate({names[key]: value for key, value in data.items() if key in names})
+    except ValidationError as exc:
+        for error in exc.errors():
+            field = str(error["loc"][0]) if error["loc"] else ""
+            name = shown.get(field, field)
+            if error["type"] == "missing":
+                problems.append(f"{name} is required")
+            elif error["type"] == "value_error":
+                reason = str(error["ctx"]["error"])  # a url's names the URL: it reads as it is
+                problems.append(f"{name} {reason}" if name and field != "url" else reason)
+            else:
+                problems.append(f"{name}: {error['msg']}" if name else error["msg"])
+            param = param or name or None
+    if problems or entry is None:
+        raise WorkerEntryError([f"{where}: {p}" if where else p for p in problems], param)
+    return entry
