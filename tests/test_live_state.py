@@ -36,7 +36,7 @@ async def test_a_server_whose_live_role_differs_from_its_flag_is_routed_in_its_l
     p, converted_to_prefill, d = await fake_fleet(2, 1)  # the second prefill was a decode the router converted
     converted_to_decode = (await fake_fleet(0, 1))[0]
     converted_to_prefill.bootstrap_port = 9123  # its live bootstrap port
-    caplog.set_level(logging.WARNING, logger="router.control.discovery")
+    caplog.set_level(logging.WARNING, logger="router.control.live_state")
     client = await make_router([p, converted_to_decode], [converted_to_prefill, d])
     workers = await listing(client)
     assert shown(workers, converted_to_prefill.url)["worker_type"] == "prefill"

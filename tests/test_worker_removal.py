@@ -6,7 +6,7 @@ from __future__ import annotations
 from urllib.parse import quote
 
 from router.core.config import BreakerConfig, HealthConfig, RetryConfig
-from router.control.discovery import DISCOVERY
+from router.control.live_state import LIVE_STATE
 from router.dataplane.proxy import PROXY
 
 from .helpers import free_port, wait_for
@@ -54,7 +54,7 @@ async def test_removing_a_pending_worker_cancels_its_discovery_watch(fake_fleet,
     unreachable = f"http://127.0.0.1:{free_port()}"
     added = await client.post("/workers", json={"url": unreachable, "worker_type": "prefill"})
     assert added.status == 200, await added.text()
-    discovery = client.app[DISCOVERY]
+    discovery = client.app[LIVE_STATE]
     worker = client.registry.get(unreachable)
     assert discovery.watching == [worker.id]
     task = discovery._tasks[worker.id]

@@ -19,11 +19,11 @@ from router.api.control_bodies import (BROADCAST_BODIES, UPDATE_BODIES, AbortReq
                                        InitUpdateGroup, PauseGeneration, ReleaseMemory, Retryable, ResumeMemory)
 from router.api.info import any_prefill_first, shared_handler
 from router.core.errors import BadRequest, NotFound, ServiceUnavailable, json_response
-from router.control.upstream import UPSTREAM
+from router.control.upstream import INFO_TIMEOUT, UPSTREAM
 from router.core.keys import CONFIG, REGISTRY
 from router.core.redact import redact
 from router.core.router_identity import MARKER_FIELD, marker
-from router.flows.fleet import INFO_TIMEOUT, read_fleet_weight_version
+from router.flows.fleet import read_fleet_weight_version
 from router.flows.weights import DISK, DISTRIBUTED, TENSOR, VERSION, WEIGHTS, WeightFlow
 
 

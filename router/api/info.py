@@ -11,13 +11,12 @@ from aiohttp import web
 from router.api.shared_answers import SHARED_ANSWERS
 from router.control.upstream import Reply, fan_out
 from router.core.errors import ServiceUnavailable, json_response
-from router.control.upstream import UPSTREAM
+from router.control.upstream import ADMIN_TIMEOUT, UPSTREAM
 from router.core.keys import LIFECYCLE, REGISTRY, TRAFFIC
 from router.core.redact import redact
 from router.core.registry import Registry, Role, Worker, WorkerState
 from router.core.router_identity import MARKER_FIELD, marker
 
-ADMIN_TIMEOUT = 30.0
 # How long the public info routes reuse an answer (any registry change drops it sooner).
 INFO_ANSWER_TTL = 1.0
 # The routes answered once for concurrent callers (api/shared_answers.py), by name, and how long an answer is

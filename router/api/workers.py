@@ -10,8 +10,8 @@ from urllib.parse import unquote, urlsplit
 from aiohttp import web
 
 from router.api.bodies import read_json_object
-from router.control.discovery import DISCOVERY, read_live_state, rejoin_check
-from router.control.upstream import UPSTREAM
+from router.control.live_state import LIVE_STATE, read_live_state, rejoin_check
+from router.control.upstream import INFO_TIMEOUT, UPSTREAM
 from router.control.worker_sources import WORKER_SOURCES
 from router.core.config import DISCOVER
 from router.core.allowlists import resolve
@@ -26,7 +26,6 @@ from router.core.worker_url import identity, parse_worker_url
 # How long an API registration waits to learn a prefill's bootstrap port before answering.
 REGISTER_SETTLE_SECS = 5.0
 RESOLVE_TIMEOUT_S = 2.0
-PROBE_TIMEOUT_S = 5.0  # asking a server being registered whether it is a pd-router
 BUSY_STATES = (WorkerState.DRAINING, WorkerState.ABORTING, WorkerState.CONVERTING, WorkerState.VERIFYING)
 
 
@@ -72,7 +71,7 @@ async def check_not_a_router(app: web.Application, url: str, *, probe: bool) -> 
         raise BadRequest(f"{parsed.url} is this router itself (it listens on {config.host or '0.0.0.0'}:"
                          f"{config.port}): a worker must be a SGLang server", param="url")
     if probe:
-        reply = await app[UPSTREAM].server_info(url, timeout=PROBE_TIMEOUT_S)
+        reply = await app[UPSTREAM].server_info(url, timeout=INFO_TIMEOUT)
         if (instance := router_instance_of(reply.data)) is not None:
             raise BadRequest(f"{parsed.url} is {router_description(instance)}: a worker must be a SGLang server",
                              param="url")
@@ -82,9 +81,9 @@ async def register_worker(app: web.Application, url: str, role: Role | None, por
                           settle: float | None = REGISTER_SETTLE_SECS, seed: bool = False) -> Worker:
     """Add a worker, pending until its server has been read (live role, bootstrap port, weights, readiness;
     waited for up to `settle` seconds): a live role other than `role` puts it in its live role's pool.
-    `settle=None` leaves it pending for `Discovery.start_up` to read with the others (before the router serves).
+    `settle=None` leaves it pending for `LiveStateReader.start_up` to read with the others (before the router serves).
     `seed`: a listing the router started with (a source's first), not a registration on purpose."""
-    registry, upstream, discovery = app[REGISTRY], app[UPSTREAM], app[DISCOVERY]
+    registry, upstream, live_state = app[REGISTRY], app[UPSTREAM], app[LIVE_STATE]
     await check_worker_allowed(app, url)
     await check_not_a_router(app, url, probe=settle is not None and settle > 0 and role is not None)
     if registry.find(url) is not None:
@@ -102,12 +101,12 @@ async def register_worker(app: web.Application, url: str, role: Role | None, por
         role = live.role
     given = port is not DISCOVER and role is Role.PREFILL
     try:
-        worker = discovery.register(url, role, port if given else None, port_given=given or role is Role.DECODE,
+        worker = live_state.register(url, role, port if given else None, port_given=given or role is Role.DECODE,
                                     source=source)
     except DuplicateWorker as exc:
         raise Conflict(str(exc)) from None
     if settle is not None:
-        await discovery.settle(worker, settle)
+        await live_state.settle(worker, settle)
     try:
         await app[COORDINATOR].publish()  # every router replica of the fleet knows it before the answer
     except ServiceUnavailable:

@@ -33,8 +33,8 @@ from router.cluster.fleet_holds import FleetHolds
 from router.cluster.keys import ClusterKeys, decode
 from router.cluster.mirror import Change, Mirror
 from router.cluster.replica import Membership
-from router.control.discovery import HEALTH_TIMEOUT, LiveState, read_live_state
-from router.control.upstream import Upstream
+from router.control.live_state import LiveState, read_live_state
+from router.control.upstream import HEALTH_TIMEOUT, Upstream
 from router.core.coordination import Ticket, while_owned
 from router.core.errors import RouterError
 from router.core.registry import Registry, Role, Worker, WorkerState

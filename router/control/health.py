@@ -176,7 +176,7 @@ class HealthMonitor:
         self.health = health
         self.breaker = breaker
         self.clock = clock
-        # Reads a server's live state again into the registry (Discovery.refresh): a worker coming back from
+        # Reads a server's live state again into the registry (LiveStateReader.refresh): a worker coming back from
         # being unhealthy may have been restarted, converted or updated meanwhile.
         self.refresh = refresh
         self._records: dict[str, WorkerHealth] = {}

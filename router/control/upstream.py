@@ -29,6 +29,10 @@ from router.core.worker_url import BadWorkerUrl, parse_worker_url
 logger = logging.getLogger(__name__)
 
 JSON_HEADERS = {"Content-Type": "application/json"}
+# How long the control plane waits for one server, by kind of call: every caller names one of these.
+INFO_TIMEOUT = 5.0  # reading what a server says (/server_info, /model_info, /v1/loads, /ready), an abort
+HEALTH_TIMEOUT = 25.0  # 0.5.23's /health runs a 1-token generation and waits up to 20 s for progress
+ADMIN_TIMEOUT = 30.0  # a fan-out an operator asked for (/health_generate, /flush_cache, the info routes)
 
 W = TypeVar("W")
 T = TypeVar("T")
@@ -250,19 +254,15 @@ def live_role_of(model_info: Any, server_info: Any = None) -> str | None:
     return None
 
 
-def weight_version_of(server_info: Any, model_info: Any = None) -> str | None:
-    """0.5.23 keeps `/model_info`'s weight_version at the launch value after an update; internal states
-    and answers carry the live one, so prefer those."""
+def weight_version_of(server_info: Any) -> str | None:
+    """The scheduler's weight version, `/server_info` internal_states[0] (0.5.23: the live one, as in every
+    answer's meta_info; `/model_info` and `/server_info`'s top level keep the launch value after an update)."""
     if isinstance(server_info, dict):
         states = server_info.get("internal_states")
         if isinstance(states, list) and states and isinstance(states[0], dict):
             version = states[0].get("weight_version")
             if version is not None:
                 return str(version)
-        if server_info.get("weight_version") is not None:
-            return str(server_info["weight_version"])
-    if isinstance(model_info, dict) and model_info.get("weight_version") is not None:
-        return str(model_info["weight_version"])
     return None
 
 

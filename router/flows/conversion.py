@@ -29,13 +29,13 @@ from typing import Any, Awaitable, Callable
 
 from aiohttp import web
 
-from router.control.discovery import rejoin_check
-from router.control.upstream import Upstream
+from router.control.live_state import rejoin_check
+from router.control.upstream import HEALTH_TIMEOUT, INFO_TIMEOUT, Upstream
 from router.core.coordination import Coordinator, LocalCoordinator, StopAction, Ticket, while_owned, worker_scope
 from router.core.errors import Conflict, RouterError, ServiceUnavailable
 from router.core.registry import Registry, Role, Worker, WorkerState
 from router.flows.conversion_record import Conversion, ConversionOutcome, DrainMode, Plan
-from router.flows.fleet import ABORT_REPEAT_SECS, INFO_TIMEOUT, POLL_FIRST, POLL_MAX
+from router.flows.fleet import ABORT_REPEAT_SECS, POLL_FIRST, POLL_MAX
 from router.flows.role_switch import RoleSwitch
 from router.flows.steps import Step, StepFailed, run_step
 
@@ -43,7 +43,6 @@ logger = logging.getLogger(__name__)
 
 VERIFY_TIMEOUT_SECS = 15.0
 HISTORY_SIZE = 100
-HEALTH_TIMEOUT = 25.0  # 0.5.23's /health runs a 1-token generation and waits up to 20 s for progress
 
 
 def _positive(value: float | None, default: float) -> float:

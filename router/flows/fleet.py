@@ -10,13 +10,13 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
-from router.control.upstream import Reply, Upstream
+from router.control.live_state import read_weight_version
+from router.control.upstream import INFO_TIMEOUT, Reply, Upstream
 from router.core.redact import redact_text
 from router.core.registry import Registry, Worker
 
 logger = logging.getLogger(__name__)
 
-INFO_TIMEOUT = 5.0
 POLL_FIRST, POLL_MAX = 0.01, 0.2  # polling a server until it is idle or switched: first and longest wait
 # How long a server may stay busy after the router aborted its requests before the router aborts again. SGLang
 # answers an abort at once and aborts later (0.01 s on a real server), and a leg already on the wire can reach
@@ -80,28 +80,6 @@ def summary(results: list[WorkerResult], what: str) -> str:
 
 
 # ---- weight versions ---------------------------------------------------------------------------------
-async def live_weight_version(upstream: Upstream, worker: Worker, timeout: float = INFO_TIMEOUT) -> str | None:
-    """The version the server serves now. 0.5.23: `/server_info` internal_states[0].weight_version (the
-    scheduler's, as in every answer's meta_info; `/model_info` can lag it); 0.5.6: `GET
-    /get_weight_version`; older: whatever `/model_info` says."""
-    reply = await upstream.server_info(worker.url, timeout=timeout)
-    if reply.ok and isinstance(reply.data, dict):
-        states = reply.data.get("internal_states")
-        if isinstance(states, list) and states and isinstance(states[0], dict):
-            version = states[0].get("weight_version")
-            if version is not None:
-                return str(version)
-    elif reply.status == 0:
-        return None
-    legacy = await upstream.get(worker.url, "/get_weight_version", timeout=timeout)
-    if legacy.ok and isinstance(legacy.data, dict) and legacy.data.get("weight_version") is not None:
-        return str(legacy.data["weight_version"])
-    info = await upstream.model_info(worker.url, timeout=timeout)
-    if info.ok and isinstance(info.data, dict) and info.data.get("weight_version") is not None:
-        return str(info.data["weight_version"])
-    return None
-
-
 @dataclass(slots=True)
 class FleetVersion:
     version: str | None  # the one version every routable server reports, else None
@@ -117,7 +95,7 @@ async def read_fleet_weight_version(registry: Registry, upstream: Upstream, work
     """Read every server's live version; the fleet's version is the one its routable servers agree on.
     Servers left out of routing are listed (with `routable: false`) but do not make the fleet disagree."""
     workers = list(registry.workers()) if workers is None else workers
-    versions = await asyncio.gather(*(live_weight_version(upstream, w, timeout) for w in workers))
+    versions = await asyncio.gather(*(read_weight_version(upstream, w.url, timeout) for w in workers))
     rows = []
     for worker, version in zip(workers, versions):
         routed = worker.routable  # as it was served: a version read now takes a stray server out at once

@@ -13,11 +13,12 @@ import asyncio
 import logging
 from typing import Awaitable, Callable
 
-from router.control.upstream import Upstream
+from router.control.live_state import read_weight_version
+from router.control.upstream import INFO_TIMEOUT, Upstream
 from router.core.coordination import Coordinator, LocalCoordinator
 from router.core.registry import Registry, Worker, WorkerState
 from router.core.routability import Hold, HoldKind
-from router.flows.fleet import INFO_TIMEOUT, live_weight_version, read_fleet_weight_version
+from router.flows.fleet import read_fleet_weight_version
 
 logger = logging.getLogger(__name__)
 
@@ -78,7 +79,7 @@ class FleetMembership:
         (and, after a pause, says it is ready), else still out: for its weights, or as paused."""
         if worker.hold is None or worker.hold.kind is not kind:
             return
-        version, ready = await asyncio.gather(live_weight_version(self.upstream, worker),
+        version, ready = await asyncio.gather(read_weight_version(self.upstream, worker.url),
                                               self.upstream.ready(worker.url, timeout=INFO_TIMEOUT))
         if worker.hold is None or worker.hold.kind is not kind or self.registry.find(worker.id) is not worker:
             return
@@ -133,7 +134,7 @@ class FleetMembership:
         suspects = [w for w in self.registry.workers()
                     if w.state is WorkerState.ACTIVE and w.hold is None and w.weight_version != fleet]
         checked = out + suspects
-        versions = await asyncio.gather(*(live_weight_version(self.upstream, w) for w in checked))
+        versions = await asyncio.gather(*(read_weight_version(self.upstream, w.url) for w in checked))
         rejoined, kept_out = [], []
         for worker, version in zip(checked, versions):
             if self.registry.find(worker.id) is not worker or self.fleet_version != fleet:

@@ -7,11 +7,11 @@ import asyncio
 import time
 from typing import Callable
 
-from router.control.upstream import Upstream, fan_out
+from router.control.upstream import INFO_TIMEOUT, Upstream, fan_out
 from router.core.coordination import ABORT, Coordinator, LocalCoordinator, StopAction, Ticket, while_owned
 from router.core.registry import Worker
 from router.core.traffic import AbortAction, LiveRequest, RequestPathControl
-from router.flows.fleet import ABORT_REPEAT_SECS, INFO_TIMEOUT, WorkerResult, summary
+from router.flows.fleet import ABORT_REPEAT_SECS, WorkerResult, summary
 
 
 class RequestAborts:

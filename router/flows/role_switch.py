@@ -13,10 +13,10 @@ import asyncio
 import logging
 import time
 
-from router.control.upstream import Reply, Upstream, bootstrap_port_of, live_role_of
+from router.control.upstream import INFO_TIMEOUT, Reply, Upstream, bootstrap_port_of, live_role_of
 from router.core.registry import Registry, Role, Worker
 from router.flows.conversion_record import Conversion, Plan
-from router.flows.fleet import INFO_TIMEOUT, POLL_FIRST, POLL_MAX
+from router.flows.fleet import POLL_FIRST, POLL_MAX
 from router.flows.steps import Step, StepFailed
 
 logger = logging.getLogger(__name__)

@@ -36,18 +36,17 @@ from typing import Awaitable, Callable
 
 from aiohttp import web
 
-from router.control.upstream import Upstream, fan_out
+from router.control.live_state import read_weight_version
+from router.control.upstream import INFO_TIMEOUT, Upstream, fan_out
 from router.core.config import RouterConfig
 from router.core.coordination import Coordinator, LocalCoordinator, StopAction
 from router.core.errors import Conflict, ServiceUnavailable
 from router.core.registry import Registry, Worker, WorkerState
 from router.core.traffic import AbortAction, RequestPathControl
 from router.flows.fleet import (
-    INFO_TIMEOUT,
     FleetVersion,
     WorkerResult,
     http_status,
-    live_weight_version,
     most_common,
     read_fleet_weight_version,
     summary,
@@ -273,7 +272,7 @@ class WeightFlow:
             # What each server serves before (read while quiescing): tells a refused update, where nothing
             # changed, from a half-done one.
             snapshot, quiet = await asyncio.gather(
-                asyncio.gather(*(live_weight_version(self.upstream, w) for w in workers)),
+                asyncio.gather(*(read_weight_version(self.upstream, w.url) for w in workers)),
                 self._quiesce(op, workers, abort=abort, retry=retry))
             if not quiet:
                 return self._quiesce_timeout_answer(op, "update")
@@ -285,7 +284,7 @@ class WeightFlow:
             step.end("ok" if all(o.success for o in results) else "failed", summary(results, kind))
 
             step = op.step("verify", INFO_TIMEOUT)
-            versions = await asyncio.gather(*(live_weight_version(self.upstream, w) for w in workers))
+            versions = await asyncio.gather(*(read_weight_version(self.upstream, w.url) for w in workers))
             message = self._settle(kind, results, versions, before, target)
             step.end("ok" if all(o.success for o in results) else "failed", message)
             op.weight_version = self.fleet_version

@@ -10,9 +10,9 @@ half-way closes what it built. Handlers only read these keys; `setup()` function
     policies, legs -> proxy -> traffic      the request path, and the narrow face the flows see of it
     [cluster]                               replicas sharing the fleet: traffic becomes the fleet's holds,
                                             the coordinator etcd's; joined before any worker is registered
-    discovery, worker sources               the fleet's servers, read before the router serves
+    live state, worker sources              the fleet's servers, read before the router serves
     conversions                             live P/D role conversion
-    health (discovery, proxy)               probes and breakers; a worker found down is evicted
+    health (live state, proxy)              probes and breakers; a worker found down is evicted
     load monitor, upkeep, rebalancer        what policies need beside the request path
     weights (conversions)                   fleet-wide operations
     RL relay, shared answers                what handlers keep between calls
@@ -37,7 +37,7 @@ from router.api.info import SHARED_ROUTES
 from router.api.rl.relay import RELAY, Relay
 from router.api.rl.workers import FACTS, LaunchFactsCache
 from router.api.shared_answers import SHARED_ANSWERS, SharedAnswers
-from router.control.discovery import DISCOVERY, Discovery
+from router.control.live_state import LIVE_STATE, LiveStateReader
 from router.control.health import HEALTH, HealthMonitor
 from router.control.load_monitor import LOAD_MONITOR, LoadMonitor
 from router.control.upstream import UPSTREAM, Upstream
@@ -116,16 +116,17 @@ async def assemble(app: web.Application, stack: contextlib.AsyncExitStack) -> No
 
     # ---- the fleet's servers, read before the router serves -------------------------------------------------
     app[WORKER_ALLOW] = WorkerAllowList.parse(config.worker_allow)
-    discovery = app[DISCOVERY] = Discovery(registry, upstream, spawn, retry_interval=config.health.interval_secs)
-    stack.push_async_callback(discovery.close)
+    live_state = app[LIVE_STATE] = LiveStateReader(registry, upstream, spawn,
+                                                   retry_interval=config.health.interval_secs)
+    stack.push_async_callback(live_state.close)
     sources = app[WORKER_SOURCES] = worker_sources.build(config, registry, *_worker_api(app))
     stack.push_async_callback(sources.close)
-    _register_command_line(config, registry, coordinator, discovery)
+    _register_command_line(config, registry, coordinator, live_state)
     await sources.load()
     if not sources.sources and (not config.prefill or not config.decode):
         logger.warning("started with %d prefill and %d decode workers; add workers through POST /workers",
                        len(config.prefill), len(config.decode))
-    await discovery.start_up(config.worker_startup_timeout_secs)
+    await live_state.start_up(config.worker_startup_timeout_secs)
     sources.start(spawn)
 
     # ---- live role conversion -------------------------------------------------------------------------------
@@ -137,7 +138,7 @@ async def assemble(app: web.Application, stack: contextlib.AsyncExitStack) -> No
 
     # ---- health: probes and breakers --------------------------------------------------------------------------
     health = app[HEALTH] = HealthMonitor(registry, upstream, config.health, config.breaker,
-                                         is_held=lambda: not admission.is_open, refresh=discovery.refresh,
+                                         is_held=lambda: not admission.is_open, refresh=live_state.refresh,
                                          on_down=[proxy.evict])
     proxy.leg_observers.append(health.on_leg)
     health.start()
@@ -226,16 +227,16 @@ def _known(registry: Registry, coordinator: Coordinator, url: str, flag: str) ->
 
 
 def _register_command_line(config: RouterConfig, registry: Registry, coordinator: Coordinator,
-                           discovery: Discovery) -> None:
-    """The command line's workers, pending until their servers have been read (`Discovery.start_up`)."""
+                           live_state: LiveStateReader) -> None:
+    """The command line's workers, pending until their servers have been read (`LiveStateReader.start_up`)."""
     for spec in config.prefill:
         given = spec.bootstrap_port is not DISCOVER
         if not _known(registry, coordinator, spec.url, "--prefill"):
-            discovery.register(spec.url, Role.PREFILL, spec.bootstrap_port if given else None, port_given=given,
+            live_state.register(spec.url, Role.PREFILL, spec.bootstrap_port if given else None, port_given=given,
                                source="--prefill")
     for spec in config.decode:
         if not _known(registry, coordinator, spec.url, "--decode"):
-            discovery.register(spec.url, Role.DECODE, None, port_given=True, source="--decode")
+            live_state.register(spec.url, Role.DECODE, None, port_given=True, source="--decode")
 
 
 def _worker_api(app: web.Application):

@@ -27,6 +27,9 @@ from typing import Awaitable, Callable
 from aiohttp import web
 
 from router.control.upstream import (
+    HEALTH_TIMEOUT,
+    INFO_TIMEOUT,
+    Reply,
     Upstream,
     bootstrap_port_of,
     live_role_of,
@@ -40,8 +43,6 @@ from router.core.router_identity import router_description, router_instance_of
 
 logger = logging.getLogger(__name__)
 
-INFO_TIMEOUT = 5.0
-HEALTH_TIMEOUT = 25.0  # 0.5.23's /health runs a 1-token generation and waits up to 20 s for progress
 NOT_READY = "not ready: /ready answers 503 (paused, starting or unhealthy)"
 # States in which what the server says may move the worker to another pool (no flow owns it).
 OWN_STATES = frozenset({WorkerState.PENDING, WorkerState.ACTIVE})
@@ -73,6 +74,27 @@ class LiveState:
         return facts
 
 
+async def read_weight_version(upstream: Upstream, url: str, timeout: float = INFO_TIMEOUT, *,
+                              server: Reply | None = None, model: Reply | None = None) -> str | None:
+    """The weight version a server serves now; the one reader (the live state, the weight flows, a takeover).
+    0.5.23: `/server_info` internal_states[0] (`weight_version_of`); 0.5.6: `GET /get_weight_version`; older:
+    `/model_info`. None when the server does not answer. `server`, `model`: those answers, already read."""
+    if server is None:
+        server = await upstream.server_info(url, timeout=timeout)
+    if server.status == 0:
+        return None
+    if (version := weight_version_of(server.data if server.ok else None)) is not None:
+        return version
+    legacy = await upstream.get(url, "/get_weight_version", timeout=timeout)
+    if legacy.ok and isinstance(legacy.data, dict) and legacy.data.get("weight_version") is not None:
+        return str(legacy.data["weight_version"])
+    if model is None:
+        model = await upstream.model_info(url, timeout=timeout)
+    if model.ok and isinstance(model.data, dict) and model.data.get("weight_version") is not None:
+        return str(model.data["weight_version"])
+    return None
+
+
 async def read_live_state(upstream: Upstream, url: str, timeout: float = INFO_TIMEOUT) -> LiveState:
     model, server, ready = await asyncio.gather(upstream.model_info(url, timeout=timeout),
                                                 upstream.server_info(url, timeout=timeout),
@@ -90,7 +112,7 @@ async def read_live_state(upstream: Upstream, url: str, timeout: float = INFO_TI
         reachable=True,
         role=Role(live) if live in (Role.PREFILL.value, Role.DECODE.value) else None,
         bootstrap_port=bootstrap_port_of(server_info),
-        weight_version=weight_version_of(server_info, model_info),
+        weight_version=await read_weight_version(upstream, url, timeout, server=server, model=model),
         ready=ready,
         switch_api=switch_api_of(server_info),
         server_version=version if isinstance(version, str) else None,
@@ -121,7 +143,7 @@ async def rejoin_check(registry: Registry, upstream: Upstream, worker: Worker, *
     return live
 
 
-class Discovery:
+class LiveStateReader:
     def __init__(self, registry: Registry, upstream: Upstream, spawn: Callable[[Awaitable], asyncio.Task],
                  retry_interval: float = 5.0) -> None:
         self.registry = registry
@@ -307,4 +329,4 @@ class Discovery:
         self._tasks.clear()
 
 
-DISCOVERY = web.AppKey("discovery", Discovery)
+LIVE_STATE = web.AppKey("live_state", LiveStateReader)
