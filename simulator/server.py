@@ -22,6 +22,7 @@ class Server(Protocol):
     launch_bootstrap_port: int | None  # the bootstrap port it was started with (as /server_info reports it)
     listener: Any  # its bootstrap.BootstrapListener while one runs, else None
     role_switcher: Any  # roles.RoleSwitcher, once the role routes are added
+    trace_headers: Any  # the W3C trace context of the newest generation calls (a deque of dicts)
 
     @property
     def port(self) -> int | None: ...

@@ -5,6 +5,8 @@
 - ``GET /_sim/faults``; ``POST /_sim/faults`` merges fields (``{"reset": true}`` first clears);
   ``DELETE /_sim/faults`` clears.
 - ``POST /_sim/reset_counters``.
+- ``GET /_sim/traces``: the W3C trace context (``traceparent``, ``tracestate``) of the newest generation calls
+  that carried one, with their rids and bootstrap rooms (what a tracing SGLang would parent its spans on).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ def add_routes(router: web.UrlDispatcher, worker: "Server") -> None:
     router.add_post("/_sim/faults", api.set_faults)
     router.add_delete("/_sim/faults", api.clear_faults)
     router.add_post("/_sim/reset_counters", api.reset_counters)
+    router.add_get("/_sim/traces", api.traces)
 
 
 class SimApi:
@@ -52,6 +55,9 @@ class SimApi:
             "switch_calls_arriving": worker.role_switcher.arriving if worker.role_switcher else 0,
         })
         return json_response(snap)
+
+    async def traces(self, request: web.Request) -> web.Response:
+        return json_response({"calls": list(self.worker.trace_headers)})
 
     async def get_faults(self, request: web.Request) -> web.Response:
         return json_response(self.worker.faults.faults.as_dict())

@@ -13,6 +13,7 @@ the worker's lifecycle, ``/generate`` and the info routes.
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import os
 import time
@@ -35,6 +36,7 @@ from .tokens import Generator
 log = logging.getLogger(__name__)
 
 WORKER_KEY = web.AppKey("worker", object)
+TRACE_HEADERS_KEPT = 1000
 
 
 class Worker:
@@ -52,6 +54,9 @@ class Worker:
         self._runner: web.AppRunner | None = None
         self._started = 0.0
         self.role_switcher: roles.RoleSwitcher | None = None  # set by roles.add_routes
+        # W3C trace context each generation call came with (SGLang 0.5.23 reads traceparent/tracestate and
+        # parents its request span on it): the newest calls, for GET /_sim/traces
+        self.trace_headers: collections.deque[dict] = collections.deque(maxlen=TRACE_HEADERS_KEPT)
         self.app = self._build_app()
 
     # ------------------------------------------------------------ lifecycle
@@ -268,6 +273,11 @@ class Worker:
             engine.counters.faults_injected += 1
             status = self.faults.faults.error_status
             return http_error(status, f"Simulated fault: {route} failed on {self.url}")
+        if "traceparent" in request.headers or "tracestate" in request.headers:
+            self.trace_headers.append({
+                "route": route, "rids": [spec.rid for spec in call.items],
+                "rooms": [spec.bootstrap_room for spec in call.items],
+                "traceparent": request.headers.get("traceparent"), "tracestate": request.headers.get("tracestate")})
         try:
             reqs = self.make_reqs(call, route)
         except ValueError as exc:

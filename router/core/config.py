@@ -11,6 +11,7 @@ from policies.params import PolicyParams
 from policies.rebalance import RebalanceConfig
 from router.core.allowlists import CallerAllowList, WorkerAllowList
 from router.core.router_identity import is_own_address, literal_addresses
+from router.core.tracing import missing_packages
 from router.core.worker_url import identity, parse_worker_url, worker_url_problem
 
 # A prefill whose bootstrap port was not given: ask the server (`disaggregation_bootstrap_port`).
@@ -165,6 +166,28 @@ class WorkerSourcesConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class TraceConfig:
+    """OpenTelemetry traces over OTLP (router/obs/tracing.py): SGLang's and sgl-router's flags."""
+
+    enabled: bool = False
+    otlp_traces_endpoint: str = "localhost:4317"  # gRPC: host:port; http/protobuf: the collector's URL
+    # OTEL_EXPORTER_OTLP_TRACES_PROTOCOL, as SGLang reads it; None: grpc
+    protocol: str | None = None
+    service_name: str | None = None  # None: OTEL_SERVICE_NAME, else pd-router
+
+    def problems(self) -> list[str]:
+        found = []
+        if self.enabled and self.protocol is not None and self.protocol not in ("grpc", "http/protobuf"):
+            found.append(f"OTEL_EXPORTER_OTLP_TRACES_PROTOCOL must be grpc or http/protobuf (as SGLang's), got "
+                         f"{self.protocol!r}")
+        if self.enabled and not self.otlp_traces_endpoint.strip():
+            found.append("--otlp-traces-endpoint must name the collector (host:port)")
+        if self.enabled and (missing := missing_packages(self.protocol or "grpc")):
+            found.append(missing)
+        return found
+
+
+@dataclass(frozen=True, slots=True)
 class ClusterConfig:
     """Router replicas sharing one fleet through etcd (docs/CLUSTER.md). No endpoints: a lone router."""
 
@@ -249,6 +272,7 @@ class RouterConfig:
     etcd_data_dir: str | None = None
     worker_sources: WorkerSourcesConfig = field(default_factory=WorkerSourcesConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    trace: TraceConfig = field(default_factory=TraceConfig)
 
     def with_(self, **changes) -> "RouterConfig":
         return replace(self, **changes)
@@ -312,7 +336,8 @@ class RouterConfig:
             found.append(f"--max-n must be at least 1, got {self.admission.max_n}")
         if self.admission.max_batch_size < 1:
             found.append(f"--max-batch-size must be at least 1, got {self.admission.max_batch_size}")
-        for group in (self.policy_params, self.load_monitor, self.rebalance, self.worker_sources, self.cluster):
+        for group in (self.policy_params, self.load_monitor, self.rebalance, self.worker_sources, self.cluster,
+                      self.trace):
             found.extend(group.problems())
         found.extend(CallerAllowList.problems(self.admin_allow_cidrs))
         found.extend(WorkerAllowList.problems(self.worker_allow))

@@ -15,6 +15,8 @@ from router.core.registry import Worker
 if TYPE_CHECKING:
     from aiohttp import web
 
+    from router.core.tracing import RequestTrace
+
 
 class RequestOutcome(enum.StrEnum):
     """How a client request ended, as its observers (metrics, access log, rebalancer) name it."""
@@ -47,6 +49,7 @@ class RequestRecord:
     client_gone: bool = False  # the client left before its answer ended
     abort_answered: bool = False  # answered with SGLang's abort answer (the router aborted its servers)
     response: web.StreamResponse | None = None  # set once a stream has started
+    trace: RequestTrace | None = None  # the request's span, with --enable-trace (core/tracing.py)
 
     def conclude(self) -> RequestOutcome:
         """The request's outcome, from what was recorded of it: the one place that names it."""

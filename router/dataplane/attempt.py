@@ -120,6 +120,7 @@ class Attempt:
     lingering: bool = False
     ended: bool = False
     relaying: object | None = None  # decode's UpstreamResponse while it is relayed to the client
+    traces: tuple | None = None  # (prefill's, decode's) LegTrace with --enable-trace (core/tracing.py)
 
     def give_up_on(self, worker: Worker, reason: str) -> bool:
         """Stop waiting on `worker` for this attempt (`Proxy.evict`): its leg there is stopped and the attempt
@@ -155,18 +156,21 @@ class LegOwner(Protocol):
 class Leg:
     """One leg of a request: its task and its hold on the worker, released exactly once."""
 
-    __slots__ = ("owner", "worker", "role", "task", "is_open", "detached")
+    __slots__ = ("owner", "worker", "role", "task", "is_open", "detached", "trace")
 
-    def __init__(self, owner: LegOwner, worker: Worker, role: Role, task: asyncio.Task) -> None:
+    def __init__(self, owner: LegOwner, worker: Worker, role: Role, task: asyncio.Task, trace=None) -> None:
         self.owner, self.worker, self.role, self.task = owner, worker, role, task
         self.is_open = True
         self.detached = False
+        self.trace = trace  # its span (core/tracing.py LegTrace), ended with it
 
     def finish(self, outcome: Outcome, fault: bool = True) -> None:
         """`fault`: whether an ERROR outcome counts against the worker (passive health)."""
         if self.is_open:
             self.is_open = False
             self.owner.leg_done(self.worker, self.role, outcome, fault)
+            if self.trace is not None:
+                self.trace.end(outcome.value)
 
     def stop(self) -> None:
         """Cancel its task (if still running); whoever awaits it concludes the leg. The one place a leg's

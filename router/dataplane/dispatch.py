@@ -84,9 +84,10 @@ class Dispatcher:
         return None
 
     # ---- legs --------------------------------------------------------------------------------------
-    def _open_leg(self, worker: Worker, role: Role, coro) -> Leg:
+    def _open_leg(self, worker: Worker, role: Role, coro, attempt: Attempt) -> Leg:
         self.registry.acquire(worker)
-        return Leg(self, worker, role, asyncio.get_running_loop().create_task(coro))
+        trace = None if attempt.traces is None else attempt.traces[role is Role.DECODE]
+        return Leg(self, worker, role, asyncio.get_running_loop().create_task(coro), trace)
 
     def leg_done(self, worker: Worker, role: Role, outcome: Outcome, fault: bool = True) -> None:
         self.registry.release(worker)
@@ -208,6 +209,8 @@ class Dispatcher:
                 self._live.discard(attempt)
 
     def _post(self, worker: Worker, path: str, attempt: Attempt, headers: bytes) -> Awaitable[UpstreamResponse]:
+        if attempt.traces is not None:  # each leg names its own span as the server's parent
+            headers += attempt.traces[worker is attempt.decode].header_line
         return self.upstream.post(worker.url, path, attempt.payload, headers)
 
     # ---- non-streaming -----------------------------------------------------------------------------
@@ -222,8 +225,10 @@ class Dispatcher:
             resp.close()
 
     async def unary(self, path, attempt: Attempt, shape: RequestShape, headers, record) -> web.Response:
-        p = self._open_leg(attempt.prefill, Role.PREFILL, self._unary_leg(attempt.prefill, path, attempt, headers))
-        d = self._open_leg(attempt.decode, Role.DECODE, self._unary_leg(attempt.decode, path, attempt, headers))
+        p = self._open_leg(attempt.prefill, Role.PREFILL, self._unary_leg(attempt.prefill, path, attempt, headers),
+                           attempt)
+        d = self._open_leg(attempt.decode, Role.DECODE, self._unary_leg(attempt.decode, path, attempt, headers),
+                           attempt)
         attempt.legs = [p, d]
         try:
             while d.is_open:
@@ -303,9 +308,10 @@ class Dispatcher:
     async def stream(self, request: web.Request, path, attempt: Attempt, shape: RequestShape, headers,
                      record: RequestRecord) -> web.StreamResponse:
         p = self._open_leg(attempt.prefill, Role.PREFILL,
-                           self._prefill_stream_leg(attempt.prefill, path, attempt, headers, shape.return_logprob))
+                           self._prefill_stream_leg(attempt.prefill, path, attempt, headers, shape.return_logprob),
+                           attempt)
         d = self._open_leg(attempt.decode, Role.DECODE,
-                           self._decode_first_event(attempt.decode, path, attempt, headers))
+                           self._decode_first_event(attempt.decode, path, attempt, headers), attempt)
         attempt.legs = [p, d]
         d_resp: UpstreamResponse | None = None
         try:

@@ -25,6 +25,7 @@ from router.core.records import RequestObserver, RequestRecord
 from router.core.request_body import NESTING_LIMIT, check_declared_size, decode_content
 from router.core.registry import Registry, Role, Worker
 from router.core.router_identity import HOP_LINE
+from router.core.tracing import TRACE_HEADERS, RequestTracer
 from router.core.traffic import AbortAction
 from router.core.request_shape import assign_rid, inject_bootstrap, prompt_text, shape_of
 from router.dataplane.aborts import abort_response
@@ -37,8 +38,10 @@ from router.dataplane.upstream_http import UpstreamPool, header_lines
 
 logger = logging.getLogger(__name__)
 
-# Request headers passed to both legs.
+# Request headers passed to both legs; the client's trace context too unless the router traces (then each leg
+# gets its own span's traceparent).
 FORWARDED_HEADERS = ("Authorization", "X-Request-Id")
+UNTRACED_FORWARDED_HEADERS = FORWARDED_HEADERS + TRACE_HEADERS
 MAX_ABORT_RETRIES = 16
 
 
@@ -47,9 +50,12 @@ class Proxy:
 
     def __init__(self, *, config: RouterConfig, registry: Registry, upstream: UpstreamPool,
                  policies: dict[Role, Policy], admission: Admission,
-                 spawn: Callable[[Awaitable], asyncio.Task]) -> None:
-        """`policies`: each pool's policy (the dict is kept: admin views and upkeep read the same objects)."""
+                 spawn: Callable[[Awaitable], asyncio.Task], tracer: RequestTracer | None = None) -> None:
+        """`policies`: each pool's policy (the dict is kept: admin views and upkeep read the same objects).
+        `tracer`: with --enable-trace, makes each request's span (None: no tracing, no cost)."""
         self.config = config
+        self._tracer = tracer
+        self._forwarded_headers = FORWARDED_HEADERS if tracer is not None else UNTRACED_FORWARDED_HEADERS
         self.registry = registry
         # With a worker key, every call to a worker carries it (the client's own Authorization is for us).
         self._worker_auth = f"Bearer {config.worker_api_key}" if config.worker_api_key else None
@@ -78,11 +84,13 @@ class Proxy:
     # ---- entry point -----------------------------------------------------------------------------
     async def handle(self, request: web.Request, route: str, upstream_path: str) -> web.StreamResponse:
         record = RequestRecord(route=route, stream=False, started=time.monotonic())
+        if self._tracer is not None:
+            record.trace = self._tracer.start(request.headers, route)
         try:
             body = await self._read_body(request)
             shape = shape_of(route, body, self._limits)
             record.stream = shape.stream
-            forwarded = {h: v for h in FORWARDED_HEADERS if (v := request.headers.get(h)) is not None}
+            forwarded = {h: v for h in self._forwarded_headers if (v := request.headers.get(h)) is not None}
             if self._worker_auth is not None:
                 forwarded["Authorization"] = self._worker_auth
             record.request_id = forwarded.get("X-Request-Id", "")
@@ -90,7 +98,10 @@ class Proxy:
             info = RequestInfo(route=route, batch_size=shape.batch_size,
                                text=prompt_text(route, body) if self._needs_text else None)
             deadline = record.started + self._timeout
+            queued_at = time.monotonic()
             async with self.admission.slot():
+                if record.trace is not None:
+                    record.trace.event("admitted", {"pd.admission_wait_s": time.monotonic() - queued_at})
                 try:
                     async with asyncio.timeout_at(asyncio.get_running_loop().time()
                                                   + (deadline - time.monotonic())):
@@ -125,6 +136,8 @@ class Proxy:
             record.conclude()
             for observe in self.request_observers:
                 observe(record)
+            if record.trace is not None:
+                record.trace.end(record)
 
     async def _read_body(self, request: web.Request) -> dict:
         """The client's JSON object: a declared size over --max-payload-size is 413 before a byte is read, the
@@ -167,11 +180,15 @@ class Proxy:
         # Failures the request itself may have caused (LegFailed.signature): counted against their workers once
         # the request ends, unless another pair failed on it the same way.
         held: list[LegFailed] = []
+        trace = record.trace
         try:
             while True:
                 # Also on the first attempt: a request admitted just before a hold must not reach a server that
                 # is being quiesced.
-                await self.admission.wait_open(deadline)
+                if trace is None or self.admission.is_open:
+                    await self.admission.wait_open(deadline)
+                else:
+                    await self._traced_wait_open(trace, deadline)
                 prefill, decode = self.select_pair(info, failed)
                 payload_body = dict(body)
                 inject_bootstrap(payload_body, shape, prefill)
@@ -183,6 +200,9 @@ class Proxy:
                 attempt = Attempt(prefill, decode, payload, rids, (prefill.abort_epoch, decode.abort_epoch))
                 record.prefill, record.decode = prefill, decode
                 record.attempts += 1
+                if trace is not None:
+                    trace.event("pair_chosen", {"pd.attempt": record.attempts})  # the legs' spans name the pair
+                    attempt.traces = trace.legs(prefill, decode, record.attempts, rids)
                 self.live.add(attempt)
                 try:
                     if shape.stream:
@@ -194,6 +214,8 @@ class Proxy:
                             # Before any token reached the client: re-sent, once the fleet is open again.
                             aborted_retries += 1
                             record.retries_aborted += 1
+                            if trace is not None:
+                                trace.event("retry_aborted", {"pd.reason": failure.reason[:500]})
                             logger.info("re-sending request aborted by the router on %s (%s)",
                                         failure.worker.url, failure.reason)
                             continue
@@ -217,6 +239,9 @@ class Proxy:
                     if failure.retryable and attempt_no < max_attempts:
                         logger.warning("attempt %d failed on %s: %s; retrying on another pair", attempt_no,
                                        failure.worker.url, failure.reason)
+                        if trace is not None:
+                            trace.event("retry", {"pd.attempt": attempt_no, "pd.failed_worker": failure.worker.url,
+                                                  "pd.reason": failure.reason[:500]})
                         await asyncio.sleep(self._backoff(attempt_no - 1))
                         continue
                     record.error = failure.reason
@@ -229,6 +254,12 @@ class Proxy:
         finally:
             for failure in held:
                 self._dispatcher.blame(failure.worker)
+
+    async def _traced_wait_open(self, trace, deadline: float) -> None:
+        """`Admission.wait_open`, and an `admission_held` event when the request waited out a fleet-wide hold."""
+        started, holds = time.monotonic(), str(self.admission.hold_reasons)
+        await self.admission.wait_open(deadline)
+        trace.event("admission_held", {"pd.wait_s": time.monotonic() - started, "pd.holds": holds})
 
     # ---- eviction: giving up on a worker for requests that can still go elsewhere -------------------
     def evict(self, worker: Worker, reason: str) -> int:

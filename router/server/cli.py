@@ -133,6 +133,16 @@ SETTING_FLAGS: list[Flag] = [
     flag("--cluster-name", path="cluster.name", help="the fleet's name in etcd (keys under /pd-router/NAME/v1/)"),
     flag("--etcd-lease-ttl-secs", path="cluster.lease_ttl_secs",
          help="a replica's lease: its membership and the operations it runs outlive it by at most this long"),
+    # OpenTelemetry traces (SGLang's and sgl-router's flags; README: Traces)
+    flag("--enable-trace", path="trace.enabled",
+         help="export a span per request (and per leg, conversion, fleet operation) over OTLP, and send each leg "
+              "its traceparent so SGLang's own spans join the trace (needs pip install 'pd-router[trace]')"),
+    flag("--otlp-traces-endpoint", path="trace.otlp_traces_endpoint",
+         help="the OTLP collector: host:port for grpc, its URL for http/protobuf"),
+    flag("--otlp-traces-protocol", path="trace.protocol", env="OTEL_EXPORTER_OTLP_TRACES_PROTOCOL",
+         choices=("grpc", "http/protobuf"), help="the OTLP transport (default: grpc)"),
+    flag("--otlp-service-name", path="trace.service_name", env="OTEL_SERVICE_NAME",
+         help="service.name of the router's spans (default: pd-router)"),
     # process
     flag("--shutdown-grace-secs",
          help="SIGTERM/SIGINT: stop accepting, let requests finish, abort what is left and exit 0 within this "

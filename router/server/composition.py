@@ -6,6 +6,7 @@ and its closing is registered at once, so the router closes in the reverse order
 half-way closes what it built. Handlers only read these keys; `setup()` functions only add routes.
 
     lifecycle, tasks, admission, metrics    what everything else reports into
+    [tracing]                               --enable-trace: spans of requests, legs and flows
     session -> upstream                     the control plane's client of the servers
     policies, legs -> proxy -> traffic      the request path, and the narrow face the flows see of it
     [cluster]                               replicas sharing the fleet: traffic becomes the fleet's holds,
@@ -86,6 +87,14 @@ async def assemble(app: web.Application, stack: contextlib.AsyncExitStack) -> No
     upstream = app[UPSTREAM] = Upstream(session, api_key=config.worker_api_key)
     upstream.follow_credentials(registry)
 
+    # ---- traces (--enable-trace): OpenTelemetry imported only then; closed last, after the legs -----------------
+    tracing = None
+    if config.trace.enabled:
+        from router.obs.tracing import TRACING, Tracing
+
+        tracing = app[TRACING] = Tracing(config.trace)
+        stack.push_async_callback(tracing.close)
+
     # ---- the request path ----------------------------------------------------------------------------------
     policies: dict[Role, Policy] = {Role.PREFILL: make_policy(config.prefill_policy, config.policy_params),
                                     Role.DECODE: make_policy(config.decode_policy, config.policy_params)}
@@ -96,7 +105,8 @@ async def assemble(app: web.Application, stack: contextlib.AsyncExitStack) -> No
     stack.push_async_callback(tasks.close)  # before the pools close: aborts and lingering legs use them
     registry.subscribe(_forget_removed(legs))
     proxy = app[PROXY] = Proxy(config=config, registry=registry, upstream=legs, policies=policies,
-                               admission=admission, spawn=spawn)
+                               admission=admission, spawn=spawn,
+                               tracer=tracing.requests if tracing is not None else None)
     traffic: RequestPathControl = DataplaneControl(admission, proxy.live, legs, abort_on=proxy.abort_on)
     coordinator: Coordinator = LocalCoordinator()
 
@@ -133,7 +143,8 @@ async def assemble(app: web.Application, stack: contextlib.AsyncExitStack) -> No
     conversions = app[CONVERSIONS] = Conversions(
         registry, upstream, spawn, drain_timeout_s=config.drain_timeout_secs,
         switch_timeout_s=config.switch_timeout_secs, fleet_busy=_conversion_refusal(lifecycle, admission),
-        coordinator=coordinator, observers=[_observe_conversion(metrics)])
+        coordinator=coordinator, observers=[_observe_conversion(metrics),
+                                         *([tracing.flows.conversion_observer] if tracing is not None else [])])
     stack.push_async_callback(conversions.close)
 
     # ---- health: probes and breakers --------------------------------------------------------------------------
@@ -163,7 +174,8 @@ async def assemble(app: web.Application, stack: contextlib.AsyncExitStack) -> No
     # ---- fleet-wide operations ---------------------------------------------------------------------------------
     weights = app[WEIGHTS] = WeightFlow(config, registry, upstream, traffic, spawn, coordinator=coordinator,
                                         refusing=lifecycle.refusal, conversions_running=conversions.running,
-                                        observers=[_observe_fleet_operation(metrics)])
+                                        observers=[_observe_fleet_operation(metrics),
+                                                   *([tracing.flows.operation_observer] if tracing else [])])
     weights.start()
     stack.push_async_callback(weights.close)
     if cluster is not None:
