@@ -120,11 +120,11 @@ async def test_a_traced_request_is_one_tree_from_the_client_to_both_servers(aioh
         assert leg.start_ns >= request.start_ns and leg.end_ns <= request.end_ns + 1
 
 
-async def test_no_trace_context_starts_a_new_trace_and_a_malformed_one_too(aiohttp_client, fleet, receiver):
+async def test_no_trace_context_starts_a_new_trace_and_a_malformed_one_too(aiohttp_client, fleet, receiver, caplog):
     router = await traced_router(aiohttp_client, fleet, receiver.grpc_endpoint)
     bad = ["00-00000000000000000000000000000000-00f067aa0ba902b7-01",  # all-zero trace id
            "garbage", "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7", "ff-" + CLIENT_TRACEPARENT[3:],
-           "00-4BF92F3577B34DA6A3CE929D0E0E4736-00F067AA0BA902B7-01"]
+           "00-4BF92F3577B34DA6A3CE929D0E0E4736-00F067AA0BA902B7-01", CLIENT_TRACEPARENT + "-extra"]
     for i, header in enumerate([None, *bad]):
         resp = await router.post("/generate", json={**BODY, "rid": f"new-{i}"},
                                  headers={} if header is None else {"traceparent": header})
@@ -139,6 +139,18 @@ async def test_no_trace_context_starts_a_new_trace_and_a_malformed_one_too(aioht
         for leg in legs:
             (call,) = [c for c in seen[leg.attributes["server.url"]] if c["rids"] == [leg.attributes["rid"]]]
             assert parse_traceparent(call["traceparent"])[:2] == (request.trace_id, leg.span_id)
+
+    # a valid traceparent with a malformed tracestate: the trace continues, the tracestate is dropped (W3C), and
+    # nothing of it reaches the log however often a client sends it
+    for i, state in enumerate(["bad key=1,ok=2", "ok=2," + "x" * 600, "a=1,a=2"]):
+        resp = await router.post("/generate", json={**BODY, "rid": f"state-{i}"},
+                                 headers={"traceparent": CLIENT_TRACEPARENT, "tracestate": state})
+        assert resp.status == 200
+    receiver.wait_for_spans(has_request(CLIENT_TRACE, count=3))
+    calls = [c for calls in (await sim_traces(fleet)).values() for c in calls if c["rids"][0].startswith("state-")]
+    assert len(calls) == 6 and all(c["tracestate"] is None for c in calls)
+    assert all(parse_traceparent(c["traceparent"])[0] == CLIENT_TRACE for c in calls)
+    assert not [r for r in caplog.records if r.name.startswith("opentelemetry") and r.levelno >= logging.WARNING]
 
 
 async def test_a_retry_is_an_event_and_the_failed_leg_an_error_span(aiohttp_client, fleet, receiver):

@@ -68,6 +68,9 @@ class Tracing:
         for name in ("opentelemetry.exporter", "opentelemetry.sdk._shared_internal",
                      "opentelemetry.sdk.trace.export"):
             logging.getLogger(name).setLevel(logging.CRITICAL)
+        # A client's malformed tracestate is a warning per request there (it is dropped, as W3C says): a client
+        # must not be able to fill the router's log.
+        logging.getLogger("opentelemetry.trace.span").setLevel(logging.ERROR)
         logger.info("tracing on: spans exported over OTLP %s to %s as %s", self.protocol, self.endpoint,
                     service_name(config))
 
