@@ -23,6 +23,7 @@ import aiohttp
 import orjson
 from aiohttp import web
 
+from .dp_ranks import pulled_rank, room_key, sort_key
 from .requests import HANDSHAKE, TRANSFER, Req
 
 if TYPE_CHECKING:
@@ -155,11 +156,13 @@ class RoomStore:
 
     def snapshot(self) -> dict[str, Any]:
         return {
-            "open": sorted(self.rooms),
-            "waiting_for_decode": sorted(r.room for r in self.rooms.values()
-                                         if r.prefill_rid is not None and not r.decode_attached),
-            "waiting_for_prefill": sorted(r.room for r in self.rooms.values()
-                                          if r.decode_attached and r.prefill_rid is None),
+            "open": sorted(self.rooms, key=sort_key),
+            "waiting_for_decode": sorted((r.room for r in self.rooms.values()
+                                          if r.prefill_rid is not None and not r.decode_attached),
+                                         key=sort_key),
+            "waiting_for_prefill": sorted((r.room for r in self.rooms.values()
+                                           if r.decode_attached and r.prefill_rid is None),
+                                          key=sort_key),
             "opened": self.opened,
             "collisions": self.collisions,
             "failed_recently": len(self.tombstones),
@@ -213,13 +216,15 @@ class BootstrapListener:
             return web.Response(text=NOT_REGISTERED, status=503)
         if all(q.get(k) == "-1" for k in keys):
             return web.json_response({
-                "attn_tp_size": 1, "attn_cp_size": 1, "dp_size": 1, "pp_size": 1, "page_size": 1,
+                "attn_tp_size": 1, "attn_cp_size": 1, "dp_size": self.worker.config.dp_size, "pp_size": 1,
+                "page_size": 1,
                 "kv_cache_dtype": "auto", "follow_bootstrap_room": True, "enable_dsa_cache_layer_split": False,
                 "decode_allocation_policy": "early", "enable_kv_cache_sharding": False,
                 "prefill_http_port": self.worker.port, "target_tp_rank": None, "target_tp_ranks": None,
                 "target_cp_ranks": None, "target_pp_ranks": None, "required_dst_info_num": None,
                 "required_prefill_response_num": None})
-        if any(q.get(k) != "0" for k in keys):
+        ranks = self.worker.config.dp_size
+        if any(q.get(k) != "0" for k in keys[1:]) or q["prefill_dp_rank"] not in {str(r) for r in range(ranks)}:
             return web.Response(
                 text=f"Bootstrap info not found for dp_rank={q['prefill_dp_rank']} cp_rank={q['prefill_cp_rank']} "
                      f"tp_rank={q['target_tp_rank']} pp_rank={q['target_pp_rank']}", status=404)
@@ -233,11 +238,20 @@ class BootstrapListener:
             body = orjson.loads(await request.read())
             room_id = int(body["room"])
             timeout = float(body.get("timeout", 300.0))
+            asked_rank = body.get("dp_rank")
+            asked_rank = None if asked_rank is None else int(asked_rank)
         except (ValueError, KeyError, TypeError):
             return web.json_response({"error": {"message": "room and timeout required"}}, status=400)
         engine: Engine = self.worker.engine
+        ranks = engine.config.dp_size
+        rank = pulled_rank(room_id, ranks, asked_rank)
+        if not 0 <= rank < ranks:  # decode asks the listener for a rank it does not have
+            reason = f"Bootstrap info not found for dp_rank={rank} cp_rank=0 tp_rank=0 pp_rank=0"
+            return web.Response(body=orjson.dumps({"status": "accepted", "acks": True}) + b"\n"
+                                + orjson.dumps({"status": "failed", "reason": reason}) + b"\n",
+                                content_type="application/x-ndjson")
         store = engine.rooms
-        room = store.attach_decode(room_id)
+        room = store.attach_decode(room_key(rank, room_id))
         took = False
         try:
             # "acks": a live prefill answers a decode's abort at once; a stale registration never does
@@ -319,7 +333,8 @@ class KvClient:
     async def _pull_once(self, req: "Req", timeout: float) -> FetchResult | None:
         """One long poll; None if the request was aborted meanwhile (its abort closes the connection)."""
         url = f"http://{req.bootstrap_addr}/_sim/kv/pull"
-        body = orjson.dumps({"room": req.room, "rid": req.rid, "timeout": timeout})
+        body = orjson.dumps({"room": req.room, "rid": req.rid, "timeout": timeout,
+                             "dp_rank": req.disagg_prefill_dp_rank})
         try:
             async with self.session.post(
                 url, data=body, headers={"Content-Type": "application/json"},

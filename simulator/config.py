@@ -60,9 +60,12 @@ class WorkerConfig:
     # takes the waiting requests in order up to max_prefill_tokens prompt tokens (SGLang's --max-prefill-tokens).
     prefill_concurrency: int = 0
     max_prefill_tokens: int = 16384
-    # Data-parallel ranks (SGLang's --dp-size): each rank schedules its own requests (a request goes to the rank
-    # of its bootstrap room) and /v1/loads has one row per rank; the token and running caps are per rank.
+    # Data-parallel ranks (SGLang's --dp-size): each rank schedules its own requests (which rank: 0.5.23's rules,
+    # simulator/dp_ranks.py) and /v1/loads has one row per rank; the token and running caps are per rank.
     dp_size: int = 1
+    # Attention DP (--dp-size N --enable-dp-attention): the same N ranks, but /server_info says what 0.5.23
+    # resolves them to: dp_size 1, attn_dp_size N, enable_dp_attention true.
+    enable_dp_attention: bool = False
     # A decode server admits a request (prealloc) when its prompt plus this many tokens fit in its KV pool
     # (0.5.23's --num-reserved-decode-tokens); 0: its prompt plus max_new_tokens, like other roles.
     num_reserved_decode_tokens: int = 512

@@ -20,6 +20,7 @@ from collections import deque
 from typing import TYPE_CHECKING, Awaitable, Callable
 
 from .capacity import DecodeBatch, PrefillForwards
+from .dp_ranks import RankChooser, prefill_conflict, room_key
 from .engine_control import EngineControl
 from .config import WorkerConfig
 from .faults import FaultInjector
@@ -52,7 +53,7 @@ class Engine(EngineControl):
         # One prefill forward loop and one decode batch per data-parallel rank (each rank is a scheduler).
         self.forwards = [PrefillForwards(self) for _ in range(config.dp_size)]
         self.batches = [DecodeBatch(self) for _ in range(config.dp_size)]
-        self._next_rank = 0
+        self.rank_chooser = RankChooser(config.dp_size)
         self.decoding = 0  # requests in a decode loop: the batch whose size sets the decode step time
         self.prefix_cache = PrefixCache(config.prefix_cache_tokens) if config.prefix_cache_tokens else None
         self.running = 0
@@ -105,11 +106,7 @@ class Engine(EngineControl):
 
     def register(self, req: Req) -> None:
         self.requests[req.rid] = req
-        if self.config.dp_size > 1:  # SGLang's PD default: follow the bootstrap room; else round robin
-            if req.room is not None:
-                req.dp_rank = req.room % self.config.dp_size
-            else:
-                req.dp_rank, self._next_rank = self._next_rank, (self._next_rank + 1) % self.config.dp_size
+        req.dp_rank = self.rank_chooser.choose(self.role, req.room, req.routed_dp_rank)
         self.counters.items_started += 1
         self.counters.prompt_tokens += len(req.input_ids)
 
@@ -165,7 +162,10 @@ class Engine(EngineControl):
                 req.gen.step(1)
                 req.finish_reason = {"type": "length", "length": 0}
             return
-        room = self.rooms.open_prefill(req.room, req.rid, req.input_ids, waiter=req)
+        conflict = prefill_conflict(req.dp_rank, req.room, self.config.dp_size, req.disagg_prefill_dp_rank)
+        if conflict is not None:  # the KV sender refuses it at once (CommonKVSender, 0.5.23)
+            raise self._prefill_failure(req, "bootstrap", conflict)
+        room = self.rooms.open_prefill(room_key(req.dp_rank, req.room), req.rid, req.input_ids, waiter=req)
         succeeded = False
         try:
             req.phase = BOOTSTRAP

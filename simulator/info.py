@@ -65,6 +65,11 @@ def server_args(worker: "Server") -> dict[str, Any]:
         "device": "sim",
         "random_seed": cfg.seed,
     })
+    # what 0.5.23 resolves the DP layout to (docs/DP_RANKS.md): the ranks are dp_size x attn_dp_size
+    if cfg.enable_dp_attention:
+        args.update({"dp_size": 1, "attn_dp_size": cfg.dp_size, "enable_dp_attention": cfg.dp_size > 1})
+    else:
+        args.update({"dp_size": cfg.dp_size, "attn_dp_size": 1, "enable_dp_attention": False})
     # role-dependent launch defaults, as a real prefill / decode server reports them
     if cfg.role == "prefill":
         args.update({"hicache_ratio": 2.0, "disaggregation_decode_retraction_backup": None,
@@ -105,7 +110,7 @@ def internal_state(worker: "Server", args: dict[str, Any]) -> dict[str, Any]:
 def server_info(worker: "Server") -> dict[str, Any]:
     args = server_args(worker)
     out = dict(args)
-    out["internal_states"] = [internal_state(worker, args)]
+    out["internal_states"] = [internal_state(worker, args) for _ in range(worker.config.dp_size)]  # one per rank
     out["version"] = worker.config.sglang_version
     if worker.config.at_least("0.5.23"):
         out["frontend"] = "python"

@@ -15,6 +15,7 @@ import random
 from dataclasses import dataclass
 from typing import Any
 
+from .dp_ranks import rank_fields
 from .tokens import encode
 
 
@@ -52,6 +53,9 @@ class GenerateCall:
     is_single: bool
     stream: bool
     parallel_sample_num: int
+    # SGLang's call-level DP fields (simulator/dp_ranks.py): the rank to run on, and decode's prefill rank
+    routed_dp_rank: int | None = None
+    disagg_prefill_dp_rank: int | None = None
 
 
 def _check_types(body: dict) -> None:
@@ -175,6 +179,17 @@ def _single(body: dict, default_max_new_tokens: int, context_length: int,
 
 def parse_generate(body: Any, *, default_max_new_tokens: int, context_length: int,
                    default_bootstrap_port: int | None) -> GenerateCall:
+    routed, prefill_rank, errors = rank_fields(body)
+    if errors:
+        raise BodyError(errors)
+    call = _parse_generate(body, default_max_new_tokens=default_max_new_tokens, context_length=context_length,
+                           default_bootstrap_port=default_bootstrap_port)
+    call.routed_dp_rank, call.disagg_prefill_dp_rank = routed, prefill_rank
+    return call
+
+
+def _parse_generate(body: Any, *, default_max_new_tokens: int, context_length: int,
+                    default_bootstrap_port: int | None) -> GenerateCall:
     if isinstance(body, dict):
         call = _single(body, default_max_new_tokens, context_length, default_bootstrap_port)
         if call is not None:

@@ -16,6 +16,7 @@ from aiohttp import web
 from . import outputs
 from .requests import Req, RequestFailed
 from .httputil import json_response
+from .dp_ranks import RANK_FIELDS
 from .inputs import BodyError, GenerateCall, parse_generate
 from .tokens import apply_chat_template, encode, token_logprob, token_text
 
@@ -82,7 +83,7 @@ class OpenAIRoutes:
             gen["text"] = prompt
         else:
             gen["input_ids"] = prompt
-        for key in ("rid", "bootstrap_host", "bootstrap_port", "bootstrap_room"):
+        for key in ("rid", "bootstrap_host", "bootstrap_port", "bootstrap_room", *RANK_FIELDS):
             if body.get(key) is not None:
                 gen[key] = body[key]
         return gen

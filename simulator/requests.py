@@ -67,6 +67,8 @@ class Req:
     forward_done: bool = False  # prefill: the forward it was batched into has ended
     step_tokens: int = 0  # decode: tokens the batch gave it that it has not emitted yet
     dp_rank: int = 0  # the data-parallel rank that runs it (reported per rank in /v1/loads)
+    routed_dp_rank: int | None = None  # the rank its caller chose (simulator/dp_ranks.py)
+    disagg_prefill_dp_rank: int | None = None  # the prefill rank holding its KV, as its caller said
 
     @property
     def done(self) -> bool:

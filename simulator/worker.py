@@ -30,6 +30,7 @@ from .engine import ABORTED, Engine, Req, RequestFailed
 from .faults import FaultInjector, Faults
 from .formats import SSE_DONE, Format, NativeFormat
 from .httputil import http_error, json_response, method_not_allowed, not_found, read_json, value_error
+from . import dp_ranks
 from .inputs import BodyError, GenerateCall, ItemSpec, parse_generate
 from .tokens import Generator
 
@@ -245,6 +246,7 @@ class Worker:
 
     def make_reqs(self, call: GenerateCall, route: str) -> list[Req]:
         """Items of one call, registered under their rids (a live rid is a 400, as in SGLang)."""
+        dp_ranks.check_routed(call.routed_dp_rank, self.config.dp_size)
         for spec in call.items:
             if spec.rid in self.engine.requests:
                 raise ValueError(f"Duplicate request ID detected: {spec.rid}")
@@ -264,6 +266,7 @@ class Worker:
             top_logprobs_num=spec.top_logprobs_num, logprob_start_len=spec.logprob_start_len,
             bootstrap_addr=addr, room=spec.bootstrap_room,
             parallel_sample=call.parallel_sample_num > 1,
+            routed_dp_rank=call.routed_dp_rank, disagg_prefill_dp_rank=call.disagg_prefill_dp_rank,
         )
 
     async def serve(self, request: web.Request, call: GenerateCall, route: str, fmt: "Format") -> web.StreamResponse:
