@@ -50,6 +50,8 @@ class ServerLoad:
     prefill_busy: float | None = None  # share of the time spent in prefill forwards
     decode_step_s: float | None = None  # mean decode step (the inter-token latency it gave)
     decode_batch: float | None = None  # mean batch size of those steps
+    # The router's in-flight count on each data-parallel rank when the snapshot was taken (`--dp-aware`).
+    rank_inflight_at: tuple[int, ...] = ()
 
     @property
     def requests(self) -> int:

@@ -27,6 +27,20 @@ from typing import Any
 
 
 @dataclass(frozen=True, slots=True)
+class RankLoad:
+    """One data-parallel rank's row: its own scheduler's queues (`--dp-aware` chooses ranks by them)."""
+
+    dp_rank: int
+    running: int
+    waiting: int
+    token_usage: float | None = None
+
+    @property
+    def requests(self) -> int:
+        return self.running + self.waiting
+
+
+@dataclass(frozen=True, slots=True)
 class LoadReport:
     running: int
     waiting: int  # num_waiting_reqs: what it counts depends on the role (see the module docstring)
@@ -47,6 +61,7 @@ class LoadReport:
     prefill_busy_us: int | None = None
     prefill_tokens: int | None = None
     decode_moments: tuple[float, ...] | None = None
+    ranks: tuple[RankLoad, ...] = ()  # every row, in dp_rank order
 
     @property
     def pd_queued(self) -> int:
@@ -113,4 +128,18 @@ def parse_loads(data: Any) -> LoadReport | None:
         prefill_busy_us=_sum(ranks, "total_prefill_busy_us"),
         prefill_tokens=_sum(ranks, "total_prefill_uncached_tokens"),
         decode_moments=moments,
+        ranks=_rank_rows(ranks),
     )
+
+
+def _rank_rows(rows: list[dict]) -> tuple[RankLoad, ...]:
+    out = []
+    for index, row in enumerate(rows):
+        rank = _int(row.get("dp_rank"))
+        usage = row.get("token_usage")
+        if isinstance(usage, bool) or not isinstance(usage, (int, float)):
+            usage = None
+        out.append(RankLoad(dp_rank=index if rank is None else rank, running=_int(row.get("num_running_reqs")) or 0,
+                            waiting=_int(row.get("num_waiting_reqs")) or 0,
+                            token_usage=None if usage is None else float(usage)))
+    return tuple(sorted(out, key=lambda r: r.dp_rank))

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from router.flows.conversion import CONVERSIONS
-from router.core.config import RouterConfig, WorkerSpec
+from router.core.config import DpRanksConfig, LoadMonitorConfig, RouterConfig, WorkerSpec
 from router.core.keys import REGISTRY
 from router.dataplane.admission import ADMISSION
 from router.core.registry import Role, WorkerState
@@ -127,17 +127,29 @@ async def test_workers_table_and_json(stack):
     assert result.rc == 0, result.err
     header, *rows = result.rows()[:5]
     assert header == ["ID", "URL", "ROLE", "STATE", "ROUTABLE", "HEALTHY", "BREAKER", "INFLIGHT", "BOOTSTRAP",
-                      "VERSION"]
+                      "VERSION", "RANKS"]
     shown = {row[1]: row for row in rows}
     for handle in s.fleet.prefill + s.fleet.decode:
         worker = s.worker(handle)
         port = str(handle.bootstrap_port) if handle.role == "prefill" else "-"
         assert shown[handle.url] == [worker.id, handle.url, handle.role, "active", "yes", "yes", "closed", "0",
-                                     port, worker.weight_version]
+                                     port, worker.weight_version, "-"]
     assert "4 workers: 2 prefill, 2 decode; 4 routable" in result.out
     # --json: the router's own listing, for scripts (the flag is accepted after the subcommand as well)
     listing = (await ctl(s.url, "workers", "--json")).json()
     assert sorted(w["url"] for w in listing["workers"]) == sorted(h.url for h in s.fleet.prefill + s.fleet.decode)
+
+
+async def test_workers_shows_each_data_parallel_rank(stack):
+    s = await stack(1, 1, sim={"dp_size": 2, "enable_dp_attention": True},
+                    dp_ranks=DpRanksConfig(aware=True), load_monitor=LoadMonitorConfig(interval_secs=0.05))
+    await wait_for(lambda: all(w.server_load is not None for w in s.http.app[REGISTRY].workers()))
+    result = await ctl(s.url, "workers")
+    assert result.rc == 0, result.err
+    header, *rows = result.rows()[:3]
+    assert all(row[header.index("RANKS")] == "0:0/0,1:0/0" for row in rows), result.out  # in flight / reported
+    listing = (await ctl(s.url, "workers", "--json")).json()
+    assert all(w["dp_ranks"] == 2 and [r["dp_rank"] for r in w["ranks"]] == [0, 1] for w in listing["workers"])
 
 
 async def test_health_and_cluster_on_a_single_router(stack):

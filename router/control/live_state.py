@@ -36,6 +36,7 @@ from router.control.upstream import (
     switch_api_of,
     weight_version_of,
 )
+from router.core.dp_ranks import attention_dp, rank_count, switch_refusal
 from router.core.errors import BadGateway, Conflict
 from router.core.registry import Registry, Role, Worker, WorkerState
 from router.core.routability import HoldKind, choose_fleet_version, rejoin_refusal
@@ -61,6 +62,9 @@ class LiveState:
     server_version: str | None = None
     problem: str = ""  # why it could not be read
     router: str | None = None  # the instance of the pd-router that answered (a pd-router is never a worker)
+    dp_ranks: int | None = None  # None: /server_info not read (router/core/dp_ranks.py)
+    attention_dp: bool = False
+    dp_switch_refusal: str | None = None
 
     def facts(self) -> dict:
         """The registry's worker fields this reading knows."""
@@ -71,6 +75,9 @@ class LiveState:
             facts["weight_version"] = self.weight_version
         if self.server_version is not None:
             facts["server_version"] = self.server_version
+        if self.dp_ranks is not None:
+            facts.update(dp_ranks=self.dp_ranks, attention_dp=self.attention_dp,
+                         dp_switch_refusal=self.dp_switch_refusal)
         return facts
 
 
@@ -116,6 +123,9 @@ async def read_live_state(upstream: Upstream, url: str, timeout: float = INFO_TI
         ready=ready,
         switch_api=switch_api_of(server_info),
         server_version=version if isinstance(version, str) else None,
+        dp_ranks=rank_count(server_info) if server_info is not None else None,
+        attention_dp=attention_dp(server_info),
+        dp_switch_refusal=switch_refusal(server_info),
     )
 
 

@@ -76,7 +76,7 @@ class LoadMonitor:
         self.last_round_at = self.clock()
 
     async def _poll(self, worker: Worker) -> None:
-        revision, inflight_at = worker.revision, worker.inflight
+        revision, inflight_at, rank_inflight_at = worker.revision, worker.inflight, tuple(worker.rank_inflight)
         self.polls += 1
         try:
             load = await asyncio.wait_for(self.upstream.load(worker.url, timeout=self.config.timeout_secs),
@@ -93,7 +93,8 @@ class LoadMonitor:
         now = self.clock()
         previous = worker.server_load
         worker.server_load = ServerLoad(running=load.running, waiting=load.waiting, token_usage=load.token_usage,
-                                        inflight_at=inflight_at, taken_at=now, report=load.report,
+                                        inflight_at=inflight_at, rank_inflight_at=rank_inflight_at, taken_at=now,
+                                        report=load.report,
                                         **rates(previous, load.report, now))
 
     async def run(self) -> None:

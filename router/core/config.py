@@ -124,6 +124,23 @@ class LoadMonitorConfig:
         return found
 
 
+DP_RANK_POLICIES = ("least_loaded", "round_robin", "random")
+
+
+@dataclass(frozen=True, slots=True)
+class DpRanksConfig:
+    """`--dp-aware`: the router chooses each leg's data-parallel rank (docs/DP_RANKS.md)."""
+
+    aware: bool = False
+    prefill_policy: str = "least_loaded"
+    decode_policy: str = "least_loaded"
+
+    def problems(self) -> list[str]:
+        return [f"--{leg}-dp-rank-policy must be one of {', '.join(DP_RANK_POLICIES)}, got {value!r}"
+                for leg, value in (("prefill", self.prefill_policy), ("decode", self.decode_policy))
+                if value not in DP_RANK_POLICIES]
+
+
 CLUSTER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 
 
@@ -241,6 +258,7 @@ class RouterConfig:
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
     policy_params: PolicyParams = field(default_factory=PolicyParams)
     load_monitor: LoadMonitorConfig = field(default_factory=LoadMonitorConfig)
+    dp_ranks: DpRanksConfig = field(default_factory=DpRanksConfig)
     rebalance: RebalanceConfig = field(default_factory=RebalanceConfig)
     # Deadlines of the admin flows.
     drain_timeout_secs: float = 300.0
@@ -336,8 +354,8 @@ class RouterConfig:
             found.append(f"--max-n must be at least 1, got {self.admission.max_n}")
         if self.admission.max_batch_size < 1:
             found.append(f"--max-batch-size must be at least 1, got {self.admission.max_batch_size}")
-        for group in (self.policy_params, self.load_monitor, self.rebalance, self.worker_sources, self.cluster,
-                      self.trace):
+        for group in (self.policy_params, self.load_monitor, self.dp_ranks, self.rebalance, self.worker_sources,
+                      self.cluster, self.trace):
             found.extend(group.problems())
         found.extend(CallerAllowList.problems(self.admin_allow_cidrs))
         found.extend(WorkerAllowList.problems(self.worker_allow))

@@ -72,6 +72,13 @@ class Worker:
     # Which role-switch API the server speaks ("pd_role_switch", "convert_pd_role"), learnt from it.
     switch_api: str | None = None
     server_version: str | None = None
+    # Data-parallel ranks (dp_size x attn_dp_size, from /server_info: docs/DP_RANKS.md); whether they are
+    # attention DP; why 0.5.23 would refuse to switch its role (None: it would not, for DP reasons).
+    dp_ranks: int = 1
+    attention_dp: bool = False
+    dp_switch_refusal: str | None = None
+    # The router's in-flight count per rank (`--dp-aware`: the request path keeps it; empty otherwise).
+    rank_inflight: list[int] = field(default_factory=list)
     # Where the worker was registered ("--decode", "POST /workers", ...): named when its live role differs.
     source: str = ""
     state_reason: str = ""
@@ -112,7 +119,26 @@ class Worker:
             "source": self.source,
             "requests_total": self.requests_total,
             "failures_total": self.failures_total,
+            "dp_ranks": self.dp_ranks,
+            "attention_dp": self.attention_dp,
+            "ranks": rank_rows(self),
         }
+
+
+def rank_rows(worker: Worker) -> list[dict]:
+    """Each data-parallel rank: the router's in-flight count on it and the server's own last row for it."""
+    if worker.dp_ranks <= 1 and not worker.rank_inflight:
+        return []
+    load = worker.server_load
+    reported = {r.dp_rank: r for r in load.report.ranks} if load is not None and load.report is not None else {}
+    rows = []
+    for rank in range(worker.dp_ranks):
+        row = reported.get(rank)
+        rows.append({"dp_rank": rank,
+                     "inflight": worker.rank_inflight[rank] if rank < len(worker.rank_inflight) else 0,
+                     "running": row.running if row else None, "waiting": row.waiting if row else None,
+                     "token_usage": row.token_usage if row else None})
+    return rows
 
 
 # (event, worker, details); fleet-wide events ("fleet_version") carry worker None.

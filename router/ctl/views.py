@@ -32,12 +32,23 @@ def worker_path(worker: dict) -> str:
 
 # ---- workers ----------------------------------------------------------------------------------------------
 WORKER_COLUMNS = ("id", "url", "role", "state", "routable", "healthy", "breaker", "inflight", "bootstrap",
-                  "version")
+                  "version", "ranks")
+
+
+def ranks_cell(w: dict) -> str:
+    """`-` for one rank; else each rank's router in-flight / server-reported requests: `0:2/5,1:0/1`."""
+    rows = w.get("ranks") or []
+    if not rows:
+        return "-"
+
+    def reported(r: dict) -> str:
+        return "?" if r.get("running") is None else str(r["running"] + r["waiting"])
+    return ",".join(f"{r['dp_rank']}:{r['inflight']}/{reported(r)}" for r in rows)
 
 
 def worker_row(w: dict, wide: bool) -> list:
     row = [w["id"], w["url"], w["role"], w["state"], w["routable"], w["is_healthy"], w["breaker"], w["inflight"],
-           w["bootstrap_port"], w["weight_version"]]
+           w["bootstrap_port"], w["weight_version"], ranks_cell(w)]
     if wide:
         row += [w.get("requests_total"), w.get("failures_total"),
                 "; ".join(r for r in (w.get("state_reason"), w.get("health_reason")) if r)]

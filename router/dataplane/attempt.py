@@ -121,6 +121,9 @@ class Attempt:
     ended: bool = False
     relaying: object | None = None  # decode's UpstreamResponse while it is relayed to the client
     traces: tuple | None = None  # (prefill's, decode's) LegTrace with --enable-trace (core/tracing.py)
+    # `--dp-aware`: the decode leg's own body (its rank differs from the prefill's) and the ranks chosen.
+    decode_payload: bytes | None = None
+    ranks: tuple[int, int] | None = None
 
     def give_up_on(self, worker: Worker, reason: str) -> bool:
         """Stop waiting on `worker` for this attempt (`Proxy.evict`): its leg there is stopped and the attempt

@@ -211,7 +211,10 @@ class Dispatcher:
     def _post(self, worker: Worker, path: str, attempt: Attempt, headers: bytes) -> Awaitable[UpstreamResponse]:
         if attempt.traces is not None:  # each leg names its own span as the server's parent
             headers += attempt.traces[worker is attempt.decode].header_line
-        return self.upstream.post(worker.url, path, attempt.payload, headers)
+        payload = attempt.payload
+        if attempt.decode_payload is not None and worker is attempt.decode:
+            payload = attempt.decode_payload
+        return self.upstream.post(worker.url, path, payload, headers)
 
     # ---- non-streaming -----------------------------------------------------------------------------
     async def _unary_leg(self, worker: Worker, path: str, attempt: Attempt, headers) -> tuple[int, bytes, str]:

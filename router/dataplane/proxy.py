@@ -32,6 +32,7 @@ from router.dataplane.aborts import abort_response
 from router.dataplane.admission import Admission
 from router.dataplane.attempt import Attempt, LegFailed
 from router.dataplane.dispatch import Dispatcher
+from router.dataplane.dp_ranks import RankPlacer, complete_client_ranks, has_client_ranks
 from router.dataplane.live import LiveRequests
 from router.dataplane.relay import ClientGone, end_stream_with_error
 from router.dataplane.upstream_http import UpstreamPool, header_lines
@@ -80,6 +81,9 @@ class Proxy:
         self._retry = config.retry
         self._max_payload = config.admission.max_payload_size
         self._limits = config.admission  # --max-n, --max-batch-size
+        # --dp-aware: a rank per leg (router/dataplane/dp_ranks.py); None: bodies go out as the client sent them
+        self._ranks = RankPlacer(config.dp_ranks.prefill_policy, config.dp_ranks.decode_policy) \
+            if config.dp_ranks.aware else None
 
     # ---- entry point -----------------------------------------------------------------------------
     async def handle(self, request: web.Request, route: str, upstream_path: str) -> web.StreamResponse:
@@ -193,11 +197,22 @@ class Proxy:
                 payload_body = dict(body)
                 inject_bootstrap(payload_body, shape, prefill)
                 rids = assign_rid(payload_body, shape, self.config.inject_rid)
+                decode_payload = ranks = None
                 try:
-                    payload = orjson.dumps(payload_body)
+                    if self._ranks is not None:
+                        payload, decode_payload, *ranks = self._ranks.place(payload_body, prefill, decode)
+                    else:
+                        if has_client_ranks(payload_body):
+                            complete_client_ranks(payload_body, prefill, decode)
+                        payload = orjson.dumps(payload_body)
                 except orjson.JSONEncodeError:  # read, but too deep to write back: the same on every attempt
                     raise BadRequest(f"request body is {NESTING_LIMIT}") from None
-                attempt = Attempt(prefill, decode, payload, rids, (prefill.abort_epoch, decode.abort_epoch))
+                attempt = Attempt(prefill, decode, payload, rids, (prefill.abort_epoch, decode.abort_epoch),
+                                  decode_payload=decode_payload)
+                if ranks:
+                    attempt.ranks = (ranks[0], ranks[1])
+                    self._ranks.enter(prefill, ranks[0])
+                    self._ranks.enter(decode, ranks[1])
                 record.prefill, record.decode = prefill, decode
                 record.attempts += 1
                 if trace is not None:
@@ -247,6 +262,9 @@ class Proxy:
                     record.error = failure.reason
                     return failure.response()
                 finally:
+                    if attempt.ranks is not None:
+                        self._ranks.leave(prefill, attempt.ranks[0])
+                        self._ranks.leave(decode, attempt.ranks[1])
                     if attempt.lingering:
                         attempt.ended = True  # its prefill leg, still running, takes it out of `live` at its end
                     else:

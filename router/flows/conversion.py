@@ -136,7 +136,7 @@ class Conversions:
             return None
         conversion = Conversion(id=f"c{next(self._ids)}", worker_id=worker.id, worker_url=worker.url,
                                 old_role=worker.role, new_role=new_role, mode=plan.mode)
-        refusal = refusal or self.fleet_busy() or self._last_of_pool(worker)
+        refusal = refusal or self._dp_refusal(worker) or self.fleet_busy() or self._last_of_pool(worker)
         if refusal is not None:
             self._refuse(conversion, refusal, 409)
             raise Conflict(refusal, conversion_id=conversion.id)
@@ -174,6 +174,13 @@ class Conversions:
             return (f"worker {worker.id} ({worker.url}) is {worker.state} ({worker.state_reason or '-'}): only an "
                     f"active worker can be converted")
         return None
+
+    @staticmethod
+    def _dp_refusal(worker: Worker) -> str | None:
+        """What SGLang 0.5.23 would answer for this attention-DP server's switch, said before draining it."""
+        if worker.dp_switch_refusal is None:
+            return None
+        return f"worker {worker.id} ({worker.url}) cannot switch roles: {worker.dp_switch_refusal}"
 
     def _last_of_pool(self, worker: Worker) -> str | None:
         others = [w for w in self.registry.routable(worker.role) if w is not worker]

@@ -26,7 +26,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.utils import floatToGoString
 
 from router.core.config import RouterConfig
-from router.core.registry import Registry, Role, Worker, WorkerState
+from router.core.registry import Registry, Role, Worker, WorkerState, rank_rows
 from router.dataplane.admission import Admission
 
 logger = logging.getLogger(__name__)
@@ -230,6 +230,14 @@ class _StateCollector:
                                   labels=labels + ["state"])
         served = CounterMetricFamily(f"{PREFIX}_worker_requests", "legs sent to the worker", labels=labels)
         failed = CounterMetricFamily(f"{PREFIX}_worker_failures", "legs that ended in error", labels=labels)
+        ranks = GaugeMetricFamily(f"{PREFIX}_worker_dp_ranks", "data-parallel ranks (dp_size x attn_dp_size)",
+                                  labels=labels)
+        rank_labels = labels + ["dp_rank"]
+        rank_inflight = GaugeMetricFamily(f"{PREFIX}_worker_rank_inflight",
+                                          "requests the router sent to the rank (--dp-aware)", labels=rank_labels)
+        rank_requests = GaugeMetricFamily(f"{PREFIX}_worker_rank_requests",
+                                          "running + waiting requests the rank last reported (/v1/loads)",
+                                          labels=rank_labels)
         for w in self.registry.workers():
             key = [w.url, w.role.value]
             inflight.add_metric(key, w.inflight)
@@ -240,11 +248,18 @@ class _StateCollector:
                 state.add_metric(key + [s.value], 1 if w.state is s else 0)
             served.add_metric(key, w.requests_total)
             failed.add_metric(key, w.failures_total)
+            ranks.add_metric(key, w.dp_ranks)
+            for row in rank_rows(w):
+                rank_key = key + [str(row["dp_rank"])]
+                rank_inflight.add_metric(rank_key, row["inflight"])
+                if row["running"] is not None:
+                    rank_requests.add_metric(rank_key, row["running"] + row["waiting"])
         pools = GaugeMetricFamily(f"{PREFIX}_pool_routable_workers", "routable workers per pool", labels=["role"])
         for role in Role:
             pools.add_metric([role.value], len(self.registry.routable(role)))
         a = self.admission
-        yield from (inflight, healthy, routable, breaker, state, served, failed, pools)
+        yield from (inflight, healthy, routable, breaker, state, served, failed, ranks, rank_inflight, rank_requests,
+                    pools)
         yield GaugeMetricFamily(f"{PREFIX}_queue_length", "requests waiting for admission", value=a.waiting)
         yield GaugeMetricFamily(f"{PREFIX}_requests_in_flight", "admitted requests not finished", value=a.active)
         yield GaugeMetricFamily(f"{PREFIX}_fleet_held", "1 while a fleet-wide hold (weight update) is on",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from policies.params import PolicyParams
 from policies.rebalance import RebalanceMode, RebalanceConfig
+from router.core.config import DP_RANK_POLICIES
 from router.server.cli_flags import Flag, field_flags, flag
 
 _POLICY_HELP = {
@@ -50,6 +51,13 @@ POLICY_FLAGS: list[Flag] = [
          help="how often each server's /v1/loads is read (power_of_two, cache_aware, the rebalancer)"),
     flag("--load-poll-timeout-secs", path="load_monitor.timeout_secs"),
     flag("--disable-load-poll", path="load_monitor.enabled", help="policies use the router's own counts only"),
+    flag("--dp-aware", path="dp_ranks.aware",
+         help="choose each leg's data-parallel rank (SGLang --dp-size/--enable-dp-attention servers) and send "
+              "routed_dp_rank and disagg_prefill_dp_rank so both legs agree (docs/DP_RANKS.md)"),
+    flag("--prefill-dp-rank-policy", path="dp_ranks.prefill_policy", choices=DP_RANK_POLICIES,
+         help="how --dp-aware chooses a prefill server's rank"),
+    flag("--decode-dp-rank-policy", path="dp_ranks.decode_policy", choices=DP_RANK_POLICIES,
+         help="how --dp-aware chooses a decode server's rank"),
     flag("--rebalance", path="rebalance.mode", choices=tuple(m.value for m in RebalanceMode),
          help="automatic P/D conversion: off, advisory (record what it would do) or enabled"),
     # `history` is the admin API's memory, not a knob of the command line.
