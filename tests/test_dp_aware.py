@@ -71,6 +71,11 @@ async def test_a_busy_prefill_rank_gets_clearly_fewer_requests(make_router, sess
         status, workers = await get(session, str(client.make_url("/workers")))
         row = next(w for w in workers["workers"] if w["url"] == prefill.url)
         assert row["dp_ranks"] == 2 and [r["waiting"] for r in row["ranks"]][1] == 6
+        metrics = await (await client.get("/metrics")).text()
+        labels = f'role="prefill",worker="{prefill.url}"'
+        assert f'pd_router_worker_dp_ranks{{{labels}}} 2.0' in metrics
+        assert f'pd_router_worker_rank_requests{{dp_rank="1",{labels}}} 6.0' in metrics
+        assert f'pd_router_worker_rank_inflight{{dp_rank="0",{labels}}} 0.0' in metrics
         for k in range(6):
             await post(session, prefill.url + "/abort_request", {"rid": f"parked-{k}"})
         await asyncio.gather(*parked)
@@ -143,3 +148,16 @@ async def test_converting_an_attention_dp_server_is_refused_up_front_unless_0_5_
         await wait_for(lambda: worker.role.value == "prefill" and worker.routable, timeout=10)
         for i in range(4):
             await generate(client, i)
+
+
+async def test_a_dp_prefill_sigkilled_mid_request_leaves_no_rank_counted_and_requests_retry(make_router):
+    async with Fleet(2, 1, processes=True, prefill_overhead_s=0.2, **DP2) as fleet:
+        client = await make_router(fleet.prefill, fleet.decode, dp_ranks=AWARE, load_monitor=FAST_POLL,
+                                   prefill_policy="round_robin")
+        victim = next(w for w in client.registry.workers() if w.url == fleet.prefill[0].url)
+        requests = [asyncio.ensure_future(generate(client, i)) for i in range(8)]
+        await wait_for(lambda: sum(victim.rank_inflight) >= 2, timeout=10)
+        fleet.kill(fleet.prefill[0])  # mid-forward: its legs fail, the requests go to the other prefill
+        await asyncio.gather(*requests)  # every one answered in full (generate checks the text)
+        await wait_for(lambda: all(not any(w.rank_inflight) and w.inflight == 0
+                                   for w in client.registry.workers()), timeout=10)
