@@ -125,9 +125,10 @@ class Worker:
         }
 
 
-def rank_rows(worker: Worker) -> list[dict]:
-    """Each data-parallel rank: the router's in-flight count on it and the server's own last row for it."""
-    if worker.dp_ranks <= 1 and not worker.rank_inflight:
+def rank_rows(worker: Worker, *, single: bool = False) -> list[dict]:
+    """Each data-parallel rank: the router's in-flight count on it and the server's own last row for it (a
+    one-rank server: none, unless `single`)."""
+    if worker.dp_ranks <= 1 and not worker.rank_inflight and not single:
         return []
     load = worker.server_load
     reported = {r.dp_rank: r for r in load.report.ranks} if load is not None and load.report is not None else {}

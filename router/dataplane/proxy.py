@@ -51,9 +51,12 @@ class Proxy:
 
     def __init__(self, *, config: RouterConfig, registry: Registry, upstream: UpstreamPool,
                  policies: dict[Role, Policy], admission: Admission,
-                 spawn: Callable[[Awaitable], asyncio.Task], tracer: RequestTracer | None = None) -> None:
+                 spawn: Callable[[Awaitable], asyncio.Task], tracer: RequestTracer | None = None,
+                 ranks: RankPlacer | None = None) -> None:
         """`policies`: each pool's policy (the dict is kept: admin views and upkeep read the same objects).
-        `tracer`: with --enable-trace, makes each request's span (None: no tracing, no cost)."""
+        `tracer`: with --enable-trace, makes each request's span (None: no tracing, no cost).
+        `ranks`: `--dp-aware`'s rank choice (router/dataplane/dp_ranks.py); None: bodies go out as the client sent
+        them (a client's own rank fields checked and completed)."""
         self.config = config
         self._tracer = tracer
         self._forwarded_headers = FORWARDED_HEADERS if tracer is not None else UNTRACED_FORWARDED_HEADERS
@@ -81,9 +84,7 @@ class Proxy:
         self._retry = config.retry
         self._max_payload = config.admission.max_payload_size
         self._limits = config.admission  # --max-n, --max-batch-size
-        # --dp-aware: a rank per leg (router/dataplane/dp_ranks.py); None: bodies go out as the client sent them
-        self._ranks = RankPlacer(config.dp_ranks.prefill_policy, config.dp_ranks.decode_policy) \
-            if config.dp_ranks.aware else None
+        self._ranks = ranks
 
     # ---- entry point -----------------------------------------------------------------------------
     async def handle(self, request: web.Request, route: str, upstream_path: str) -> web.StreamResponse:

@@ -249,7 +249,7 @@ class _StateCollector:
             served.add_metric(key, w.requests_total)
             failed.add_metric(key, w.failures_total)
             ranks.add_metric(key, w.dp_ranks)
-            for row in rank_rows(w):
+            for row in rank_rows(w, single=True):
                 rank_key = key + [str(row["dp_rank"])]
                 rank_inflight.add_metric(rank_key, row["inflight"])
                 if row["running"] is not None:

@@ -8,7 +8,8 @@ half-way closes what it built. Handlers only read these keys; `setup()` function
     lifecycle, tasks, admission, metrics    what everything else reports into
     [tracing]                               --enable-trace: spans of requests, legs and flows
     session -> upstream                     the control plane's client of the servers
-    policies, legs -> proxy -> traffic      the request path, and the narrow face the flows see of it
+    policies, ranks, legs -> proxy -> traffic  the request path (ranks: --dp-aware), and the narrow face the
+                                            flows see of it
     [cluster]                               replicas sharing the fleet: traffic becomes the fleet's holds,
                                             the coordinator etcd's; joined before any worker is registered
     live state, worker sources              the fleet's servers, read before the router serves
@@ -54,6 +55,7 @@ from router.core.tasks import BackgroundTasks
 from router.core.traffic import RequestPathControl
 from router.core.worker_url import identity
 from router.dataplane.admission import ADMISSION, Admission
+from router.dataplane.dp_ranks import RankPlacer
 from router.dataplane.proxy import PROXY, Proxy
 from router.dataplane.traffic import DataplaneControl
 from router.dataplane.upstream_http import UpstreamPool
@@ -104,9 +106,11 @@ async def assemble(app: web.Application, stack: contextlib.AsyncExitStack) -> No
     stack.push_async_callback(legs.close)
     stack.push_async_callback(tasks.close)  # before the pools close: aborts and lingering legs use them
     registry.subscribe(_forget_removed(legs))
+    ranks = RankPlacer(config.dp_ranks.prefill_policy, config.dp_ranks.decode_policy) \
+        if config.dp_ranks.aware else None  # --dp-aware
     proxy = app[PROXY] = Proxy(config=config, registry=registry, upstream=legs, policies=policies,
                                admission=admission, spawn=spawn,
-                               tracer=tracing.requests if tracing is not None else None)
+                               tracer=tracing.requests if tracing is not None else None, ranks=ranks)
     traffic: RequestPathControl = DataplaneControl(admission, proxy.live, legs, abort_on=proxy.abort_on)
     coordinator: Coordinator = LocalCoordinator()
 
