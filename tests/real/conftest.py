@@ -29,14 +29,14 @@ from .router_process import RouterProcess
 ROUTER_ARGS = ("--health-check-interval-secs", "10", "--rebalance", "off")
 
 
-# Run order: traces first (two servers of its own, stopped before the session fleet starts), then the
-# server-level tests, then the router's, cheapest and least disturbing first. Conversions come
+# Run order: traces and attention DP first (servers of their own, stopped before the session fleet starts; attention
+# DP is a skip on CPU), then the server-level tests, then the router's, cheapest and least disturbing first. Conversions come
 # before aborts: after an aborted PD request a 0.5.23 decode server refuses to switch role for ~30 s.
 # The refill test kills the prefill server: last, after any module this list does not name (one that ran
 # after it found the prefill dead).
-MODULE_ORDER = ("test_router_traces", "test_pair", "test_convert_pd_role", "test_prefix_cache_leak", "test_router_generation",
-                "test_router_conversion", "test_router_rebalancer", "test_router_control", "test_loads_vs_real",
-                "test_bench_serving", "test_simulator_vs_real", "test_router_hostile")
+MODULE_ORDER = ("test_router_traces", "test_dp_attention", "test_pair", "test_convert_pd_role", "test_prefix_cache_leak",
+                "test_router_generation", "test_router_conversion", "test_router_rebalancer", "test_router_control",
+                "test_loads_vs_real", "test_bench_serving", "test_simulator_vs_real", "test_router_hostile")
 RUNS_LAST = "test_router_refill"
 
 
