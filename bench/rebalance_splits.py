@@ -171,6 +171,10 @@ def start_variant(stack: ExitStack, variant: Variant, args, workdir: Path) -> No
     variant.url = f"http://127.0.0.1:{port}"
     procs.wait_until(lambda: procs.http_status(variant.url + "/health") == 200, timeout=60,
                      what=f"{variant.name}'s router serving", child=router)
+    if variant.mode == "enabled":  # keep every decision of the run: the report explains each conversion
+        request = urllib.request.Request(variant.url + "/admin/rebalancer", data=b'{"history": 2000}',
+                                         method="PUT", headers={"Content-Type": "application/json"})
+        urllib.request.urlopen(request, timeout=10).close()
 
 
 def _get_json(url: str) -> dict:
@@ -262,7 +266,7 @@ def measure(args) -> dict:
             elapsed = time.monotonic() - started
             load_after = procs.load_average()[0]
             rebalancer = next(v for v in variants if v.mode == "enabled")
-            snapshot = _get_json(rebalancer.url + "/admin/rebalancer?limit=1000")
+            snapshot = _get_json(rebalancer.url + "/admin/rebalancer?limit=2000")
     finally:
         for hog in hogs:
             hog.kill()
@@ -288,7 +292,8 @@ def report(variants: list[Variant], phases: list[Phase], targets: list[int], tim
         conversions.append({"at_s": round(at, 1), "worker": c["worker_id"], "to_role": c["to_role"],
                             "ok": c.get("ok"), "phase": next((i for i, b in enumerate(bounds) if at < b),
                                                               len(phases) - 1),
-                            "secs": round(c["ended_at"] - c["started_at"], 2) if c.get("ended_at") else None})
+                            "secs": round(c["ended_at"] - c["started_at"], 2) if c.get("ended_at") else None,
+                            "reason": c.get("reason"), "signals": _signals_at(snapshot, c["started_at"])})
     good = {name: r["overall"]["goodput"] or 0.0 for name, r in results.items()}
     return {
         "bench": "rebalance_splits", "at": dt.datetime.now().isoformat(timespec="seconds"),
@@ -304,6 +309,12 @@ def report(variants: list[Variant], phases: list[Phase], targets: list[int], tim
         "oracle_conversions": timing["oracle_conversions"],
         "rebalancer_counters": snapshot.get("counters", {}), "targets": TARGETS,
     }
+
+
+def _signals_at(snapshot: dict, at: float) -> dict | None:
+    """What the rebalancer read when it decided the conversion that started at `at` (to explain a flap)."""
+    decided = [d for d in snapshot.get("decisions", []) if d["action"] == "convert" and d["at"] <= at]
+    return decided[-1]["pressures"] if decided else None
 
 
 def render(result: dict) -> str:

@@ -16,6 +16,12 @@
   `decode_moments` = [steps, sum of batch sizes, sum of step times (us), sum of squares, sum of batch x time,
   tokens] (None before the first step).
 
+- `age_s`: how old the row was when the server answered (the answer's `timestamp` less the row's own, both the
+  server's clock). A row is published, not computed per request: after every prefill forward, every
+  `--load-snapshot-publish-interval` (15) decode steps, and every 50 ms while the scheduler has queued work
+  but no batch to run. During a long prefill forward the row is the one published before it; while a decode
+  runs batches it lags by up to 15 steps (seconds on a slow machine).
+
 `parse_loads` sums the ranks; a field a server does not report stays None, so that the rebalancer can tell
 "zero" from "unknown" (a server without the `disaggregation` section gives no PD breakdown).
 """
@@ -23,6 +29,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Any
 
 
@@ -61,6 +68,7 @@ class LoadReport:
     prefill_busy_us: int | None = None
     prefill_tokens: int | None = None
     decode_moments: tuple[float, ...] | None = None
+    age_s: float | None = None  # how old the (oldest rank's) row was when the server answered
     ranks: tuple[RankLoad, ...] = ()  # every row, in dp_rank order
 
     @property
@@ -92,6 +100,21 @@ def _sum(rows: list[dict], key: str, section: str | None = None) -> int | None:
         if isinstance(source, dict) and (value := _int(source.get(key))) is not None:
             known.append(value)
     return sum(known) if known else None
+
+
+def _row_age(data: Any, ranks: list[dict]) -> float | None:
+    """The answer's `timestamp` (ISO-8601) less the oldest row's (epoch seconds): the same server's clock, so no
+    skew between machines enters. None when either is missing or unreadable."""
+    answered = data.get("timestamp") if isinstance(data, dict) else None
+    published = [r.get("timestamp") for r in ranks]
+    if not isinstance(answered, str) or not published or not all(
+            isinstance(t, (int, float)) and not isinstance(t, bool) and t > 0 for t in published):
+        return None
+    try:
+        answered_at = datetime.fromisoformat(answered).timestamp()
+    except ValueError:
+        return None
+    return max(0.0, answered_at - min(published))
 
 
 def parse_loads(data: Any) -> LoadReport | None:
@@ -128,6 +151,7 @@ def parse_loads(data: Any) -> LoadReport | None:
         prefill_busy_us=_sum(ranks, "total_prefill_busy_us"),
         prefill_tokens=_sum(ranks, "total_prefill_uncached_tokens"),
         decode_moments=moments,
+        age_s=_row_age(data, ranks),
         ranks=_rank_rows(ranks),
     )
 

@@ -34,7 +34,10 @@ returned inside the decision. Every decision, a refusal included, names the guar
   floor          the donor pool would fall below its minimum size (refill: the donor has one server)
   confirmations  the proposal has not yet held for `confirmations` intervals (those that passed the margin); one
                  is enough when the hot pool's pressure is at least `urgent_pressure` (3.0): an overload that
-                 large grows while it is being confirmed
+                 large grows while it is being confirmed. Not to undo the last conversion within twice the
+                 cooldown, though: the moments after one (the server converted admits a backlog at once, the
+                 other pool's queues settle) look urgent for a poll or two, and undoing on one sighting of that
+                 is a flap
   no_candidate   the donor pool has no server that can be converted (each is doubted by a health verdict or a
                  breaker, or failed a conversion lately)
   refilling      a pool is empty and a conversion into it is already under way
@@ -86,6 +89,8 @@ GUARDS = (NO_SIGNAL, DEADBAND, MARGIN, DRAINING, WARMUP, BUSY, COOLDOWN, STEP_CO
           CONFIRMATIONS, NO_CANDIDATE, REFILLING, PENDING)
 
 DRAIN_SHARE = 0.25  # a backlog that shrank by this share since the last look is draining
+# Undoing the last conversion within this many cooldowns of it takes every confirmation, however urgent.
+REVERSAL_WINDOW = 2
 
 
 @dataclass(frozen=True, slots=True)
@@ -293,10 +298,13 @@ def decide(obs: Observation, state: RebalanceState, config: RebalanceConfig) -> 
         fired.append(FLOOR)
         notes_out.append(f"the {cold} pool has {n_cold} server(s), its minimum is {minimum}")
     urgent = config.urgent_pressure and hot_p >= config.urgent_pressure
-    needed = 1 if urgent else config.confirmations
+    undoing = (state.last_conversion_at is not None and state.last_direction not in (None, direction)
+               and now - state.last_conversion_at < REVERSAL_WINDOW * config.cooldown_secs)
+    needed = 1 if urgent and not undoing else config.confirmations
     if streak < needed:
         fired.append(CONFIRMATIONS)
-        notes_out.append(f"signal seen {streak}/{needed} intervals")
+        notes_out.append(f"signal seen {streak}/{needed} intervals"
+                         + (" (undoing the last conversion: never on one sighting)" if urgent and undoing else ""))
     candidates = [w for w in cold_pool if w.convertible]
     if not candidates:
         fired.append(NO_CANDIDATE)

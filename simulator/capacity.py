@@ -35,6 +35,7 @@ class Engine(Protocol):
     faults: FaultInjector
     pause_mode: str | None
     last_gen_throughput: float
+    publish_row: Callable[[int], None]  # publish rank N's /v1/loads row now (loads.publish)
 
     def match_prefix(self, req: Req) -> None: ...
 
@@ -44,8 +45,9 @@ GEN_THROUGHPUT_STEPS = 40  # SGLang logs (and reports) decode throughput every 4
 
 
 class PrefillForwards:
-    def __init__(self, engine: "Engine") -> None:
+    def __init__(self, engine: "Engine", rank: int = 0) -> None:
         self.engine = engine
+        self.rank = rank
         self.queue: deque[Req] = deque()  # waiting for a forward (SGLang's waiting queue), in order
         self.running = 0  # forwards in progress
         self.busy_us = 0
@@ -85,6 +87,7 @@ class PrefillForwards:
     async def _lead(self, req: Req) -> None:
         """Take `req` and those behind it up to the token budget into one forward, and run it."""
         budget = self.engine.config.max_prefill_tokens
+        self.engine.publish_row(self.rank)  # the row a forward leaves shown: its batch still waiting
         batch: list[Req] = []
         tokens = 0
         while self.queue:
@@ -127,6 +130,10 @@ class PrefillForwards:
             self.busy_us += int((time.monotonic() - started) * 1e6)
             self.uncached_tokens += uncached
             self.forwards += 1
+            if self.limit:  # the batch is in the inflight queue now: 0.5.23 publishes its row after a forward
+                for member in batch:
+                    member.forward_done = True
+                engine.publish_row(self.rank)
 
     def _wake_next(self) -> None:
         if self.queue:
@@ -134,8 +141,9 @@ class PrefillForwards:
 
 
 class DecodeBatch:
-    def __init__(self, engine: "Engine") -> None:
+    def __init__(self, engine: "Engine", rank: int = 0) -> None:
         self.engine = engine
+        self.rank = rank
         self.members: dict[Req, None] = {}  # the running batch, in join order
         self.queued: deque[Req] = deque()  # KV in hand, waiting for a place in the batch
         self.moments = [0.0] * 6
@@ -164,6 +172,8 @@ class DecodeBatch:
             if req.done:
                 return False
         req.step_tokens = 0
+        if not self.members:  # the row a batch starting now leaves shown until its 15th step
+            self.engine.publish_row(self.rank)
         self.members[req] = None
         self.wake()
         if self._task is None:
@@ -214,6 +224,8 @@ class DecodeBatch:
         m[3] += size * size
         m[4] += size * step_us
         m[5] += generated
+        if int(m[0]) % self.engine.config.load_snapshot_publish_interval == 0:
+            self.engine.publish_row(self.rank)
         if int(m[0]) % GEN_THROUGHPUT_STEPS == 0:
             then, tokens = self._throughput_mark
             now = time.monotonic()

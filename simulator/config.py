@@ -69,6 +69,10 @@ class WorkerConfig:
     # A decode server admits a request (prealloc) when its prompt plus this many tokens fit in its KV pool
     # (0.5.23's --num-reserved-decode-tokens); 0: its prompt plus max_new_tokens, like other roles.
     num_reserved_decode_tokens: int = 512
+    # /v1/loads shows the row the scheduler last published (0.5.23's --load-snapshot-publish-interval): a decode
+    # running batches publishes every this many steps, a prefill after every forward; a scheduler with no batch
+    # running publishes at once. 1: a decode publishes after every step.
+    load_snapshot_publish_interval: int = 15
     # Radix cache: tokens of computed prompt prefixes kept (0: none). A cached prefix is not computed again
     # (prefill time counts the uncached tokens) and is reported as meta_info.cached_tokens.
     prefix_cache_tokens: int = 0
@@ -107,8 +111,8 @@ class WorkerConfig:
             problems.append("max_running_requests and max_total_tokens must be positive")
         if self.prefill_concurrency < 0 or self.prefix_cache_tokens < 0:
             problems.append("prefill_concurrency and prefix_cache_tokens must not be negative")
-        if self.max_prefill_tokens < 1 or self.dp_size < 1:
-            problems.append("max_prefill_tokens and dp_size must be positive")
+        if self.max_prefill_tokens < 1 or self.dp_size < 1 or self.load_snapshot_publish_interval < 1:
+            problems.append("max_prefill_tokens, dp_size and load_snapshot_publish_interval must be positive")
         if problems:
             raise ValueError("; ".join(problems))
 

@@ -51,8 +51,11 @@ class Engine(EngineControl):
         self.requests: dict[str, Req] = {}  # live items by rid (SGLang's rid_to_state)
         self.waiting: deque[Req] = deque()
         # One prefill forward loop and one decode batch per data-parallel rank (each rank is a scheduler).
-        self.forwards = [PrefillForwards(self) for _ in range(config.dp_size)]
-        self.batches = [DecodeBatch(self) for _ in range(config.dp_size)]
+        self.forwards = [PrefillForwards(self, rank) for rank in range(config.dp_size)]
+        self.batches = [DecodeBatch(self, rank) for rank in range(config.dp_size)]
+        self.published_rows: list[dict | None] = [None] * config.dp_size  # /v1/loads rows (loads.py)
+        # Publishes rank N's row now (after a forward, every N decode steps): loads.publish, set by the server.
+        self.publish_row: Callable[[int], None] = lambda rank: None
         self.rank_chooser = RankChooser(config.dp_size)
         self.decoding = 0  # requests in a decode loop: the batch whose size sets the decode step time
         self.prefix_cache = PrefixCache(config.prefix_cache_tokens) if config.prefix_cache_tokens else None

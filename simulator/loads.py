@@ -101,6 +101,9 @@ def count(engine: "Engine") -> list[RankCounts]:
             if phase == BOOTSTRAP:
                 c.bootstrap += 1
                 c.pending_tokens += seqlen
+            elif phase == FORWARD and req.forward_done:  # its forward ended: the inflight queue
+                c.inflight += 1
+                c.used_tokens += seqlen
             elif phase in (WAITING, FORWARD):
                 c.waiting_queue += 1
                 if phase == FORWARD:
@@ -137,9 +140,39 @@ def summary(engine: "Engine") -> dict[str, int]:
 
 
 def rows(worker: "Server") -> list[dict[str, Any]]:
-    """Every rank's full row (all sections), in 0.5.23's key order."""
-    cfg = worker.config
+    """Every rank's row as /v1/loads shows it: the one its scheduler last published. 0.5.23 publishes after
+    every prefill forward, every `load_snapshot_publish_interval` decode steps, and every 50 ms while the
+    scheduler runs no batch (queued work, or idle): here a rank running no batch (no forward in progress on
+    a prefill, an empty running batch on a decode) publishes at every read, one running a batch shows what it
+    published last (capacity.py publishes after each forward and every N decode steps)."""
     engine = worker.engine
+    fresh = None
+    out = []
+    for rank in range(engine.config.dp_size):
+        published = engine.published_rows[rank]
+        if published is None or not running_a_batch(engine, rank):
+            fresh = fresh or build_rows(engine)
+            published = engine.published_rows[rank] = fresh[rank]
+        out.append(published)
+    return out
+
+
+def running_a_batch(engine: "Engine", rank: int) -> bool:
+    if engine.role == "prefill":
+        return engine.forwards[rank].running > 0
+    if engine.role == "decode":
+        return engine.batches[rank].size > 0
+    return False
+
+
+def publish(engine: "Engine", rank: int) -> None:
+    """What the scheduler of `rank` does after a forward (prefill) or every N steps (decode)."""
+    engine.published_rows[rank] = build_rows(engine)[rank]
+
+
+def build_rows(engine: "Engine") -> list[dict[str, Any]]:
+    """Every rank's full row (all sections) now, in 0.5.23's key order."""
+    cfg = engine.config
     role = engine.role
     capacity = cfg.max_total_tokens
     out = []

@@ -46,6 +46,7 @@ class Worker:
         self.faults = FaultInjector(faults, seed=config.seed)
         self.rooms = RoomStore()
         self.engine = Engine(config, self.faults, self.rooms)
+        self.engine.publish_row = lambda rank: loads.publish(self.engine, rank)
         self.standalone = standalone  # its own process: a crash fault may exit it
         self.port: int | None = None
         self.listener: BootstrapListener | None = None

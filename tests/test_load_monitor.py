@@ -195,3 +195,19 @@ def test_a_report_without_breakdown_leaves_the_queues_unknown():
     assert report.pd_queued == 0 and report.own_kv_usage == 0.1
     assert parse_loads({"loads": []}) is None and parse_loads({"detail": "Not Found"}) is None
     assert parse_loads([{"dp_rank": 0, "num_running_reqs": "x", "num_waiting_reqs": True}]).running == 0
+
+
+def test_a_rows_age_is_the_answers_timestamp_less_the_oldest_rows_on_the_servers_clock():
+    from policies.load_report import parse_loads
+
+    answered = "2026-12-01T13:40:05.500000+00:00"  # 0.5.23: the answer's time, ISO-8601, UTC
+    published = 1796132400.0 + 5.5 - 4.0  # epoch seconds: 4 s before the answer (a decode 15 steps back)
+    report = parse_loads({"timestamp": answered, "loads": [{**RANK, "timestamp": published},
+                                                           {**RANK, "timestamp": published + 3.0}]})
+    assert report.age_s == pytest.approx(4.0)
+    assert parse_loads({"timestamp": answered, "loads": [{**RANK, "timestamp": published + 60}]}).age_s == 0.0
+    for bad in ({"loads": [{**RANK, "timestamp": published}]},  # no answer time
+                {"timestamp": "yesterday", "loads": [{**RANK, "timestamp": published}]},
+                {"timestamp": answered, "loads": [{**RANK, "timestamp": "x"}]},
+                {"timestamp": answered, "loads": [RANK]}):
+        assert parse_loads(bad).age_s is None

@@ -24,10 +24,13 @@ BASE = RebalanceConfig(warmup_secs=0, confirmations=1, cooldown_secs=0, step_coo
 STARTED = initial_state(NOW - 3600)
 
 
-def prefill(n: int, waiting_queue: int = 0, bootstrap: int = 0, inflight: int = 0, **kw) -> tuple[WorkerView, ...]:
-    """0.5.23 prefill servers: num_waiting_reqs = waiting queue + bootstrap queue, never a running batch."""
+def prefill(n: int, waiting_queue: int = 0, bootstrap: int = 0, inflight: int = 0, forward: int = 0,
+            **kw) -> tuple[WorkerView, ...]:
+    """0.5.23 prefill servers: num_waiting_reqs = waiting queue + bootstrap queue, never a running batch; a
+    forward's batch is in no queue of the row. The router has a leg open on each of them."""
     return tuple(WorkerView(f"p{i}", running=0, waiting=waiting_queue + bootstrap, waiting_queue=waiting_queue,
-                            bootstrap=bootstrap, inflight_queue=inflight, **kw) for i in range(n))
+                            bootstrap=bootstrap, inflight_queue=inflight,
+                            inflight=waiting_queue + bootstrap + inflight + forward, **kw) for i in range(n))
 
 
 def decode(n: int, running: int = 0, transfer: int = 0, prealloc_ready: int = 0, waiting_queue: int = 0,
@@ -56,7 +59,7 @@ def test_a_prefill_short_fleet_is_prefill_hot_though_decode_servers_count_many_w
 
 def test_transfer_queues_count_for_prefill_when_prefills_report_less():
     # the prefills' reports lag (a forward in progress hides its batch): the decode side shows the backlog
-    o = obs(prefill(2, waiting_queue=1, inflight=1), decode(2, transfer=10))
+    o = obs(prefill(2, waiting_queue=1, inflight=1, forward=9), decode(2, transfer=10))
     assert waits_on_prefill(o) == 2 * 10 - 2 * 1
 
 
@@ -226,7 +229,7 @@ def test_waiting_for_kv_room_held_by_requests_that_wait_on_prefill_is_prefill_pr
     """Seen on real 0.5.23 with 1500-token prompts: a 4096-token decode pool admits two (prompt + 512 reserved),
     both sit in the transfer queue waiting for the prefill, and the rest wait for their room (prealloc_ready).
     Those wait on prefill compute, not on decode: a decode server must move to prefill."""
-    o = obs(prefill(1, waiting_queue=3), decode(2, transfer=2, prealloc_ready=2))
+    o = obs(prefill(1, waiting_queue=3, forward=4, bootstrap=4), decode(2, transfer=2, prealloc_ready=2))
     assert waits_on_decode(o) == 0 and waits_on_prefill(o) == 4 + 4
     decision = decide(o, STARTED, BASE)
     assert decision.convert and decision.to_role == "prefill", decision.reason
@@ -247,3 +250,69 @@ def test_requests_started_before_the_last_conversion_ended_do_not_count():
     assert window.summary(100, min_samples=2)["ttft_s"] == 25.0
     after = window.summary(100, min_samples=2, since=95.0)
     assert after["ttft_s"] == 0.3 and after["samples"] == 2
+
+
+# ---- a decode row 0.5.23 published steps ago, and undoing the last conversion -------------------------
+def test_transfers_a_decode_row_shows_but_no_prefill_holds_are_nobodys():
+    """Seen on real 0.5.23 (the real tier's CI failure): right after a prefill moved to decode, a decode-heavy
+    load. A decode running batches publishes its row every 15 steps: the requests it admitted together in that
+    step sit in that row's transfer queue for seconds, while the prefill computed their KV at once and answered
+    their legs. Read as waiting on prefill, they moved the server straight back. The prefill holds only the
+    legs of those waiting for decode room (its bootstrap queue): no transfer waits on it."""
+    p = prefill(1, bootstrap=4)
+    stale = decode(2, running=3, transfer=4, prealloc_ready=2)
+    o = obs(p, stale)
+    assert waits_on_prefill(o) == 0
+    assert waits_on_decode(o) == 2 * 2  # the room they wait for is the decode's own
+    decision = decide(o, STARTED, replace(BASE, queue_target=1))
+    assert not (decision.convert and decision.to_role == "prefill"), decision.reason
+    parts = decision.pressures["signals"]["prefill_parts"]
+    assert (parts["decode_transfer"], parts["uncounted_transfer"]) == (0, 8)
+    # the same rows while the prefill has those legs in a forward: they wait on it
+    busy = obs(prefill(1, bootstrap=4, forward=8), stale)
+    assert waits_on_prefill(busy) == 8 + 2 * 2 * 4 / 7
+    # half of them still held: half the transfers, and half the room they hold, are the prefill's
+    half = obs(prefill(1, bootstrap=4, forward=4), stale)
+    assert waits_on_prefill(half) == 4 + 2 * 2 * 4 / 7 / 2
+
+
+URGENT_PACE = replace(BASE, confirmations=3, urgent_pressure=3.0, cooldown_secs=10)
+
+
+def test_undoing_the_last_conversion_soon_after_it_needs_every_confirmation_however_urgent():
+    just_moved_to_decode = replace(STARTED, last_conversion_at=NOW - 15, last_direction="to_decode")
+    hot_prefill = obs(prefill(1, waiting_queue=20), decode(3))
+    decision = decide(hot_prefill, just_moved_to_decode, URGENT_PACE)
+    assert decision.guards == (CONFIRMATIONS,) and "undoing the last conversion" in decision.reason
+    state = decision.state
+    for _ in range(2):  # it holds for three sightings: then it converts
+        decision = decide(hot_prefill, state, URGENT_PACE)
+        state = decision.state
+    assert decision.convert and decision.to_role == "prefill"
+    # the same way as the last conversion, or long after it: one sighting of an urgent overload is enough
+    assert decide(hot_prefill, replace(STARTED, last_conversion_at=NOW - 15, last_direction="to_prefill"),
+                  URGENT_PACE).convert
+    assert decide(hot_prefill, replace(just_moved_to_decode, last_conversion_at=NOW - 21), URGENT_PACE).convert
+
+
+def test_waiting_for_decode_room_is_read_from_the_side_whose_row_is_less_out_of_date():
+    """Prefill-heavy, 2 of 8 requests admitted by the one decode: the prefill's row is from before its long
+    forward (its bootstrap queue still lists one now in the forward), the idle decode's is current. The
+    decode's prealloc count (6) says what waits for room: the 2 transfers wait on prefill, and so do the 6."""
+    p = (WorkerView("p0", inflight=8, running=0, waiting=7, waiting_queue=0, bootstrap=7, inflight_queue=0),)
+    d = (WorkerView("d0", inflight=8, running=0, waiting=8, waiting_queue=0, prealloc=6, prealloc_ready=6,
+                    transfer=2, retracted=0),)
+    o = obs(p, d)
+    assert (waits_on_prefill(o), waits_on_decode(o)) == (2 + 6, 0)
+
+
+def test_only_a_current_decode_row_shows_transfers_waiting_on_prefill():
+    """A 0.5.23 decode republishes its row every 50 ms while it runs no batch (it waits on prefill), every 15
+    steps while it runs batches: a row older than 0.2 s shows in its transfer queue what it admitted up to 15
+    steps ago. Even with the prefill holding legs (other requests, in a forward), such a row's transfers, and
+    the room they hold, count for nobody."""
+    p = prefill(1, forward=8, bootstrap=4)
+    stale = decode(2, running=3, transfer=4, prealloc_ready=2, row_age_s=3.5)
+    assert waits_on_prefill(obs(p, stale)) == 0 and waits_on_decode(obs(p, stale)) == 4
+    current = decode(2, running=3, transfer=4, prealloc_ready=2, row_age_s=0.03)
+    assert waits_on_prefill(obs(p, current)) == 8 + 2 * 2 * 4 / 7

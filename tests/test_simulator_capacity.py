@@ -39,8 +39,10 @@ async def test_one_forward_at_a_time_batches_the_requests_that_waited(session):
         state = await fleet.wait_for(fleet.prefill[0], lambda s: sorted(s["rids_by_phase"].get("waiting", [])) == ["b", "c"])
         assert state["rids_by_phase"]["forward"] == ["a"]
         load = await load_of(session, fleet.prefill[0])
-        # a prefill never reports a running batch; the forward's request is still counted as waiting
-        assert (load["num_running_reqs"], load["num_waiting_reqs"], load["queues"]["waiting"]) == (0, 3, 3)
+        # a prefill never reports a running batch; during a forward its row is the one published before it:
+        # the forward's request still waiting, those that came since not there yet (0.5.23 publishes after
+        # every forward)
+        assert (load["num_running_reqs"], load["num_waiting_reqs"], load["queues"]["waiting"]) == (0, 1, 1)
         for result in await asyncio.gather(first, *rest):
             assert [status for status, _ in result] == [200, 200]
         state = await state_of(fleet, fleet.prefill[0])
@@ -96,6 +98,13 @@ async def test_a_full_batch_leaves_requests_in_the_decode_waiting_queue(session)
                                                                     "sampling_params": {"max_new_tokens": 2}}))
         await fleet.wait_for(fleet.decode[0], lambda s: "second" in s["rids_by_phase"].get("queued", []))
         load = await load_of(session, fleet.decode[0])
+        assert load["num_waiting_reqs"] == 0  # the row published when the batch began: seen at its 15th step
+
+        async def shown():
+            nonlocal load
+            load = await load_of(session, fleet.decode[0])
+            return load["num_waiting_reqs"] == 1
+        await wait_for(shown, timeout=10)
         assert (load["num_running_reqs"], load["num_waiting_reqs"], load["queues"]["waiting"]) == (1, 1, 1)
         assert load["disaggregation"]["decode_transfer_queue_reqs"] == 0  # its KV is there already
         for result in await asyncio.gather(first, second):
@@ -165,8 +174,10 @@ def test_prefix_cache_matches_evicts_deepest_first_and_keeps_one_token_to_comput
 def test_capacity_knobs_are_validated():
     with pytest.raises(ValueError, match="prefill_concurrency"):
         WorkerConfig(prefill_concurrency=-1)
-    with pytest.raises(ValueError, match="max_prefill_tokens and dp_size"):
+    with pytest.raises(ValueError, match="max_prefill_tokens, dp_size"):
         WorkerConfig(dp_size=0)
+    with pytest.raises(ValueError, match="load_snapshot_publish_interval"):
+        WorkerConfig(load_snapshot_publish_interval=0)
 
 
 async def test_decode_batch_counts_requests_decoding_not_those_waiting_for_kv(session):

@@ -22,6 +22,17 @@ async def row(session, handle) -> dict:
     return (await loads(session, handle))["loads"][0]
 
 
+async def row_when(session, handle, predicate, timeout: float = 10.0) -> dict:
+    """The first row that `predicate` accepts (a row is what the server last published)."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    while True:
+        r = await row(session, handle)
+        if predicate(r):
+            return r
+        assert asyncio.get_running_loop().time() < deadline, f"no such row within {timeout} s: {r}"
+        await asyncio.sleep(0.01)
+
+
 def queues(r: dict) -> dict:
     d, q = r["disaggregation"], r["queues"]
     return {"running": r["num_running_reqs"], "waiting": r["num_waiting_reqs"],
@@ -78,7 +89,8 @@ async def test_a_decode_short_of_kv_keeps_requests_in_the_prealloc_queue(session
         legs += [asyncio.ensure_future(post(session, w.url + "/generate", second)) for w in (p, d)]
         await fleet.wait_for(d, lambda s: "second" in s["rids_by_phase"].get("waiting", []))
         await fleet.wait_for(p, lambda s: s["rids_by_phase"].get("bootstrap") == ["second"])
-        r = await row(session, d)
+        # a decode running a batch publishes its row every 15 steps (0.5.23's --load-snapshot-publish-interval)
+        r = await row_when(session, d, lambda r: r["num_waiting_reqs"] == 1)
         assert queues(r) == {**IDLE, "running": 1, "waiting": 1, "prealloc": 1, "prealloc_ready": 1}
         assert r["num_prealloc_ready_tokens"] == 7
         assert queues(await row(session, p)) == {**IDLE, "waiting": 1, "bootstrap": 1}

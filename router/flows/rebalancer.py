@@ -147,6 +147,7 @@ class Rebalancer:
             retracted=r.retracted if r else None,
             own_kv_usage=r.own_kv_usage if r is not None and r.active_tokens is not None else None,
             used_tokens=r.used_tokens if r else None, prefill_busy=load.prefill_busy,
+            row_age_s=r.age_s if r else None,
             decode_step_s=load.decode_step_s, decode_batch=load.decode_batch)
 
     def _moving(self) -> tuple[str | None, tuple[str, ...]]:

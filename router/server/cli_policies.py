@@ -22,7 +22,8 @@ _REBALANCE_HELP = {
     "window_secs": "latency samples older than this are forgotten",
     "warmup_secs": "no conversion this long after start",
     "confirmations": "intervals a proposal must hold (past the margin) before it converts",
-    "urgent_pressure": "a hot pool at least this pressured converts on one sighting (0: never)",
+    "urgent_pressure": "a hot pool at least this pressured converts on one sighting (0: never), unless that "
+                       "undoes the last conversion within twice the cooldown",
     "cooldown_secs": "no conversion the other way this long after the last one ended (no flapping)",
     "step_cooldown_secs": "no conversion the same way this long after the last one ended (let it act first; "
                           "default: a quarter of --rebalance-cooldown-secs)",

@@ -3,18 +3,21 @@ the expected answers from the reference server, and the rebalancer's record of i
 
 from __future__ import annotations
 
+import json
 import random
+from pathlib import Path
 
 from .conftest import restore_launch_roles
 from .real_client import get_json, is_idle, post_json, wait_until
 from .router_process import RouterProcess
 
-# The rebalancer at a test's pace: a decision a second, a signal seen twice, cooldowns of seconds. Targets for
+# The rebalancer at a test's pace: a decision a second, a signal seen twice, cooldowns of seconds (undoing a
+# conversion within 20 s of it takes both sightings, however urgent). Targets for
 # the tiny model on CPU: a queue of one request per server is full pressure; a decode step far under 1 s is
 # fine (so that CPU decode steps alone do not look like a decode bottleneck).
 REBALANCE_ARGS = ("--health-check-interval-secs", "10", "--load-poll-interval-secs", "0.5",
                   "--rebalance-interval-secs", "1", "--rebalance-warmup-secs", "0", "--rebalance-confirmations", "2",
-                  "--rebalance-cooldown-secs", "5", "--rebalance-step-cooldown-secs", "2",
+                  "--rebalance-cooldown-secs", "10", "--rebalance-step-cooldown-secs", "2",
                   "--rebalance-failure-cooldown-secs", "5", "--rebalance-queue-target", "1",
                   "--rebalance-ttft-target-secs", "2", "--rebalance-itl-target-secs", "1")
 
@@ -57,3 +60,19 @@ def rebalancer_decisions(router) -> list[dict]:
 
 def roles(router) -> dict[str, str]:
     return {w["url"]: w["role"] for w in router.workers()}
+
+
+def keep_record(router, path: Path) -> None:
+    """The rebalancer's whole record (decisions with their signals, conversions) beside the router's log, for
+    a failure to be read afterwards; nothing when the router no longer answers."""
+    try:
+        record = get_json(f"{router.url}/admin/rebalancer?limit=500")
+    except Exception:  # the router died: its log says why
+        return
+    path.write_text(json.dumps(record, indent=1))
+
+
+def convert_decisions(router, since: int = 0) -> list[tuple]:
+    """The conversions the rebalancer decided (from the `since`-th on): when, why, and what it read."""
+    converts = [d for d in rebalancer_decisions(router) if d["action"] == "convert"][since:]
+    return [(d["at"], d["reason"], d["pressures"].get("signals")) for d in converts]
