@@ -76,7 +76,7 @@ def add_flags(parser: argparse.ArgumentParser, rows: list[Flag]) -> None:
                                 default=default, help=help_text)
             continue
         if default is not None and default != ():
-            shown = f"(default: {default})"
+            shown = f"(default: {' '.join(map(str, default)) if isinstance(default, tuple) else default})"
             help_text = f"{help_text} {shown}" if help_text else shown
         kind = str if row.choices else row.value_type
         metavar = None if row.choices else row.names[-1].removeprefix("--").replace("-", "_").upper()
