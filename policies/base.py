@@ -85,6 +85,7 @@ class Policy:
 
     name = "base"
     needs_text = False  # set True to receive the prompt text in RequestInfo
+    reads_server_load = False  # True: it reads `worker.server_load` (the load monitor polls for it)
 
     @classmethod
     def build(cls, params, rng=None) -> "Policy":

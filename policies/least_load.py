@@ -83,6 +83,7 @@ class ExpectedWait:
 
 class LeastLoadPolicy(Policy):
     name = "least_load"
+    reads_server_load = True
 
     def __init__(self, params: PolicyParams | None = None) -> None:
         params = params or PolicyParams()

@@ -27,6 +27,7 @@ class PowerOfTwoPolicy(Policy):
     Ties: the first sampled."""
 
     name = "power_of_two"
+    reads_server_load = True
 
     def __init__(self, rng: random.Random | None = None, params: PolicyParams | None = None):
         params = params or PolicyParams()

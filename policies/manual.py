@@ -42,6 +42,7 @@ class _Pin:
 
 class ManualPolicy(Policy):
     name = "manual"
+    reads_server_load = True
 
     def __init__(self, params: PolicyParams | None = None, rng: random.Random | None = None, *,
                  clock: Callable[[], float] = time.monotonic) -> None:

@@ -28,6 +28,7 @@ CHARS_PER_TOKEN = 4  # SMG: untokenized requests hash four times as many charact
 
 class PrefixHashPolicy(Policy):
     name = "prefix_hash"
+    reads_server_load = True
     needs_text = True
 
     def __init__(self, params: PolicyParams | None = None) -> None:

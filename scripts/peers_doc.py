@@ -10,6 +10,8 @@ then what only sgl-router has; pd-router's column names the flag it answers to a
 
 from __future__ import annotations
 
+import argparse
+
 import json
 import sys
 from pathlib import Path
@@ -38,7 +40,8 @@ def pd_router_defaults() -> dict[str, str]:
     sys.path.insert(0, str(ROOT))
     from router.server.cli import build_parser
 
-    return {s: "" if a.nargs == 0 else _value(a.default) for a in build_parser()._actions for s in a.option_strings}
+    return {s: "" if a.nargs == 0 else _value(a.default) for a in build_parser()._actions for s in a.option_strings
+            if a.help != argparse.SUPPRESS}  # the peers' refused and ignored flags are not pd-router settings
 
 
 def _cell(text: str) -> str:

@@ -92,7 +92,7 @@ class RetryConfig:
 
 @dataclass(frozen=True, slots=True)
 class AdmissionConfig:
-    max_concurrent_requests: int = 0  # 0: unbounded
+    max_concurrent_requests: int = 0  # 0 or -1 (sgl-router's and SMG's default): unbounded
     queue_size: int = 1024  # requests waiting for a slot or for a fleet-wide hold to end
     queue_timeout_secs: float = 60.0
     max_payload_size: int = 256 * 1024 * 1024
@@ -114,6 +114,8 @@ class LoadMonitorConfig:
     enabled: bool = True
     interval_secs: float = 1.0
     timeout_secs: float = 2.0
+    # SMG's --disable-load-monitoring: poll only when a policy or the rebalancer reads the reports.
+    on_demand: bool = False
 
     def problems(self) -> list[str]:
         found = []
@@ -147,6 +149,7 @@ class WorkerSourcesConfig:
     """Workers listed outside the command line and the API (router/control/worker_sources.py)."""
 
     file: str | None = None  # a YAML or JSON file of workers, polled
+    provider: str | None = None  # SMG's --discovery-provider: "file" (the file above); "kubernetes" is refused
     file_interval_secs: float = 1.0
     # etcd keys that workers (or their sidecars) write under a lease: /pd-router/<name>/v1/discovery/<url>
     etcd_endpoints: tuple[str, ...] = ()
@@ -158,6 +161,11 @@ class WorkerSourcesConfig:
             found.append(f"--discovery-file-interval-secs must be positive, got {self.file_interval_secs}")
         if self.file is not None and not self.file:
             found.append("--discovery-file must name a file")
+        if self.provider == "kubernetes":
+            found.append("--discovery-provider kubernetes: not supported: no Kubernetes pod discovery; list the "
+                         "workers in --discovery-file (watched) or announce them in etcd (--discovery-etcd-endpoints)")
+        elif self.provider == "file" and not self.file:
+            found.append("--discovery-provider file needs --discovery-file")
         found += etcd_endpoint_problems("--discovery-etcd-endpoints", self.etcd_endpoints)
         if not CLUSTER_NAME.fullmatch(self.etcd_cluster_name):
             found.append(f"--discovery-cluster-name must be letters, digits, '.', '_' or '-', "
@@ -211,6 +219,17 @@ class ClusterConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class ControlPlaneKey:
+    id: str
+    name: str
+    role: str  # admin | user
+    key: str
+
+    def __repr__(self) -> str:  # never the key
+        return f"ControlPlaneKey(id={self.id!r}, name={self.name!r}, role={self.role!r})"
+
+
+@dataclass(frozen=True, slots=True)
 class RouterConfig:
     prefill: tuple[WorkerSpec, ...] = ()
     decode: tuple[WorkerSpec, ...] = ()
@@ -223,6 +242,10 @@ class RouterConfig:
     decode_policy: str = "random"
     api_key: str | None = None
     admin_api_key: str | None = None
+    # SMG's --control-plane-api-keys: "id:name:role:key" entries (role admin or user; see api/access.py).
+    control_plane_api_keys: tuple[str, ...] = ()
+    # One log line per admin call (router.audit): who (the key's id), what, from where, the outcome.
+    control_plane_audit_enabled: bool = False
     # Admin callers allowed by source network, and the hosts/networks registered workers may point to (see
     # core/allowlists.py); empty: anyone, anywhere (mini_lb's behaviour).
     admin_allow_cidrs: tuple[str, ...] = ()
@@ -271,14 +294,30 @@ class RouterConfig:
     # directory, removed at exit; given: the fleet's state outlives a restart of the whole group).
     etcd_data_dir: str | None = None
     worker_sources: WorkerSourcesConfig = field(default_factory=WorkerSourcesConfig)
+    # What the command line accepted for compatibility but does not act on (the peers' flags of parts pd-router
+    # does not have: router/server/cli_peers.py), one line each: logged at start-up with the other warnings.
+    compat_warnings: tuple[str, ...] = ()
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     trace: TraceConfig = field(default_factory=TraceConfig)
 
     def with_(self, **changes) -> "RouterConfig":
         return replace(self, **changes)
 
+    def control_plane_keys(self) -> tuple["ControlPlaneKey", ...]:
+        """--control-plane-api-keys parsed (entries that do not parse are left out: problems() names them)."""
+        out = []
+        for entry in self.control_plane_api_keys:
+            parts = entry.split(":", 3)
+            if len(parts) == 4 and parts[0] and parts[3] and parts[2].lower() in ("admin", "user"):
+                out.append(ControlPlaneKey(parts[0], parts[1], parts[2].lower(), parts[3]))
+        return tuple(out)
+
     def problems(self) -> list[str]:
         found: list[str] = []
+        parsed = len(self.control_plane_keys())
+        if parsed != len(self.control_plane_api_keys):
+            found.append("--control-plane-api-keys: each entry is id:name:role:key with role admin or user "
+                         f"({len(self.control_plane_api_keys) - parsed} not)")
         for role, specs in (("prefill", self.prefill), ("decode", self.decode)):
             seen: set[str] = set()
             for spec in specs:
@@ -326,6 +365,8 @@ class RouterConfig:
         for group in (self.health, self.breaker, self.retry, self.admission):
             for f in fields(group):
                 value = getattr(group, f.name)
+                if f.name == "max_concurrent_requests" and value == -1:
+                    continue  # the peers' "no limit"
                 if isinstance(value, (int, float)) and not isinstance(value, bool) and value < 0:
                     found.append(f"{type(group).__name__}.{f.name} must not be negative")
         if self.admission.max_payload_size < 1:
@@ -354,16 +395,17 @@ class RouterConfig:
     def warnings(self) -> list[str]:
         """What is unsafe but allowed (compatibility forbids refusing it): logged at start-up, shown by
         GET /admin/health."""
+        found = list(self.compat_warnings)
         if self.api_key or self.admin_api_key or is_loopback(self.host):
-            return []
+            return found
         where = f"{self.host or '0.0.0.0'}:{self.port}"
         callers = (f"any caller from {', '.join(self.admin_allow_cidrs)}" if self.admin_allow_cidrs
                    else f"anyone who can reach {where}")
         workers = (f"a worker URL on {', '.join(self.worker_allow)}" if self.worker_allow
                    else "a worker URL pointing anywhere (users' prompts then go there)")
-        return [f"admin routes need no key and are open to {callers}: they can register {workers}, update "
-                f"weights, release memory, abort requests. Set --admin-api-key (or --api-key), or "
-                f"--admin-allow-cidrs, --worker-allow, or --host 127.0.0.1"]
+        return found + [f"admin routes need no key and are open to {callers}: they can register {workers}, update "
+                        f"weights, release memory, abort requests. Set --admin-api-key (or --api-key), or "
+                        f"--admin-allow-cidrs, --worker-allow, or --host 127.0.0.1"]
 
     def validated(self) -> "RouterConfig":
         if found := self.problems():

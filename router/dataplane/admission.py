@@ -23,7 +23,7 @@ from router.core.errors import ServiceUnavailable, TooManyRequests
 
 class Admission:
     def __init__(self, config: AdmissionConfig, clock=time.monotonic) -> None:
-        self._limit = config.max_concurrent_requests or None
+        self._limit = config.max_concurrent_requests if config.max_concurrent_requests > 0 else None
         self._queue_size = config.queue_size
         self._timeout = config.queue_timeout_secs
         self._clock = clock

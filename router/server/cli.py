@@ -16,8 +16,11 @@ import os
 from policies import available_policies
 from router.core.config import DISCOVER, ConfigError, RouterConfig, WorkerSpec
 from router.server.cli_flags import DEFAULTS, Flag, add_flags, config_with_flags, flag
+from router.server.cli_peers import IGNORED_DEST, add_peer_flags, ignored_warning
 from router.server.cli_policies import POLICY_FLAGS
 
+# --log-level: Python's names and the peers' (warn).
+LOG_LEVELS = ("debug", "info", "warn", "warning", "error", "critical")
 # launch_lb's short names.
 POLICY_ALIASES = {"po2": "power_of_two", "rr": "round_robin"}
 
@@ -58,6 +61,11 @@ SETTING_FLAGS: list[Flag] = [
     flag("--api-key", help="require 'Authorization: Bearer KEY'", env="PD_ROUTER_API_KEY"),
     flag("--admin-api-key", help="key for admin/control endpoints only; defaults to --api-key",
          env="PD_ROUTER_ADMIN_API_KEY"),
+    flag("--control-plane-api-keys", help="SMG's admin keys, id:name:role:key each: role admin opens the admin "
+                                          "routes (as --admin-api-key), user the generation routes where "
+                                          "--api-key closes them; the id names the caller in the audit log"),
+    flag("--control-plane-audit-enabled",
+         help="log one line per admin call (logger router.audit): method, path, caller (key id), address, status"),
     flag("--worker-api-key", help="key the workers (SGLang --api-key) require; sent on every call to them",
          env="PD_ROUTER_WORKER_API_KEY"),
     flag("--admin-allow-cidrs", help="admin routes only from these networks or addresses (others: 403); "
@@ -66,7 +74,7 @@ SETTING_FLAGS: list[Flag] = [
                                 "networks, addresses, host names or .domains (others: 403); default: anywhere"),
     flag("--prometheus-port", help="also serve /metrics on this port"),
     flag("--prometheus-host"),
-    flag("--log-level", choices=("debug", "info", "warning", "error", "critical")),
+    flag("--log-level", choices=LOG_LEVELS, help="warn is the peers' spelling of warning"),
     flag("--log-json", help="log one JSON object per line (with request_id)"),
     # worker start-up, connections
     flag("--worker-startup-timeout-secs",
@@ -80,7 +88,10 @@ SETTING_FLAGS: list[Flag] = [
     flag("--discovery-file", path="worker_sources.file",
          help="a YAML or JSON file listing workers (url, worker_type, bootstrap_port), watched: workers added to "
               "it are registered, removed ones removed; a bad version changes nothing"),
-    flag("--discovery-file-interval-secs", path="worker_sources.file_interval_secs",
+    flag("--discovery-provider", path="worker_sources.provider", choices=("file", "kubernetes"),
+         help="SMG's: file is --discovery-file's watcher (given without it: on by default); kubernetes is "
+              "not supported (exit 2)"),
+    flag("--discovery-file-interval-secs", "--discovery-check-interval-secs", path="worker_sources.file_interval_secs",
          help="how often the discovery file is looked at"),
     flag("--discovery-etcd-endpoints", path="worker_sources.etcd_endpoints",
          help="etcd client URLs: workers announced under /pd-router/NAME/v1/discovery/ (python -m "
@@ -108,7 +119,8 @@ SETTING_FLAGS: list[Flag] = [
     flag("--no-retry-aborted", path="retry.retry_aborted",
          help="do not re-send requests the router aborted for a conversion"),
     # admission
-    flag("--max-concurrent-requests", path="admission.max_concurrent_requests", help="0: unbounded"),
+    flag("--max-concurrent-requests", path="admission.max_concurrent_requests",
+         help="0 or -1 (the peers' default): unbounded"),
     flag("--queue-size", path="admission.queue_size"),
     flag("--queue-timeout-secs", path="admission.queue_timeout_secs"),
     flag("--max-payload-size", path="admission.max_payload_size", help="bytes"),
@@ -144,7 +156,7 @@ SETTING_FLAGS: list[Flag] = [
     flag("--otlp-service-name", path="trace.service_name", env="OTEL_SERVICE_NAME",
          help="service.name of the router's spans (default: pd-router)"),
     # process
-    flag("--shutdown-grace-secs",
+    flag("--shutdown-grace-secs", "--shutdown-grace-period-secs",
          help="SIGTERM/SIGINT: stop accepting, let requests finish, abort what is left and exit 0 within this "
               "many seconds (a second signal aborts at once, a third exits at once)"),
     # SMG's RL control plane (/v1/rl)
@@ -185,6 +197,7 @@ def build_parser() -> argparse.ArgumentParser:
     add("--prefill-policy", default=None, help="the prefill pool's policy; overrides --policy")
     add("--decode-policy", default=None, help="the decode pool's policy; overrides --policy")
     add_flags(p, FLAGS)
+    add_peer_flags(p)
     return p
 
 
@@ -231,7 +244,10 @@ def config_from_args(argv: list[str] | None = None, env: dict | None = None) -> 
         decode=tuple(WorkerSpec(url, None) for url in decodes),
         prefill_policy=prefill_policy,
         decode_policy=decode_policy,
+        compat_warnings=tuple(w for w in (ignored_warning(tuple(getattr(args, IGNORED_DEST))),) if w),
     )
+    if config.log_level == "warn":
+        config = config.with_(log_level="warning")
     problems.extend(config.problems())
     if problems:
         raise ConfigError(problems)

@@ -163,7 +163,8 @@ async def assemble(app: web.Application, stack: contextlib.AsyncExitStack) -> No
     metrics.prometheus.register(PolicyCollector(registry, policies, load_monitor, rebalancer))
     loops = [rebalancer.run(), *(policy_runtime.upkeep(p) for p in {id(p): p for p in policies.values()}.values()
                                  if p.maintenance_interval)]
-    if config.load_monitor.enabled:
+    if config.load_monitor.enabled and (not config.load_monitor.on_demand
+                                        or policy_runtime.loads_read(config, policies)):
         loops.append(load_monitor.run())
     stack.push_async_callback(_cancelled, [spawn(loop) for loop in loops])
 
