@@ -11,6 +11,7 @@ from router.api import health_view as api_health
 from router.api import info as api_info
 from router.api import openapi as api_openapi
 from router.api import policy_admin as api_policies
+from router.api import probes as api_probes
 from router.api import rl as api_rl
 from router.api import workers as api_workers
 from router.api.access import make_access_middleware
@@ -44,6 +45,7 @@ def add_routes(app: web.Application, config: RouterConfig) -> None:
     for route, upstream_path in GENERATE_ROUTES.items():
         app.router.add_post(route, _generate_handler(route, upstream_path))
     api_info.setup(app)
+    api_probes.setup(app)
     api_workers.setup(app)
     api_conversion.setup(app)
     api_health.setup(app)

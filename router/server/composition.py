@@ -35,6 +35,7 @@ from aiohttp import web
 from policies import Policy, make_policy
 from router.api import workers as api_workers
 from router.api.info import SHARED_ROUTES
+from router.api.probes import SHARED_ROUTES as PROBE_ROUTES
 from router.api.rl.relay import RELAY, Relay
 from router.api.rl.workers import FACTS, LaunchFactsCache
 from router.api.shared_answers import SHARED_ANSWERS, SharedAnswers
@@ -185,7 +186,7 @@ async def assemble(app: web.Application, stack: contextlib.AsyncExitStack) -> No
     # ---- what handlers keep between calls -------------------------------------------------------------------
     app[FACTS] = LaunchFactsCache(registry, upstream)
     app[RELAY] = Relay(upstream, config.rl_control_timeout_secs, config.rl_fanout_concurrency)
-    answers = app[SHARED_ANSWERS] = SharedAnswers(registry, SHARED_ROUTES)
+    answers = app[SHARED_ANSWERS] = SharedAnswers(registry, {**SHARED_ROUTES, **PROBE_ROUTES})
     stack.callback(answers.close)
 
 
