@@ -30,11 +30,13 @@ def _a_value(flag: str) -> list[str]:
     action = PEER_ACTIONS[flag]
     if action["nargs"] == 0:
         return []
+    if action["type"] == "float":
+        return ["0.5"]
     return ["7"] if action["type"] == "int" else ["x"]
 
 
 def test_the_tables_are_the_reference_handling():
-    assert set(refused_flags()) == {f for f, h in HANDLING.items() if h["class"] == "refuse"}
+    assert set(refused_flags()) == {f for f, h in HANDLING.items() if h["class"] in ("refuse", "build")}
     assert set(ignored_flags()) == {f for f, h in HANDLING.items() if h["class"] == "ignored"}
     for flag, note in {**refused_flags(), **ignored_flags()}.items():
         assert len(note) > 20, flag
