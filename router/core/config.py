@@ -256,6 +256,8 @@ class RouterConfig:
     max_connections: int = 8192
     log_level: str = "info"
     log_json: bool = False  # one JSON object per log line
+    # The headers a request id is read from, first present wins, echoed back (obs/logs.py); empty: X-Request-Id
+    request_id_headers: tuple[str, ...] = ()
     prometheus_port: int | None = None
     prometheus_host: str | None = None
     health: HealthConfig = field(default_factory=HealthConfig)
@@ -380,6 +382,8 @@ class RouterConfig:
         for group in (self.policy_params, self.load_monitor, self.rebalance, self.worker_sources, self.cluster,
                       self.trace):
             found.extend(group.problems())
+        found.extend(f"--request-id-headers: {name!r} is not an HTTP header name" for name in self.request_id_headers
+                     if not name or not all(c.isalnum() or c in "!#$%&'*+-.^_`|~" for c in name))
         found.extend(CallerAllowList.problems(self.admin_allow_cidrs))
         found.extend(WorkerAllowList.problems(self.worker_allow))
         return found

@@ -43,6 +43,29 @@ async def request_id_middleware(request: web.Request, handler):
     return await handler(request)
 
 
+def make_request_id_middleware(headers: tuple[str, ...]):
+    """`--request-id-headers` (sgl-router's and SMG's): the request id is the first of these headers the client
+    sent (else one the router makes), on every log line, and echoed back as `X-Request-Id` on the answer (a
+    stream's too: set as its head is prepared). Without the flag: `X-Request-Id` only, not echoed."""
+    if not headers:
+        return request_id_middleware
+
+    @web.middleware
+    async def custom_request_id_middleware(request: web.Request, handler):
+        sent = request.headers
+        given = next((value for name in headers if (value := sent.get(name))), None)
+        REQUEST_ID.set(_clean(given) if given else new_request_id())
+        return await handler(request)
+
+    return custom_request_id_middleware
+
+
+async def echo_request_id(request: web.Request, response: web.StreamResponse) -> None:
+    """on_response_prepare: the request's id on its answer (prepare runs in the handler's context)."""
+    if "X-Request-Id" not in response.headers:
+        response.headers["X-Request-Id"] = REQUEST_ID.get()
+
+
 class RequestIdFilter(logging.Filter):
     """Puts the current request id on every record (handler-level: covers every logger)."""
 

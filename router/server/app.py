@@ -29,10 +29,13 @@ from router.server.replica_info import REPLICA, ReplicaInfo
 
 def create_app(config: RouterConfig, *, registry: Registry | None = None,
                replica: ReplicaInfo | None = None) -> web.Application:
-    middlewares = [logs.request_id_middleware, metrics.metrics_middleware, error_middleware,
+    middlewares = [logs.make_request_id_middleware(config.request_id_headers), metrics.metrics_middleware,
+                   error_middleware,
                    make_access_middleware(config)]
     app = web.Application(middlewares=middlewares, client_max_size=config.admission.max_payload_size)
     app[CONFIG] = config
+    if config.request_id_headers:
+        app.on_response_prepare.append(logs.echo_request_id)
     app[REGISTRY] = registry if registry is not None else Registry()
     app[REPLICA] = replica if replica is not None else ReplicaInfo()
     app.cleanup_ctx.append(router_context)
