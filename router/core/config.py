@@ -218,6 +218,11 @@ class ClusterConfig:
         return found
 
 
+def _is_origin(origin: str) -> bool:
+    parts = urlsplit(origin.rstrip("/"))
+    return parts.scheme in ("http", "https") and bool(parts.hostname) and not parts.path and not parts.query
+
+
 @dataclass(frozen=True, slots=True)
 class ControlPlaneKey:
     id: str
@@ -258,6 +263,8 @@ class RouterConfig:
     log_json: bool = False  # one JSON object per log line
     # The headers a request id is read from, first present wins, echoed back (obs/logs.py); empty: X-Request-Id
     request_id_headers: tuple[str, ...] = ()
+    # Browsers on these origins may call the router ("*": any; api/cors.py); empty: no CORS headers.
+    cors_allowed_origins: tuple[str, ...] = ()
     prometheus_port: int | None = None
     prometheus_host: str | None = None
     health: HealthConfig = field(default_factory=HealthConfig)
@@ -384,6 +391,8 @@ class RouterConfig:
             found.extend(group.problems())
         found.extend(f"--request-id-headers: {name!r} is not an HTTP header name" for name in self.request_id_headers
                      if not name or not all(c.isalnum() or c in "!#$%&'*+-.^_`|~" for c in name))
+        found.extend(f"--cors-allowed-origins: {origin!r} is not an origin (scheme://host[:port], or *)"
+                     for origin in self.cors_allowed_origins if origin != "*" and not _is_origin(origin))
         found.extend(CallerAllowList.problems(self.admin_allow_cidrs))
         found.extend(WorkerAllowList.problems(self.worker_allow))
         return found

@@ -15,6 +15,7 @@ from router.api import probes as api_probes
 from router.api import rl as api_rl
 from router.api import workers as api_workers
 from router.api.access import make_access_middleware
+from router.api.cors import Cors
 from router.core.config import RouterConfig
 from router.core.errors import error_middleware
 from router.core.keys import CONFIG, REGISTRY
@@ -30,12 +31,16 @@ from router.server.replica_info import REPLICA, ReplicaInfo
 def create_app(config: RouterConfig, *, registry: Registry | None = None,
                replica: ReplicaInfo | None = None) -> web.Application:
     middlewares = [logs.make_request_id_middleware(config.request_id_headers), metrics.metrics_middleware,
-                   error_middleware,
-                   make_access_middleware(config)]
+                   error_middleware, make_access_middleware(config)]
+    cors = Cors(config.cors_allowed_origins) if config.cors_allowed_origins else None
+    if cors is not None:  # preflights answered before the key check
+        middlewares.insert(1, cors.middleware())
     app = web.Application(middlewares=middlewares, client_max_size=config.admission.max_payload_size)
     app[CONFIG] = config
     if config.request_id_headers:
         app.on_response_prepare.append(logs.echo_request_id)
+    if cors is not None:
+        app.on_response_prepare.append(cors.on_prepare)
     app[REGISTRY] = registry if registry is not None else Registry()
     app[REPLICA] = replica if replica is not None else ReplicaInfo()
     app.cleanup_ctx.append(router_context)

@@ -66,6 +66,8 @@ SETTING_FLAGS: list[Flag] = [
                                           "--api-key closes them; the id names the caller in the audit log"),
     flag("--control-plane-audit-enabled",
          help="log one line per admin call (logger router.audit): method, path, caller (key id), address, status"),
+    flag("--cors-allowed-origins", help="browsers on these origins (scheme://host[:port], or *) may call the "
+                                        "router: CORS headers and preflights; default: none"),
     flag("--worker-api-key", help="key the workers (SGLang --api-key) require; sent on every call to them",
          env="PD_ROUTER_WORKER_API_KEY"),
     flag("--admin-allow-cidrs", help="admin routes only from these networks or addresses (others: 403); "
