@@ -13,6 +13,7 @@ from router.api import openapi as api_openapi
 from router.api import policy_admin as api_policies
 from router.api import probes as api_probes
 from router.api import rl as api_rl
+from router.api import worker_update as api_worker_update
 from router.api import workers as api_workers
 from router.api.access import make_access_middleware
 from router.api.cors import Cors
@@ -55,6 +56,7 @@ def add_routes(app: web.Application, config: RouterConfig) -> None:
     api_info.setup(app)
     api_probes.setup(app)
     api_workers.setup(app)
+    api_worker_update.setup(app)
     api_conversion.setup(app)
     api_health.setup(app)
     api_policies.setup(app)
