@@ -42,8 +42,13 @@ def serve(argv: list[str] | None = None) -> int:
         return 2
     place = supervisor.replica_place()
     supervising = place is None and config.replicas > 1
-    setup_logging(config.log_level, config.log_json,
-                  process="supervisor" if supervising else f"replica {place.index}" if place else None)
+    try:
+        setup_logging(config.log_level, config.log_json,
+                      process="supervisor" if supervising else f"replica {place.index}" if place else None,
+                      log_dir=config.log_dir)
+    except OSError as exc:
+        print(f"pd-router: error: --log-dir {config.log_dir}: {exc.strerror or exc}", file=sys.stderr)
+        return 2
     if supervising:
         return supervise(sys.argv[1:] if argv is None else argv, config)
     if place is not None and not supervisor.die_with_supervisor(place):

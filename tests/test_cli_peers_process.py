@@ -84,14 +84,26 @@ async def _serves(argv: list[str], log_path) -> str:
 
 
 async def test_the_peers_pd_examples_start_unchanged_and_serve(fleet, tmp_path):
-    logs = await asyncio.gather(*(_serves(_on(fleet, line), tmp_path / f"{i}.log")
-                                  for i, line in enumerate(EXAMPLES.values())))
+    lines = [_on(fleet, line) for line in EXAMPLES.values()]
+    lines[-1] += ["--log-dir", str(tmp_path / "logs")]
+    logs = await asyncio.gather(*(_serves(argv, tmp_path / f"{i}.log") for i, argv in enumerate(lines)))
     for log in logs:
         assert "Traceback" not in log and " ERROR " not in log, log
     smg = logs[-1]
     warnings = [line for line in smg.splitlines() if "accepted for compatibility, no effect" in line]
     assert len(warnings) == 1 and "--worker-warmup-secs" in warnings[0] and "--upstream-http2" in warnings[0]
     assert " INFO " not in smg.split("pd-router on", 1)[-1], "--log-level warn still logs INFO"
+    assert warnings[0] in (tmp_path / "logs" / "pd-router.log").read_text()  # --log-dir: the same lines
+
+
+def test_a_log_dir_that_cannot_be_written_exits_2(tmp_path, capsys):
+    from router.__main__ import serve
+
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    assert serve(["--prefill", "http://127.0.0.1:1", "--decode", "http://127.0.0.1:2",
+                  "--log-dir", str(blocker / "logs")]) == 2
+    assert capsys.readouterr().err.startswith(f"pd-router: error: --log-dir {blocker / 'logs'}: ")
 
 
 async def test_a_feature_pd_router_lacks_exits_2_with_one_line():

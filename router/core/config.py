@@ -261,6 +261,7 @@ class RouterConfig:
     max_connections: int = 8192
     log_level: str = "info"
     log_json: bool = False  # one JSON object per log line
+    log_dir: str | None = None  # the log lines also go to a file there (obs/logs.py: log_file_name)
     # The headers a request id is read from, first present wins, echoed back (obs/logs.py); empty: X-Request-Id
     request_id_headers: tuple[str, ...] = ()
     # Browsers on these origins may call the router ("*": any; api/cors.py); empty: no CORS headers.

@@ -78,6 +78,8 @@ SETTING_FLAGS: list[Flag] = [
     flag("--prometheus-host"),
     flag("--log-level", choices=LOG_LEVELS, help="warn is the peers' spelling of warning"),
     flag("--log-json", help="log one JSON object per line (with request_id)"),
+    flag("--log-dir", help="also write the log to a file in this directory (created if need be): pd-router.log, "
+                           "one per process with --replicas"),
     flag("--request-id-headers", help="the request id (on every log line) is the first of these headers the client "
                                       "sent, echoed back as X-Request-Id; default: X-Request-Id, not echoed"),
     # worker start-up, connections
