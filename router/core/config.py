@@ -74,6 +74,9 @@ class BreakerConfig:
     success_threshold: int = 3
     timeout_secs: float = 30.0
     enabled: bool = True
+    # Failures in a row count toward the threshold only within this long of the first (sgl-router's and SMG's
+    # --cb-window-duration-secs): a fault now and then never opens the breaker.
+    window_secs: float = 120.0
 
 
 @dataclass(frozen=True, slots=True)

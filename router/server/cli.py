@@ -114,6 +114,8 @@ SETTING_FLAGS: list[Flag] = [
     flag("--cb-failure-threshold", path="breaker.failure_threshold"),
     flag("--cb-success-threshold", path="breaker.success_threshold"),
     flag("--cb-timeout-duration-secs", path="breaker.timeout_secs"),
+    flag("--cb-window-duration-secs", path="breaker.window_secs",
+         help="failures count toward --cb-failure-threshold only within this long of the first"),
     flag("--disable-circuit-breaker", path="breaker.enabled"),
     # retries
     flag("--retry-max-retries", path="retry.max_retries"),
