@@ -246,6 +246,9 @@ class RouterConfig:
     request_timeout_secs: float = 1800.0
     connect_timeout_secs: float = 10.0
     worker_startup_timeout_secs: float = 10.0
+    # How often a worker not read yet (pending: down, starting) is read again; None: --health-check-interval-secs
+    # (sgl-router's and SMG's --worker-startup-check-interval, their default 30 s).
+    worker_startup_check_interval_secs: float | None = None
     prefill_policy: str = "random"
     decode_policy: str = "random"
     api_key: str | None = None
@@ -354,6 +357,8 @@ class RouterConfig:
                      "rl_control_timeout_secs"):
             if getattr(self, name) <= 0:
                 found.append(f"{name} must be positive")
+        if self.worker_startup_check_interval_secs is not None and not self.worker_startup_check_interval_secs > 0:
+            found.append("--worker-startup-check-interval must be positive")
         if self.upstream_idle_timeout_secs < 0:
             found.append("--upstream-idle-timeout-secs must not be negative (0: never)")
         if self.shutdown_grace_secs < 0:

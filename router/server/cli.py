@@ -85,6 +85,8 @@ SETTING_FLAGS: list[Flag] = [
     # worker start-up, connections
     flag("--worker-startup-timeout-secs",
          help="how long start-up waits to learn prefill bootstrap ports before serving"),
+    flag("--worker-startup-check-interval", path="worker_startup_check_interval_secs",
+         help="how often a worker not read yet (down, starting) is read again; default: the health-check interval"),
     flag("--connect-timeout-secs"),
     flag("--upstream-idle-timeout-secs",
          help="cut a leg whose server sends nothing for this long mid-answer (not while the fleet is paused in "

@@ -60,7 +60,7 @@ REFUSED: tuple[tuple[str, str], ...] = (
     # What a PD operator uses that pd-router has not built yet (docs/PEERS.md: "to build").
     ("not built in pd-router yet (docs/PEERS.md)",
      "--prometheus-duration-buckets+ "
-     "--rate-limit-tokens-per-second --worker-startup-check-interval --tls-cert-path --tls-key-path "
+     "--rate-limit-tokens-per-second --tls-cert-path --tls-key-path "
      "--client-cert-path --client-key-path --ca-cert-paths* --prefill-max-inflight-requests-per-worker "
      "--prefill-queue-size --prefill-queue-timeout-secs --pd-admission-wait-secs --upstream-pool-idle-timeout-secs "
      "--header-read-timeout-secs --idle-connection-timeout-secs --stream-body-stall-timeout-secs --sse-keepalive-secs "

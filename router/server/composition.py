@@ -127,8 +127,8 @@ async def assemble(app: web.Application, stack: contextlib.AsyncExitStack) -> No
 
     # ---- the fleet's servers, read before the router serves -------------------------------------------------
     app[WORKER_ALLOW] = WorkerAllowList.parse(config.worker_allow)
-    live_state = app[LIVE_STATE] = LiveStateReader(registry, upstream, spawn,
-                                                   retry_interval=config.health.interval_secs)
+    live_state = app[LIVE_STATE] = LiveStateReader(
+        registry, upstream, spawn, retry_interval=config.worker_startup_check_interval_secs or config.health.interval_secs)
     stack.push_async_callback(live_state.close)
     sources = app[WORKER_SOURCES] = worker_sources.build(config, registry, *_worker_api(app))
     stack.push_async_callback(sources.close)
