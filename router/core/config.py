@@ -274,6 +274,8 @@ class RouterConfig:
     cors_allowed_origins: tuple[str, ...] = ()
     prometheus_port: int | None = None
     prometheus_host: str | None = None
+    # The bounds of pd_router_request_duration_seconds, seconds, increasing (empty: obs/metrics.py's)
+    prometheus_duration_buckets: tuple[float, ...] = ()
     health: HealthConfig = field(default_factory=HealthConfig)
     breaker: BreakerConfig = field(default_factory=BreakerConfig)
     retry: RetryConfig = field(default_factory=RetryConfig)
@@ -357,6 +359,10 @@ class RouterConfig:
                      "rl_control_timeout_secs"):
             if getattr(self, name) <= 0:
                 found.append(f"{name} must be positive")
+        buckets = self.prometheus_duration_buckets
+        if buckets and not (all(0 < b < float("inf") for b in buckets)
+                            and all(a < b for a, b in zip(buckets, buckets[1:]))):
+            found.append(f"--prometheus-duration-buckets must be positive, finite and increasing, got {list(buckets)}")
         if self.worker_startup_check_interval_secs is not None and not self.worker_startup_check_interval_secs > 0:
             found.append("--worker-startup-check-interval must be positive")
         if self.upstream_idle_timeout_secs < 0:

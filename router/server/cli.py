@@ -76,6 +76,8 @@ SETTING_FLAGS: list[Flag] = [
                                 "networks, addresses, host names or .domains (others: 403); default: anywhere"),
     flag("--prometheus-port", help="also serve /metrics on this port"),
     flag("--prometheus-host"),
+    flag("--prometheus-duration-buckets", help="the bounds (seconds) of pd_router_request_duration_seconds; "
+                                               "default: 0.01 ... 1800"),
     flag("--log-level", choices=LOG_LEVELS, help="warn is the peers' spelling of warning"),
     flag("--log-json", help="log one JSON object per line (with request_id)"),
     flag("--log-dir", help="also write the log to a file in this directory (created if need be): pd-router.log, "

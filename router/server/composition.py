@@ -79,7 +79,7 @@ async def assemble(app: web.Application, stack: contextlib.AsyncExitStack) -> No
     lifecycle = app[LIFECYCLE] = Lifecycle()
     tasks = app[TASKS] = BackgroundTasks()
     admission = app[ADMISSION] = Admission(config.admission)
-    metrics = app[METRICS] = RouterMetrics(registry, admission)
+    metrics = app[METRICS] = RouterMetrics(registry, admission, config.prometheus_duration_buckets)
     spawn = tasks.spawn
 
     # ---- the control plane's client ----------------------------------------------------------------------
