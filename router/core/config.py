@@ -96,6 +96,8 @@ class RetryConfig:
 @dataclass(frozen=True, slots=True)
 class AdmissionConfig:
     max_concurrent_requests: int = 0  # 0 or -1 (sgl-router's and SMG's default): unbounded
+    # New requests per second, bursting up to max_concurrent_requests (dataplane/admission.py); None: no limit
+    rate_limit_tokens_per_second: int | None = None
     queue_size: int = 1024  # requests waiting for a slot or for a fleet-wide hold to end
     queue_timeout_secs: float = 60.0
     max_payload_size: int = 256 * 1024 * 1024
@@ -397,6 +399,8 @@ class RouterConfig:
             found.append("--max-payload-size must be at least 1")
         if self.admission.max_admin_payload_size < 1:
             found.append("--max-admin-payload-size must be at least 1")
+        if self.admission.rate_limit_tokens_per_second is not None and self.admission.rate_limit_tokens_per_second < 1:
+            found.append("--rate-limit-tokens-per-second must be at least 1 (leave it out for no limit)")
         if self.admission.max_n < 1:
             found.append(f"--max-n must be at least 1, got {self.admission.max_n}")
         if self.admission.max_batch_size < 1:

@@ -133,6 +133,9 @@ SETTING_FLAGS: list[Flag] = [
     # admission
     flag("--max-concurrent-requests", path="admission.max_concurrent_requests",
          help="0 or -1 (the peers' default): unbounded"),
+    flag("--rate-limit-tokens-per-second", path="admission.rate_limit_tokens_per_second",
+         help="admit at most this many new requests per second, bursting up to --max-concurrent-requests; "
+              "beyond: 429 with Retry-After; default: no limit"),
     flag("--queue-size", path="admission.queue_size"),
     flag("--queue-timeout-secs", path="admission.queue_timeout_secs"),
     flag("--max-payload-size", path="admission.max_payload_size", help="bytes"),
