@@ -269,6 +269,9 @@ class RouterConfig:
     max_connections: int = 8192
     log_level: str = "info"
     log_json: bool = False  # one JSON object per log line
+    # Serve HTTPS with this certificate (chain) and key (sgl-router's, SMG's --tls-cert-path/--tls-key-path)
+    tls_cert_path: str | None = None
+    tls_key_path: str | None = None
     log_dir: str | None = None  # the log lines also go to a file there (obs/logs.py: log_file_name)
     # The headers a request id is read from, first present wins, echoed back (obs/logs.py); empty: X-Request-Id
     request_id_headers: tuple[str, ...] = ()
@@ -361,6 +364,8 @@ class RouterConfig:
                      "rl_control_timeout_secs"):
             if getattr(self, name) <= 0:
                 found.append(f"{name} must be positive")
+        if (self.tls_cert_path is None) != (self.tls_key_path is None):
+            found.append("--tls-cert-path and --tls-key-path go together (HTTPS needs both)")
         buckets = self.prometheus_duration_buckets
         if buckets and not (all(0 < b < float("inf") for b in buckets)
                             and all(a < b for a, b in zip(buckets, buckets[1:]))):

@@ -74,6 +74,8 @@ SETTING_FLAGS: list[Flag] = [
                                      "default: from anywhere"),
     flag("--worker-allow", help="workers may be registered (POST /workers, /add_worker, /register) only on these "
                                 "networks, addresses, host names or .domains (others: 403); default: anywhere"),
+    flag("--tls-cert-path", help="serve HTTPS with this certificate (PEM, chain first) ..."),
+    flag("--tls-key-path", help="... and its private key (PEM)"),
     flag("--prometheus-port", help="also serve /metrics on this port"),
     flag("--prometheus-host"),
     flag("--prometheus-duration-buckets", help="the bounds (seconds) of pd_router_request_duration_seconds; "
