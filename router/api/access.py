@@ -184,8 +184,9 @@ def make_access_middleware(config: RouterConfig):
                 what = "an admin API key" if access is Access.ADMIN else "an API key"
                 raise Unauthorized(f"{request.method} {request.path} needs {what}: 'Authorization: Bearer KEY'",
                                    headers={"WWW-Authenticate": "Bearer"})
-            request[CALLER] = named[access][index][1]
-        else:
+            if audit:  # who, for the audit line (nothing stored per request otherwise)
+                request[CALLER] = named[access][index][1]
+        elif audit:
             request[CALLER] = "anonymous"
         if access is Access.ADMIN:
             body = await checked_json_body(request, config)
