@@ -69,7 +69,8 @@ async def _serves(argv: list[str], log_path) -> str:
                     except aiohttp.ClientError:
                         return False
 
-                await wait_for(ready, timeout=30, interval=0.1, message=f"{argv} to serve")
+                # four routers start at once: a loaded machine takes its time (the deadline, not a sleep)
+                await wait_for(ready, timeout=90, interval=0.1, message=f"{argv} to serve")
                 for i in range(6):  # random and power_of_two spread these over every pool member
                     async with session.post(url + "/generate", json={
                             "text": f"hello {i}", "sampling_params": {"max_new_tokens": 2}}) as resp:
