@@ -6,15 +6,22 @@ import random
 from typing import Callable
 
 from .base import Outcome, Policy, RequestInfo, ServerLoad, effective_load
+from .bucket import BucketPolicy
 from .cache_aware import CacheAwarePolicy
+from .consistent_hashing import ConsistentHashingPolicy
+from .least_load import LeastLoadPolicy
 from .load import LeastInflightPolicy, PowerOfTwoPolicy
+from .manual import ManualPolicy
 from .params import PolicyParams
-from .simple import RandomPolicy, RoundRobinPolicy
+from .prefix_hash import PrefixHashPolicy
+from .simple import PassthroughPolicy, RandomPolicy, RoundRobinPolicy
 
 # name -> build(params, rng) -> Policy
 _FACTORIES: dict[str, Callable[..., Policy]] = {
     cls.name: cls.build
-    for cls in (RandomPolicy, RoundRobinPolicy, LeastInflightPolicy, PowerOfTwoPolicy, CacheAwarePolicy)
+    for cls in (RandomPolicy, RoundRobinPolicy, LeastInflightPolicy, PowerOfTwoPolicy, CacheAwarePolicy,
+                LeastLoadPolicy, PrefixHashPolicy, ConsistentHashingPolicy, ManualPolicy, BucketPolicy,
+                PassthroughPolicy)
 }
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol, Sequence, runtime_checkable
+from typing import TYPE_CHECKING, Mapping, Protocol, Sequence, runtime_checkable
 
 if TYPE_CHECKING:
     from .load_report import LoadReport
@@ -23,11 +23,14 @@ class Outcome(str, enum.Enum):
 
 @dataclass(slots=True)
 class RequestInfo:
-    """What a policy may look at. `text` is only filled for policies that ask for it (needs_text)."""
+    """What a policy may look at. `text` is only filled for policies that ask for it (needs_text); `headers`
+    are the client's request headers as they came (a case-insensitive mapping, never copied: the routing-key
+    policies read one or two of them)."""
 
     route: str
     text: str | None = None
     batch_size: int = 1
+    headers: Mapping[str, str] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,6 +87,7 @@ class Policy:
 
     name = "base"
     needs_text = False  # set True to receive the prompt text in RequestInfo
+    reads_server_load = False  # True: it reads `worker.server_load` (the load monitor polls for it)
 
     @classmethod
     def build(cls, params, rng=None) -> "Policy":

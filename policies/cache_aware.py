@@ -80,6 +80,7 @@ _EMPTY = PrefixIndex()
 
 class CacheAwarePolicy(Policy):
     name = "cache_aware"
+    reads_server_load = True
     needs_text = True
 
     def __init__(self, params: PolicyParams | None = None) -> None:

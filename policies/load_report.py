@@ -10,6 +10,8 @@
   in the batch) + prealloc queue (handshake, or waiting for decode KV room; `queues.prealloc_ready` are those
   whose handshake is done) + transfer queue (KV room taken, waiting for the prefill's KV: prefill compute) +
   retracted queue.
+- `num_waiting_uncached_tokens`: the prefill work queued (0 on decode); `gen_throughput`: tokens/s generated
+  (least_load's drain time, lightseekorg/smg policies/least_load.rs).
 - `num_used_tokens` / `token_usage`: KV in use, a decode's transfers included (their room is reserved);
   `num_active_tokens` leaves out the tokens whose KV has not arrived yet.
 - cumulative: `total_prefill_busy_us` (prefill forward time) and `total_prefill_uncached_tokens`; on decode
@@ -55,6 +57,8 @@ class LoadReport:
     capacity_tokens: int | None = None  # max_total_num_tokens, summed over ranks
     token_usage: float | None = None  # the highest of the ranks
     active_tokens: int | None = None
+    waiting_uncached_tokens: int | None = None  # prompt tokens of the prefill waiting queue not in the prefix cache
+    gen_throughput: float | None = None  # tokens/s generated, summed over the ranks (0 on a prefill)
     mode: str | None = None  # disaggregation.mode: the live role ("prefill", "decode", "null")
     # The PD queues (None: not reported).
     waiting_queue: int | None = None  # queues.waiting
@@ -117,6 +121,11 @@ def _row_age(data: Any, ranks: list[dict]) -> float | None:
     return max(0.0, answered_at - min(published))
 
 
+def _fsum(rows: list[dict], key: str) -> float | None:
+    known = [float(r[key]) for r in rows if isinstance(r.get(key), (int, float)) and not isinstance(r.get(key), bool)]
+    return sum(known) if known else None
+
+
 def parse_loads(data: Any) -> LoadReport | None:
     """`/v1/loads`'s answer (or a bare list or row), summed over its ranks; None if it holds no rank."""
     ranks = data.get("loads", data) if isinstance(data, dict) else data
@@ -140,6 +149,8 @@ def parse_loads(data: Any) -> LoadReport | None:
         capacity_tokens=_sum(ranks, "max_total_num_tokens"),
         token_usage=max(usage) if usage else None,
         active_tokens=_sum(ranks, "num_active_tokens"),
+        waiting_uncached_tokens=_sum(ranks, "num_waiting_uncached_tokens"),
+        gen_throughput=_fsum(ranks, "gen_throughput"),
         mode=modes.pop() if len(modes) == 1 else None,
         waiting_queue=_sum(ranks, "waiting", "queues"),
         bootstrap=_sum(ranks, "prefill_bootstrap_queue_reqs", "disaggregation"),

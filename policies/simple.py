@@ -1,4 +1,4 @@
-"""Load-oblivious policies: random (mini_lb's) and round robin."""
+"""Load-oblivious policies: random (mini_lb's), round robin, passthrough (SMG's)."""
 
 from __future__ import annotations
 
@@ -33,3 +33,13 @@ class RoundRobinPolicy(Policy):
         index = self._next % len(candidates)
         self._next = index + 1
         return candidates[index]
+
+
+class PassthroughPolicy(Policy):
+    """SMG's `passthrough`, for a pool of one: the first routable worker, in pool order (with more than one, the
+    others get nothing while the first is routable)."""
+
+    name = "passthrough"
+
+    def select(self, candidates: Sequence[Candidate], request: RequestInfo) -> Candidate:
+        return candidates[0]

@@ -42,8 +42,13 @@ def serve(argv: list[str] | None = None) -> int:
         return 2
     place = supervisor.replica_place()
     supervising = place is None and config.replicas > 1
-    setup_logging(config.log_level, config.log_json,
-                  process="supervisor" if supervising else f"replica {place.index}" if place else None)
+    try:
+        setup_logging(config.log_level, config.log_json,
+                      process="supervisor" if supervising else f"replica {place.index}" if place else None,
+                      log_dir=config.log_dir)
+    except OSError as exc:
+        print(f"pd-router: error: --log-dir {config.log_dir}: {exc.strerror or exc}", file=sys.stderr)
+        return 2
     if supervising:
         return supervise(sys.argv[1:] if argv is None else argv, config)
     if place is not None and not supervisor.die_with_supervisor(place):
@@ -51,6 +56,17 @@ def serve(argv: list[str] | None = None) -> int:
         return 1
     if place is not None and config.prometheus_port is not None:  # one metrics port per replica of the host
         config = config.with_(prometheus_port=config.prometheus_port + place.index)
+    ssl_context = None
+    if config.tls_cert_path is not None:
+        import ssl
+
+        try:
+            ssl_context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+            ssl_context.load_cert_chain(config.tls_cert_path, config.tls_key_path)
+        except (OSError, ssl.SSLError) as exc:
+            logger.error("--tls-cert-path %s / --tls-key-path %s: %s", config.tls_cert_path, config.tls_key_path,
+                         getattr(exc, "strerror", None) or exc)
+            return 2
     replica = ReplicaInfo(place=place)
     app = create_app(config, replica=replica)
     logger.info("pd-router on %s:%d%s: %d prefill, %d decode; policies %s/%s", config.host, config.port,
@@ -61,7 +77,8 @@ def serve(argv: list[str] | None = None) -> int:
     serving.run(app, host=config.host, port=config.port, loop=_event_loop(), backlog=BACKLOG,
                 shutdown_timeout=shutdown.close_timeout(config.shutdown_grace_secs),
                 announce=lambda message: logger.info("%s", message), wind_down=shutdown.wind_down(app),
-                reuse_port=place is not None, on_listening=lambda site: setattr(replica, "site", site))
+                reuse_port=place is not None, on_listening=lambda site: setattr(replica, "site", site),
+                ssl_context=ssl_context)
     logger.info("pd-router stopped")
     return 0
 

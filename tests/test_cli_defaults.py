@@ -19,13 +19,21 @@ NO_DEFAULT_SHOWN = {"--prefill", "--decode", "--prefill-bootstrap-ports", "--pre
                     "--api-key", "--admin-api-key", "--worker-api-key", "--prometheus-port", "--prometheus-host",
                     "--admin-allow-cidrs", "--worker-allow", "--etcd-data-dir",
                     "--discovery-file", "--discovery-etcd-endpoints", "--etcd-endpoints",
+                    "--tls-cert-path", "--tls-key-path",
+                    "--rate-limit-tokens-per-second",
+                    "--prometheus-duration-buckets",
+                    "--worker-startup-check-interval",
+                    "--log-dir",
+                    "--cors-allowed-origins",
+                    "--request-id-headers",
+                    "--control-plane-api-keys", "--discovery-provider",
                     "--rebalance-step-cooldown-secs",  # its default is a quarter of the cooldown's
                     "--otlp-traces-protocol", "--otlp-service-name"}  # OTel's env vars, else grpc / pd-router
 # Switches that change nothing (mini_lb and SMG compatibility).
 NO_OP_SWITCHES = {"-h", "--pd-disaggregation", "--mini-lb", "--enable-rl"}
 # Config fields set by the launch forms rather than by a flag row, and the one field no flag sets.
 SET_BY_LAUNCH_FORMS = {"prefill", "decode", "prefill_policy", "decode_policy"}
-NOT_A_FLAG = {"rebalance.history"}
+NOT_A_FLAG = {"rebalance.history", "compat_warnings"}
 
 
 @pytest.fixture(scope="module")

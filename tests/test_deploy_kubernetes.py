@@ -115,19 +115,17 @@ def test_etcd_endpoints_name_the_etcd_client_service():
         assert port_number(container(statefulset, "etcd"), port["targetPort"]) == url.port
 
 
-def test_probes_use_health_ports_that_exist_and_the_router_port():
+def test_probes_use_the_peers_probe_routes_on_the_router_port():
+    """/readiness (each pool routable) takes a replica out of the Service; /liveness (the process serves, the
+    fleet behind it up or not) restarts it: the routes sgl-router's and SMG's manifests probe."""
     c = router_container()
     port = int(flag_values(router_args(), "--port")[0])
-    readiness = c["readinessProbe"]["httpGet"]
-    assert readiness["path"] == "/health"
-    assert port_number(c, readiness["port"]) == port
-    for probe in ("livenessProbe", "startupProbe"):
-        command = c[probe]["exec"]["command"]
-        assert command[0] == "pd-router-probe" and "--ready" not in command, \
-            f"{probe}: alive means answering /health at all (a 503 while the fleet is down is alive)"
-        url = urlsplit(command[command.index("--url") + 1])
-        assert (url.hostname, url.port, url.path) == ("127.0.0.1", port, "/health")
-        assert c[probe]["timeoutSeconds"] > 3, "longer than the probe's own timeout, so it reports, not kubelet"
+    paths = {probe: c[probe]["httpGet"]["path"] for probe in ("readinessProbe", "livenessProbe", "startupProbe")}
+    assert paths == {"readinessProbe": "/readiness", "livenessProbe": "/liveness", "startupProbe": "/liveness"}
+    for probe in paths:
+        assert port_number(c, c[probe]["httpGet"]["port"]) == port
+    from router.api.access import PUBLIC_ROUTES  # a probe sends no key
+    assert set(paths.values()) <= PUBLIC_ROUTES
 
 
 def test_grace_period_outlasts_the_pre_stop_wait_and_the_router_shutdown_grace():

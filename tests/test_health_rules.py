@@ -84,13 +84,16 @@ def test_closed_breaker_success_clears_failures():
 
 def test_closed_breaker_counts_failures_below_threshold():
     clock = FakeClock()
-    assert breaker_after_verdict(BreakerState(failures=1), False, clock(), BREAKER) == BreakerState(failures=2)
+    now = clock()
+    assert breaker_after_verdict(BreakerState(failures=1, first_failure_at=now), False, now, BREAKER) == \
+        BreakerState(failures=2, first_failure_at=now)
 
 
 def test_closed_breaker_opens_at_threshold():
     clock = FakeClock()
-    opened = breaker_after_verdict(BreakerState(failures=2), False, clock(), BREAKER)
-    assert opened == BreakerState(Phase.OPEN, failures=3, opened_at=clock.now)
+    now = clock()
+    opened = breaker_after_verdict(BreakerState(failures=2, first_failure_at=now), False, now, BREAKER)
+    assert opened == BreakerState(Phase.OPEN, failures=3, opened_at=now, first_failure_at=now)
 
 
 @pytest.mark.parametrize("verdict", [True, False])
@@ -173,3 +176,16 @@ def test_rejoin_refusal(version, fleet, refused):
 def test_health_verdict(probe, breaker, refusal, healthy, fragment):
     verdict, reason = health_verdict(probe, breaker, refusal)
     assert verdict is healthy and fragment in reason
+
+
+def test_failures_count_only_within_the_window_of_the_first():
+    """--cb-window-duration-secs: two faults 121 s apart are not two in a row; three within 120 s are."""
+    config = BreakerConfig(failure_threshold=3, window_secs=120.0)
+    state = CLOSED
+    for now in (0.0, 60.0):
+        state = breaker_after_verdict(state, False, now, config)
+    assert state == BreakerState(failures=2, first_failure_at=0.0)
+    state = breaker_after_verdict(state, False, 121.0, config)  # the first is out of the window: it starts again
+    assert state == BreakerState(failures=1, first_failure_at=121.0)
+    state = breaker_after_verdict(breaker_after_verdict(state, False, 150.0, config), False, 200.0, config)
+    assert state.phase is Phase.OPEN and state.failures == 3

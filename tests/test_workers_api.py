@@ -133,7 +133,7 @@ async def test_facts_learnt_for_workers_given_with_ports(fake_fleet, make_router
 # ---- one worker-entry body, one set of rules (router/core/worker_entry.py) ---------------------------------
 BAD_ENTRIES = [
     ({"url": "http://127.0.0.1:9", "worker_type": "decode", "boostrap_port": 1}, "boostrap_port"),  # misspelt
-    ({"url": "http://127.0.0.1:9", "worker_type": "decode", "priority": 50}, "priority"),  # not taken (yet)
+    ({"url": "http://127.0.0.1:9", "worker_type": "decode", "priority": "high"}, "priority"),  # a peer field, mistyped
     ({"url": "http://127.0.0.1:9", "worker_type": "prefill", "role": "decode"}, "disagree"),
     ({"url": "http://127.0.0.1:9", "worker_type": "prefill", "bootstrap_port": 0}, "bootstrap_port"),
     ({"url": "http://127.0.0.1", "worker_type": "decode"}, "no port"),

@@ -22,13 +22,14 @@ from __future__ import annotations
 
 import enum
 import hmac
+import logging
 from typing import Iterable
 
 from aiohttp import web
 
 from router.core.config import RouterConfig
 from router.core.allowlists import CallerAllowList
-from router.core.errors import BadRequest, Forbidden, Unauthorized, parse_json_object
+from router.core.errors import BadRequest, Forbidden, RouterError, Unauthorized, parse_json_object
 from router.core.router_identity import HOP_HEADER, hop_refusal
 from router.core.request_body import check_reserializable, decode_content, read_bounded
 from router.core.request_shape import GENERATE_ROUTES
@@ -48,6 +49,10 @@ PUBLIC_ROUTES = frozenset({
 })
 GENERATION_ROUTES = frozenset(GENERATE_ROUTES)
 
+audit_logger = logging.getLogger("router.audit")
+# Who made the call: the id of the key it sent ("api-key", "admin-api-key", a --control-plane-api-keys id),
+# or "anonymous" where no key is needed.
+CALLER = web.RequestKey("caller", str) if hasattr(web, "RequestKey") else "pd_router.caller"
 # The control call's parsed body (a typed request key where aiohttp has them, 3.13+).
 JSON_BODY = web.RequestKey("json_body", dict) if hasattr(web, "RequestKey") else "pd_router.json_body"
 
@@ -62,13 +67,20 @@ def classify(canonical_path: str) -> Access:
 
 def required_keys(access: Access, config: RouterConfig) -> tuple[bytes, ...]:
     """The keys that open a route of this class; empty: open to anyone."""
-    api = config.api_key.encode() if config.api_key else None
-    admin = config.admin_api_key.encode() if config.admin_api_key else None
+    return tuple(key for key, _ in named_keys(access, config))
+
+
+def named_keys(access: Access, config: RouterConfig) -> tuple[tuple[bytes, str], ...]:
+    """(key, who) for each key that opens a route of this class; who is what the audit log names. SMG's
+    `--control-plane-api-keys id:name:role:key`: an admin-role key opens the admin routes; a user-role key
+    (and an admin one) opens the generation routes where those need a key (`--api-key`)."""
+    api = ((config.api_key.encode(), "api-key"),) if config.api_key else ()
+    admin = ((config.admin_api_key.encode(), "admin-api-key"),) if config.admin_api_key else ()
+    entries = config.control_plane_keys()
     if access is Access.GENERATION:
-        return (api,) if api else ()
+        return api + tuple((e.key.encode(), e.id) for e in entries) if api else ()
     if access is Access.ADMIN:
-        key = admin or api
-        return (key,) if key else ()
+        return (admin or api) + tuple((e.key.encode(), e.id) for e in entries if e.role == "admin")
     return ()
 
 
@@ -83,10 +95,16 @@ def bearer_token(header: str | None) -> bytes | None:
 
 def key_matches(token: bytes | None, keys: Iterable[bytes]) -> bool:
     """Constant time in the token's content: every key is compared, whatever matched before."""
-    matched = False
-    for key in keys:
-        matched |= hmac.compare_digest(token or b"", key)
-    return matched and token is not None
+    return matched_key(token, keys) is not None
+
+
+def matched_key(token: bytes | None, keys: Iterable[bytes]) -> int | None:
+    """The index of the key the token is (every key compared, whatever matched before); None: none."""
+    found = None
+    for index, key in enumerate(keys):
+        if hmac.compare_digest(token or b"", key) and found is None:
+            found = index
+    return found if token is not None else None
 
 
 # Admin routes whose bodies are big by nature (serialized tensors): the generation bound applies to them.
@@ -112,7 +130,9 @@ async def checked_json_body(request: web.Request, config: RouterConfig) -> dict 
 
 
 def make_access_middleware(config: RouterConfig):
-    keys = {access: required_keys(access, config) for access in Access}
+    named = {access: named_keys(access, config) for access in Access}
+    keys = {access: tuple(key for key, _ in named[access]) for access in Access}
+    audit = config.control_plane_audit_enabled
     by_resource: dict[object, Access] = {}  # classification cached per route (the hot path is one lookup)
     admin_callers = CallerAllowList.parse(config.admin_allow_cidrs)
 
@@ -128,6 +148,29 @@ def make_access_middleware(config: RouterConfig):
             access = by_resource[resource] = classify(resource.canonical)
         if access is Access.PUBLIC:
             return await handler(request)
+        if access is Access.ADMIN and audit:
+            return await audited(request, handler, access)
+        return await checked(request, handler, access)
+
+    async def audited(request: web.Request, handler, access: Access):
+        status, who = 500, "-"
+        try:
+            response = await checked(request, handler, access)
+            status, who = response.status, request.get(CALLER, "-")
+            return response
+        except RouterError as error:
+            status, who = error.status, request.get(CALLER, "-")
+            raise
+        except web.HTTPException as error:
+            status, who = error.status, request.get(CALLER, "-")
+            raise
+        finally:
+            audit_logger.info("admin call %s %s by %s from %s: %d", request.method, request.path, who,
+                              request.remote, status,
+                              extra={"fields": {"audit": True, "method": request.method, "path": request.path,
+                                                "caller": who, "remote": request.remote, "status": status}})
+
+    async def checked(request: web.Request, handler, access: Access):
         if "Authorization" in request.headers and len(request.headers.getall("Authorization")) > 1:
             raise BadRequest(f"{request.method} {request.path}: more than one Authorization header (which one "
                              f"would count is not for the router to guess)", param="Authorization")
@@ -135,10 +178,16 @@ def make_access_middleware(config: RouterConfig):
             raise Forbidden(f"{request.method} {request.path}: admin calls are not accepted from "
                             f"{request.remote} (--admin-allow-cidrs)")
         wanted = keys[access]
-        if wanted and not key_matches(bearer_token(request.headers.get("Authorization")), wanted):
-            what = "an admin API key" if access is Access.ADMIN else "an API key"
-            raise Unauthorized(f"{request.method} {request.path} needs {what}: 'Authorization: Bearer KEY'",
-                               headers={"WWW-Authenticate": "Bearer"})
+        if wanted:
+            index = matched_key(bearer_token(request.headers.get("Authorization")), wanted)
+            if index is None:
+                what = "an admin API key" if access is Access.ADMIN else "an API key"
+                raise Unauthorized(f"{request.method} {request.path} needs {what}: 'Authorization: Bearer KEY'",
+                                   headers={"WWW-Authenticate": "Bearer"})
+            if audit:  # who, for the audit line (nothing stored per request otherwise)
+                request[CALLER] = named[access][index][1]
+        elif audit:
+            request[CALLER] = "anonymous"
         if access is Access.ADMIN:
             body = await checked_json_body(request, config)
             if body is not None:

@@ -193,8 +193,11 @@ async def add_worker_json(request: web.Request) -> web.Response:
     entry = entry_of(await read_json_object(request))
     worker = await register_worker(request.app, entry.address, entry.given_role,
                                    entry.bootstrap_port_of(null_means=DISCOVER), source="POST /workers")
-    return json_response({"success": True, "message": f"Successfully added worker: {worker.url}",
-                          "worker_id": worker.id, "url": worker.url, "worker": worker.to_dict()})
+    body = {"success": True, "message": f"Successfully added worker: {worker.url}", "worker_id": worker.id,
+            "url": worker.url, "worker": worker.to_dict()}
+    if entry.ignored:  # the peers' fields that mean nothing to pd-router's pools (README: Worker API)
+        body["ignored_fields"] = list(entry.ignored)
+    return json_response(body)
 
 
 async def delete_worker(request: web.Request) -> web.Response:

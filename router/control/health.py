@@ -82,9 +82,10 @@ class Phase(str, enum.Enum):
 @dataclass(frozen=True, slots=True)
 class BreakerState:
     phase: Phase = Phase.CLOSED
-    failures: int = 0  # worker faults in a row (closed)
+    failures: int = 0  # worker faults in a row (closed), within --cb-window-duration-secs of the first
     successes: int = 0  # served legs in a row (half-open)
     opened_at: float = 0.0
+    first_failure_at: float = 0.0  # the first of `failures`
 
 
 CLOSED = BreakerState()
@@ -103,10 +104,13 @@ def breaker_after_verdict(state: BreakerState, ok: bool, now: float, config: Bre
         return BreakerState(Phase.HALF_OPEN, successes=successes)
     if ok:
         return CLOSED if state.failures else state
+    if state.failures and now - state.first_failure_at > config.window_secs:  # the old ones are out of the window
+        state = CLOSED
     failures = state.failures + 1
+    first = state.first_failure_at if state.failures else now
     if failures >= max(config.failure_threshold, 1):
-        return BreakerState(Phase.OPEN, failures=failures, opened_at=now)
-    return BreakerState(Phase.CLOSED, failures=failures)
+        return BreakerState(Phase.OPEN, failures=failures, opened_at=now, first_failure_at=first)
+    return BreakerState(Phase.CLOSED, failures=failures, first_failure_at=first)
 
 
 def breaker_after_time(state: BreakerState, now: float, config: BreakerConfig) -> BreakerState:

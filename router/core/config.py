@@ -74,6 +74,9 @@ class BreakerConfig:
     success_threshold: int = 3
     timeout_secs: float = 30.0
     enabled: bool = True
+    # Failures in a row count toward the threshold only within this long of the first (sgl-router's and SMG's
+    # --cb-window-duration-secs): a fault now and then never opens the breaker.
+    window_secs: float = 120.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,7 +95,9 @@ class RetryConfig:
 
 @dataclass(frozen=True, slots=True)
 class AdmissionConfig:
-    max_concurrent_requests: int = 0  # 0: unbounded
+    max_concurrent_requests: int = 0  # 0 or -1 (sgl-router's and SMG's default): unbounded
+    # New requests per second, bursting up to max_concurrent_requests (dataplane/admission.py); None: no limit
+    rate_limit_tokens_per_second: int | None = None
     queue_size: int = 1024  # requests waiting for a slot or for a fleet-wide hold to end
     queue_timeout_secs: float = 60.0
     max_payload_size: int = 256 * 1024 * 1024
@@ -114,6 +119,8 @@ class LoadMonitorConfig:
     enabled: bool = True
     interval_secs: float = 1.0
     timeout_secs: float = 2.0
+    # SMG's --disable-load-monitoring: poll only when a policy or the rebalancer reads the reports.
+    on_demand: bool = False
 
     def problems(self) -> list[str]:
         found = []
@@ -164,6 +171,7 @@ class WorkerSourcesConfig:
     """Workers listed outside the command line and the API (router/control/worker_sources.py)."""
 
     file: str | None = None  # a YAML or JSON file of workers, polled
+    provider: str | None = None  # SMG's --discovery-provider: "file" (the file above); "kubernetes" is refused
     file_interval_secs: float = 1.0
     # etcd keys that workers (or their sidecars) write under a lease: /pd-router/<name>/v1/discovery/<url>
     etcd_endpoints: tuple[str, ...] = ()
@@ -175,6 +183,11 @@ class WorkerSourcesConfig:
             found.append(f"--discovery-file-interval-secs must be positive, got {self.file_interval_secs}")
         if self.file is not None and not self.file:
             found.append("--discovery-file must name a file")
+        if self.provider == "kubernetes":
+            found.append("--discovery-provider kubernetes: not supported: no Kubernetes pod discovery; list the "
+                         "workers in --discovery-file (watched) or announce them in etcd (--discovery-etcd-endpoints)")
+        elif self.provider == "file" and not self.file:
+            found.append("--discovery-provider file needs --discovery-file")
         found += etcd_endpoint_problems("--discovery-etcd-endpoints", self.etcd_endpoints)
         if not CLUSTER_NAME.fullmatch(self.etcd_cluster_name):
             found.append(f"--discovery-cluster-name must be letters, digits, '.', '_' or '-', "
@@ -227,6 +240,22 @@ class ClusterConfig:
         return found
 
 
+def _is_origin(origin: str) -> bool:
+    parts = urlsplit(origin.rstrip("/"))
+    return parts.scheme in ("http", "https") and bool(parts.hostname) and not parts.path and not parts.query
+
+
+@dataclass(frozen=True, slots=True)
+class ControlPlaneKey:
+    id: str
+    name: str
+    role: str  # admin | user
+    key: str
+
+    def __repr__(self) -> str:  # never the key
+        return f"ControlPlaneKey(id={self.id!r}, name={self.name!r}, role={self.role!r})"
+
+
 @dataclass(frozen=True, slots=True)
 class RouterConfig:
     prefill: tuple[WorkerSpec, ...] = ()
@@ -236,10 +265,17 @@ class RouterConfig:
     request_timeout_secs: float = 1800.0
     connect_timeout_secs: float = 10.0
     worker_startup_timeout_secs: float = 10.0
+    # How often a worker not read yet (pending: down, starting) is read again; None: --health-check-interval-secs
+    # (sgl-router's and SMG's --worker-startup-check-interval, their default 30 s).
+    worker_startup_check_interval_secs: float | None = None
     prefill_policy: str = "random"
     decode_policy: str = "random"
     api_key: str | None = None
     admin_api_key: str | None = None
+    # SMG's --control-plane-api-keys: "id:name:role:key" entries (role admin or user; see api/access.py).
+    control_plane_api_keys: tuple[str, ...] = ()
+    # One log line per admin call (router.audit): who (the key's id), what, from where, the outcome.
+    control_plane_audit_enabled: bool = False
     # Admin callers allowed by source network, and the hosts/networks registered workers may point to (see
     # core/allowlists.py); empty: anyone, anywhere (mini_lb's behaviour).
     admin_allow_cidrs: tuple[str, ...] = ()
@@ -250,8 +286,18 @@ class RouterConfig:
     max_connections: int = 8192
     log_level: str = "info"
     log_json: bool = False  # one JSON object per log line
+    # Serve HTTPS with this certificate (chain) and key (sgl-router's, SMG's --tls-cert-path/--tls-key-path)
+    tls_cert_path: str | None = None
+    tls_key_path: str | None = None
+    log_dir: str | None = None  # the log lines also go to a file there (obs/logs.py: log_file_name)
+    # The headers a request id is read from, first present wins, echoed back (obs/logs.py); empty: X-Request-Id
+    request_id_headers: tuple[str, ...] = ()
+    # Browsers on these origins may call the router ("*": any; api/cors.py); empty: no CORS headers.
+    cors_allowed_origins: tuple[str, ...] = ()
     prometheus_port: int | None = None
     prometheus_host: str | None = None
+    # The bounds of pd_router_request_duration_seconds, seconds, increasing (empty: obs/metrics.py's)
+    prometheus_duration_buckets: tuple[float, ...] = ()
     health: HealthConfig = field(default_factory=HealthConfig)
     breaker: BreakerConfig = field(default_factory=BreakerConfig)
     retry: RetryConfig = field(default_factory=RetryConfig)
@@ -289,14 +335,30 @@ class RouterConfig:
     # directory, removed at exit; given: the fleet's state outlives a restart of the whole group).
     etcd_data_dir: str | None = None
     worker_sources: WorkerSourcesConfig = field(default_factory=WorkerSourcesConfig)
+    # What the command line accepted for compatibility but does not act on (the peers' flags of parts pd-router
+    # does not have: router/server/cli_peers.py), one line each: logged at start-up with the other warnings.
+    compat_warnings: tuple[str, ...] = ()
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     trace: TraceConfig = field(default_factory=TraceConfig)
 
     def with_(self, **changes) -> "RouterConfig":
         return replace(self, **changes)
 
+    def control_plane_keys(self) -> tuple["ControlPlaneKey", ...]:
+        """--control-plane-api-keys parsed (entries that do not parse are left out: problems() names them)."""
+        out = []
+        for entry in self.control_plane_api_keys:
+            parts = entry.split(":", 3)
+            if len(parts) == 4 and parts[0] and parts[3] and parts[2].lower() in ("admin", "user"):
+                out.append(ControlPlaneKey(parts[0], parts[1], parts[2].lower(), parts[3]))
+        return tuple(out)
+
     def problems(self) -> list[str]:
         found: list[str] = []
+        parsed = len(self.control_plane_keys())
+        if parsed != len(self.control_plane_api_keys):
+            found.append("--control-plane-api-keys: each entry is id:name:role:key with role admin or user "
+                         f"({len(self.control_plane_api_keys) - parsed} not)")
         for role, specs in (("prefill", self.prefill), ("decode", self.decode)):
             seen: set[str] = set()
             for spec in specs:
@@ -320,6 +382,14 @@ class RouterConfig:
                      "rl_control_timeout_secs"):
             if getattr(self, name) <= 0:
                 found.append(f"{name} must be positive")
+        if (self.tls_cert_path is None) != (self.tls_key_path is None):
+            found.append("--tls-cert-path and --tls-key-path go together (HTTPS needs both)")
+        buckets = self.prometheus_duration_buckets
+        if buckets and not (all(0 < b < float("inf") for b in buckets)
+                            and all(a < b for a, b in zip(buckets, buckets[1:]))):
+            found.append(f"--prometheus-duration-buckets must be positive, finite and increasing, got {list(buckets)}")
+        if self.worker_startup_check_interval_secs is not None and not self.worker_startup_check_interval_secs > 0:
+            found.append("--worker-startup-check-interval must be positive")
         if self.upstream_idle_timeout_secs < 0:
             found.append("--upstream-idle-timeout-secs must not be negative (0: never)")
         if self.shutdown_grace_secs < 0:
@@ -344,12 +414,16 @@ class RouterConfig:
         for group in (self.health, self.breaker, self.retry, self.admission):
             for f in fields(group):
                 value = getattr(group, f.name)
+                if f.name == "max_concurrent_requests" and value == -1:
+                    continue  # the peers' "no limit"
                 if isinstance(value, (int, float)) and not isinstance(value, bool) and value < 0:
                     found.append(f"{type(group).__name__}.{f.name} must not be negative")
         if self.admission.max_payload_size < 1:
             found.append("--max-payload-size must be at least 1")
         if self.admission.max_admin_payload_size < 1:
             found.append("--max-admin-payload-size must be at least 1")
+        if self.admission.rate_limit_tokens_per_second is not None and self.admission.rate_limit_tokens_per_second < 1:
+            found.append("--rate-limit-tokens-per-second must be at least 1 (leave it out for no limit)")
         if self.admission.max_n < 1:
             found.append(f"--max-n must be at least 1, got {self.admission.max_n}")
         if self.admission.max_batch_size < 1:
@@ -357,6 +431,10 @@ class RouterConfig:
         for group in (self.policy_params, self.load_monitor, self.dp_ranks, self.rebalance, self.worker_sources,
                       self.cluster, self.trace):
             found.extend(group.problems())
+        found.extend(f"--request-id-headers: {name!r} is not an HTTP header name" for name in self.request_id_headers
+                     if not name or not all(c.isalnum() or c in "!#$%&'*+-.^_`|~" for c in name))
+        found.extend(f"--cors-allowed-origins: {origin!r} is not an origin (scheme://host[:port], or *)"
+                     for origin in self.cors_allowed_origins if origin != "*" and not _is_origin(origin))
         found.extend(CallerAllowList.problems(self.admin_allow_cidrs))
         found.extend(WorkerAllowList.problems(self.worker_allow))
         return found
@@ -372,16 +450,17 @@ class RouterConfig:
     def warnings(self) -> list[str]:
         """What is unsafe but allowed (compatibility forbids refusing it): logged at start-up, shown by
         GET /admin/health."""
+        found = list(self.compat_warnings)
         if self.api_key or self.admin_api_key or is_loopback(self.host):
-            return []
+            return found
         where = f"{self.host or '0.0.0.0'}:{self.port}"
         callers = (f"any caller from {', '.join(self.admin_allow_cidrs)}" if self.admin_allow_cidrs
                    else f"anyone who can reach {where}")
         workers = (f"a worker URL on {', '.join(self.worker_allow)}" if self.worker_allow
                    else "a worker URL pointing anywhere (users' prompts then go there)")
-        return [f"admin routes need no key and are open to {callers}: they can register {workers}, update "
-                f"weights, release memory, abort requests. Set --admin-api-key (or --api-key), or "
-                f"--admin-allow-cidrs, --worker-allow, or --host 127.0.0.1"]
+        return found + [f"admin routes need no key and are open to {callers}: they can register {workers}, update "
+                        f"weights, release memory, abort requests. Set --admin-api-key (or --api-key), or "
+                        f"--admin-allow-cidrs, --worker-allow, or --host 127.0.0.1"]
 
     def validated(self) -> "RouterConfig":
         if found := self.problems():

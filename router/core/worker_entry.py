@@ -13,7 +13,10 @@ One difference between the ways in is named by each, not decided by it: what a `
 (the server's own port is read); `/add_worker`'s `none`, `/register`'s null and a listing's null (the file,
 etcd) mean what they mean to mini_lb, decode's default port.
 
-A field a peer sends that pd-router takes is added here, once, for every way in.
+A field a peer sends that pd-router takes is added here, once, for every way in. The other fields of the
+peers' worker bodies (sgl-router 0.3.2's `WorkerConfigRequest`, SMG 1.13's `WorkerSpec`: labels, api_key,
+priority, cost, model_id, health overrides, ...; `PEER_FIELDS`) are accepted, type-checked where the peer
+types them plainly, and named in `ignored` (the answer says which): only a field no peer knows is refused.
 """
 
 from __future__ import annotations
@@ -27,6 +30,22 @@ from router.core.states import Role
 from router.core.worker_url import BadWorkerUrl, WorkerUrl, parse_worker_url
 
 ROLES = (Role.PREFILL.value, Role.DECODE.value)
+# The peers' worker-body fields pd-router does not act on (tests/fixtures/peers/worker_api.json): field -> the
+# JSON type the peer requires (None: anything). Routing weights (priority, cost), labels and per-worker health
+# or connection settings have no meaning to pd-router's pools; a per-worker api_key is not sent (one
+# --worker-api-key for the fleet); DP fields are issue 24's; the rest (tokenizer, parsers, gRPC, KV connector
+# of vLLM, multimodal) are parts pd-router does not have.
+PEER_FIELDS: dict[str, type | tuple[type, ...] | None] = {
+    "api_key": str, "model_id": str, "models": list, "priority": int, "cost": (int, float), "labels": dict,
+    "runtime": str, "runtime_type": str, "provider": str, "connection_mode": str, "tokenizer_path": str,
+    "reasoning_parser": str, "tool_parser": str, "chat_template": str, "health_check_timeout_secs": int,
+    "health_check_interval_secs": int, "health_success_threshold": int, "health_failure_threshold": int,
+    "disable_health_check": bool, "max_connection_attempts": int, "dp_aware": bool, "bootstrap_host": str,
+    "dp_base_url": str, "dp_rank": int, "dp_size": int, "kv_connector": str, "kv_role": str, "kv_engine_id": str,
+    "kv_block_size": int, "constrained_decoding": None, "health": dict, "overload": dict, "http_pool": dict,
+    "resilience": dict, "load_monitor_interval_secs": int, "multimodal_tensor_transport": str,
+    "multimodal_shm_min_bytes": int, "zmq_handshake_address": str,
+}
 # mini_lb's /register names: its field -> the model's
 REGISTER_FIELDS = {"mode": "worker_type", "registry_url": "url", "bootstrap_port": "bootstrap_port"}
 
@@ -49,6 +68,7 @@ class WorkerEntry(BaseModel):
     worker_type: Role | None = None  # SMG's and sgl-router's name
     role: Role | None = None  # mini_lb's and pd-router's name; absent both: the server's live role
     bootstrap_port: int | None = None  # absent (not in model_fields_set): the server's own
+    ignored: tuple[str, ...] = ()  # the peers' fields given, accepted with no effect (never a body field)
 
     @field_validator("url", mode="before")
     @classmethod
@@ -110,11 +130,24 @@ def parse_worker_entry(data: Mapping[str, Any], *, where: str = "", names: Mappi
     """`data` as a WorkerEntry, or WorkerEntryError listing every problem (prefixed `where: ` when given).
     `names`: the way in's own field names (e.g. REGISTER_FIELDS), each mapped to the model's; a field outside
     them is unknown, and problems say the way in's names."""
-    names = names if names is not None else {field: field for field in WorkerEntry.model_fields}
+    peer = PEER_FIELDS if names is None else {}
+    names = names if names is not None else {field: field for field in WorkerEntry.model_fields if field != "ignored"}
     shown = {model: own for own, model in names.items()}
-    problems: list[str] = [f"unknown field {key!r} (known: {', '.join(sorted(names))})"
-                           for key in data if key not in names]
-    param = next((key for key in data if key not in names), None)
+    problems: list[str] = [f"unknown field {key!r} (known: {', '.join(sorted(names))}, and the peers' worker "
+                           f"fields)" if peer else f"unknown field {key!r} (known: {', '.join(sorted(names))})"
+                           for key in data if key not in names and key not in peer]
+    param = next((key for key in data if key not in names and key not in peer), None)
+    ignored = tuple(key for key in data if key in peer)
+    for key in ignored:
+        wanted, value = peer[key], data[key]
+        if value is not None and wanted is not None and (not isinstance(value, wanted) or (
+                isinstance(value, bool) and wanted is not bool)):
+            problems.append(f"{key} must be {_json_type(wanted)}, got {type(value).__name__}")
+            param = param or key
+        elif key == "labels" and value and not all(isinstance(k, str) and isinstance(v, str)
+                                                   for k, v in value.items()):
+            problems.append("labels must map strings to strings")
+            param = param or key
     entry = None
     try:
         entry = WorkerEntry.model_validate({names[key]: value for key, value in data.items() if key in names})
@@ -132,4 +165,10 @@ def parse_worker_entry(data: Mapping[str, Any], *, where: str = "", names: Mappi
             param = param or name or None
     if problems or entry is None:
         raise WorkerEntryError([f"{where}: {p}" if where else p for p in problems], param)
-    return entry
+    return entry.model_copy(update={"ignored": ignored}) if ignored else entry
+
+
+def _json_type(wanted: type | tuple[type, ...]) -> str:
+    names = {str: "a string", int: "an integer", float: "a number", bool: "true or false", list: "an array",
+             dict: "an object"}
+    return "a number" if wanted == (int, float) else names.get(wanted, str(wanted))

@@ -5,6 +5,11 @@ deadline. A weight update closes the gate (`hold`): new requests wait instead of
 through in arrival order when the hold ends. Beyond the queue bound, or past the deadline, the client gets
 503 with Retry-After.
 
+`--rate-limit-tokens-per-second R` (sgl-router's, SMG's): new requests also take a token from a bucket refilled
+at R per second and holding at most `--max-concurrent-requests` (at least R, when that is unbounded): a burst
+passes, a sustained rate above R gets 429 with the seconds until the next token in Retry-After (the peers queue
+such requests; here the queue is for capacity and holds, a rate answer is at once).
+
 At shutdown, `close` stops admitting (new requests get 503 at once; those admitted go on, retries included),
 and once the grace period is over `turn_away` answers 503 to every request still queued and to every retry.
 """
@@ -23,10 +28,15 @@ from router.core.errors import ServiceUnavailable, TooManyRequests
 
 class Admission:
     def __init__(self, config: AdmissionConfig, clock=time.monotonic) -> None:
-        self._limit = config.max_concurrent_requests or None
+        self._limit = config.max_concurrent_requests if config.max_concurrent_requests > 0 else None
         self._queue_size = config.queue_size
         self._timeout = config.queue_timeout_secs
         self._clock = clock
+        rate = config.rate_limit_tokens_per_second
+        self._rate = float(rate) if rate else None
+        self._capacity = float(max(self._limit or 0, rate or 0, 1))
+        self._tokens = self._capacity
+        self._refilled_at = clock()
         self.active = 0
         self._waiters: collections.deque[asyncio.Future] = collections.deque()
         self._holds: set[str] = set()
@@ -109,10 +119,23 @@ class Admission:
                 self.active += 1  # the slot is handed over to the waiter
                 waiter.set_result(None)
 
+    def _take_token(self) -> None:
+        now = self._clock()
+        self._tokens = min(self._capacity, self._tokens + (now - self._refilled_at) * self._rate)
+        self._refilled_at = now
+        if self._tokens < 1.0:
+            self.rejected_total += 1
+            wait = (1.0 - self._tokens) / self._rate
+            raise TooManyRequests(f"over the rate limit ({self._rate:g} requests/s, --rate-limit-tokens-per-second)",
+                                  headers={"Retry-After": str(max(1, int(wait + 0.999)))})
+        self._tokens -= 1.0
+
     async def _enter(self) -> None:
         if self._closed is not None:
             self.rejected_total += 1
             raise ServiceUnavailable(self._closed, headers={"Retry-After": "1"})
+        if self._rate is not None:
+            self._take_token()
         if not self._waiters and self._can_enter():
             self.active += 1
             return

@@ -100,7 +100,7 @@ class Proxy:
                 forwarded["Authorization"] = self._worker_auth
             record.request_id = forwarded.get("X-Request-Id", "")
             headers = HOP_LINE + header_lines(forwarded) if forwarded else HOP_LINE  # wire bytes, both legs
-            info = RequestInfo(route=route, batch_size=shape.batch_size,
+            info = RequestInfo(route=route, batch_size=shape.batch_size, headers=request.headers,
                                text=prompt_text(route, body) if self._needs_text else None)
             deadline = record.started + self._timeout
             queued_at = time.monotonic()

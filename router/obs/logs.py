@@ -43,6 +43,29 @@ async def request_id_middleware(request: web.Request, handler):
     return await handler(request)
 
 
+def make_request_id_middleware(headers: tuple[str, ...]):
+    """`--request-id-headers` (sgl-router's and SMG's): the request id is the first of these headers the client
+    sent (else one the router makes), on every log line, and echoed back as `X-Request-Id` on the answer (a
+    stream's too: set as its head is prepared). Without the flag: `X-Request-Id` only, not echoed."""
+    if not headers:
+        return request_id_middleware
+
+    @web.middleware
+    async def custom_request_id_middleware(request: web.Request, handler):
+        sent = request.headers
+        given = next((value for name in headers if (value := sent.get(name))), None)
+        REQUEST_ID.set(_clean(given) if given else new_request_id())
+        return await handler(request)
+
+    return custom_request_id_middleware
+
+
+async def echo_request_id(request: web.Request, response: web.StreamResponse) -> None:
+    """on_response_prepare: the request's id on its answer (prepare runs in the handler's context)."""
+    if "X-Request-Id" not in response.headers:
+        response.headers["X-Request-Id"] = REQUEST_ID.get()
+
+
 class RequestIdFilter(logging.Filter):
     """Puts the current request id on every record (handler-level: covers every logger)."""
 
@@ -76,10 +99,11 @@ class JsonFormatter(logging.Formatter):
         return orjson.dumps(entry, default=str).decode()
 
 
-def make_handler(json_lines: bool, stream=None, process: str | None = None) -> logging.Handler:
+def make_handler(json_lines: bool, stream=None, process: str | None = None,
+                 handler: logging.Handler | None = None) -> logging.Handler:
     """`process` names the process on every line (`replica 1`, `supervisor`): the processes of `--replicas N`
     write to one stream."""
-    handler = logging.StreamHandler(stream if stream is not None else sys.stderr)
+    handler = handler or logging.StreamHandler(stream if stream is not None else sys.stderr)
     handler.addFilter(RequestIdFilter())
     if json_lines:
         handler.setFormatter(JsonFormatter(process))
@@ -93,14 +117,27 @@ def make_handler(json_lines: bool, stream=None, process: str | None = None) -> l
     return handler
 
 
+def log_file_name(process: str | None) -> str:
+    """`--log-dir`'s file of this process: pd-router.log, or one per process of `--replicas N` (each its own
+    file: no two processes append to one)."""
+    return f"pd-router-{process.replace(' ', '-')}.log" if process else "pd-router.log"
+
+
 def setup_logging(level: str = "info", json_lines: bool = False, stream=None,
-                  process: str | None = None) -> logging.Handler:
-    """Replace the root handlers with one that formats every line the same way."""
+                  process: str | None = None, log_dir: str | None = None) -> logging.Handler:
+    """Replace the root handlers with one that formats every line the same way (and, with `log_dir`, a second
+    writing the same lines to a file there, appended to: sgl-router's and SMG's --log-dir)."""
+    to_file = None
+    if log_dir is not None:  # first: a directory that cannot be written changes nothing (OSError)
+        os.makedirs(log_dir, exist_ok=True)
+        to_file = logging.FileHandler(os.path.join(log_dir, log_file_name(process)), encoding="utf-8")
     root = logging.getLogger()
     for old in list(root.handlers):
         root.removeHandler(old)
     handler = make_handler(json_lines, stream, process)
     root.addHandler(handler)
+    if to_file is not None:
+        root.addHandler(make_handler(json_lines, process=process, handler=to_file))
     root.setLevel(level.upper())
     logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
     return handler

@@ -100,7 +100,7 @@ class _HotCollector:
 
 
 class RouterMetrics:
-    def __init__(self, registry: Registry, admission: Admission) -> None:
+    def __init__(self, registry: Registry, admission: Admission, duration_buckets: tuple[float, ...] = ()) -> None:
         self.registry = registry
         self.admission = admission
         self.prometheus = CollectorRegistry(auto_describe=True)
@@ -109,7 +109,7 @@ class RouterMetrics:
                                    ("route", "status"))
         self.e2e = HotHistogram(f"{PREFIX}_request_duration_seconds",
                                 "end-to-end latency of generation requests (until the last byte)", ("route",),
-                                E2E_BUCKETS)
+                                duration_buckets or E2E_BUCKETS)  # --prometheus-duration-buckets
         self.ttft = HotHistogram(f"{PREFIX}_time_to_first_token_seconds",
                                  "time until decode's first event reached the client (streaming)", ("route",),
                                  TTFT_BUCKETS)

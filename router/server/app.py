@@ -11,9 +11,12 @@ from router.api import health_view as api_health
 from router.api import info as api_info
 from router.api import openapi as api_openapi
 from router.api import policy_admin as api_policies
+from router.api import probes as api_probes
 from router.api import rl as api_rl
+from router.api import worker_update as api_worker_update
 from router.api import workers as api_workers
 from router.api.access import make_access_middleware
+from router.api.cors import Cors
 from router.core.config import RouterConfig
 from router.core.errors import error_middleware
 from router.core.keys import CONFIG, REGISTRY
@@ -28,10 +31,17 @@ from router.server.replica_info import REPLICA, ReplicaInfo
 
 def create_app(config: RouterConfig, *, registry: Registry | None = None,
                replica: ReplicaInfo | None = None) -> web.Application:
-    middlewares = [logs.request_id_middleware, metrics.metrics_middleware, error_middleware,
-                   make_access_middleware(config)]
+    middlewares = [logs.make_request_id_middleware(config.request_id_headers), metrics.metrics_middleware,
+                   error_middleware, make_access_middleware(config)]
+    cors = Cors(config.cors_allowed_origins) if config.cors_allowed_origins else None
+    if cors is not None:  # preflights answered before the key check
+        middlewares.insert(1, cors.middleware())
     app = web.Application(middlewares=middlewares, client_max_size=config.admission.max_payload_size)
     app[CONFIG] = config
+    if config.request_id_headers:
+        app.on_response_prepare.append(logs.echo_request_id)
+    if cors is not None:
+        app.on_response_prepare.append(cors.on_prepare)
     app[REGISTRY] = registry if registry is not None else Registry()
     app[REPLICA] = replica if replica is not None else ReplicaInfo()
     app.cleanup_ctx.append(router_context)
@@ -44,7 +54,9 @@ def add_routes(app: web.Application, config: RouterConfig) -> None:
     for route, upstream_path in GENERATE_ROUTES.items():
         app.router.add_post(route, _generate_handler(route, upstream_path))
     api_info.setup(app)
+    api_probes.setup(app)
     api_workers.setup(app)
+    api_worker_update.setup(app)
     api_conversion.setup(app)
     api_health.setup(app)
     api_policies.setup(app)

@@ -16,8 +16,11 @@ import os
 from policies import available_policies
 from router.core.config import DISCOVER, ConfigError, RouterConfig, WorkerSpec
 from router.server.cli_flags import DEFAULTS, Flag, add_flags, config_with_flags, flag
+from router.server.cli_peers import IGNORED_DEST, add_peer_flags, ignored_warning
 from router.server.cli_policies import POLICY_FLAGS
 
+# --log-level: Python's names and the peers' (warn).
+LOG_LEVELS = ("debug", "info", "warn", "warning", "error", "critical")
 # launch_lb's short names.
 POLICY_ALIASES = {"po2": "power_of_two", "rr": "round_robin"}
 
@@ -58,19 +61,36 @@ SETTING_FLAGS: list[Flag] = [
     flag("--api-key", help="require 'Authorization: Bearer KEY'", env="PD_ROUTER_API_KEY"),
     flag("--admin-api-key", help="key for admin/control endpoints only; defaults to --api-key",
          env="PD_ROUTER_ADMIN_API_KEY"),
+    flag("--control-plane-api-keys", help="SMG's admin keys, id:name:role:key each: role admin opens the admin "
+                                          "routes (as --admin-api-key), user the generation routes where "
+                                          "--api-key closes them; the id names the caller in the audit log"),
+    flag("--control-plane-audit-enabled",
+         help="log one line per admin call (logger router.audit): method, path, caller (key id), address, status"),
+    flag("--cors-allowed-origins", help="browsers on these origins (scheme://host[:port], or *) may call the "
+                                        "router: CORS headers and preflights; default: none"),
     flag("--worker-api-key", help="key the workers (SGLang --api-key) require; sent on every call to them",
          env="PD_ROUTER_WORKER_API_KEY"),
     flag("--admin-allow-cidrs", help="admin routes only from these networks or addresses (others: 403); "
                                      "default: from anywhere"),
     flag("--worker-allow", help="workers may be registered (POST /workers, /add_worker, /register) only on these "
                                 "networks, addresses, host names or .domains (others: 403); default: anywhere"),
+    flag("--tls-cert-path", help="serve HTTPS with this certificate (PEM, chain first) ..."),
+    flag("--tls-key-path", help="... and its private key (PEM)"),
     flag("--prometheus-port", help="also serve /metrics on this port"),
     flag("--prometheus-host"),
-    flag("--log-level", choices=("debug", "info", "warning", "error", "critical")),
+    flag("--prometheus-duration-buckets", help="the bounds (seconds) of pd_router_request_duration_seconds; "
+                                               "default: 0.01 ... 1800"),
+    flag("--log-level", choices=LOG_LEVELS, help="warn is the peers' spelling of warning"),
     flag("--log-json", help="log one JSON object per line (with request_id)"),
+    flag("--log-dir", help="also write the log to a file in this directory (created if need be): pd-router.log, "
+                           "one per process with --replicas"),
+    flag("--request-id-headers", help="the request id (on every log line) is the first of these headers the client "
+                                      "sent, echoed back as X-Request-Id; default: X-Request-Id, not echoed"),
     # worker start-up, connections
     flag("--worker-startup-timeout-secs",
          help="how long start-up waits to learn prefill bootstrap ports before serving"),
+    flag("--worker-startup-check-interval", path="worker_startup_check_interval_secs",
+         help="how often a worker not read yet (down, starting) is read again; default: the health-check interval"),
     flag("--connect-timeout-secs"),
     flag("--upstream-idle-timeout-secs",
          help="cut a leg whose server sends nothing for this long mid-answer (not while the fleet is paused in "
@@ -80,7 +100,10 @@ SETTING_FLAGS: list[Flag] = [
     flag("--discovery-file", path="worker_sources.file",
          help="a YAML or JSON file listing workers (url, worker_type, bootstrap_port), watched: workers added to "
               "it are registered, removed ones removed; a bad version changes nothing"),
-    flag("--discovery-file-interval-secs", path="worker_sources.file_interval_secs",
+    flag("--discovery-provider", path="worker_sources.provider", choices=("file", "kubernetes"),
+         help="SMG's: file is --discovery-file's watcher (given without it: on by default); kubernetes is "
+              "not supported (exit 2)"),
+    flag("--discovery-file-interval-secs", "--discovery-check-interval-secs", path="worker_sources.file_interval_secs",
          help="how often the discovery file is looked at"),
     flag("--discovery-etcd-endpoints", path="worker_sources.etcd_endpoints",
          help="etcd client URLs: workers announced under /pd-router/NAME/v1/discovery/ (python -m "
@@ -97,6 +120,8 @@ SETTING_FLAGS: list[Flag] = [
     flag("--cb-failure-threshold", path="breaker.failure_threshold"),
     flag("--cb-success-threshold", path="breaker.success_threshold"),
     flag("--cb-timeout-duration-secs", path="breaker.timeout_secs"),
+    flag("--cb-window-duration-secs", path="breaker.window_secs",
+         help="failures count toward --cb-failure-threshold only within this long of the first"),
     flag("--disable-circuit-breaker", path="breaker.enabled"),
     # retries
     flag("--retry-max-retries", path="retry.max_retries"),
@@ -108,7 +133,11 @@ SETTING_FLAGS: list[Flag] = [
     flag("--no-retry-aborted", path="retry.retry_aborted",
          help="do not re-send requests the router aborted for a conversion"),
     # admission
-    flag("--max-concurrent-requests", path="admission.max_concurrent_requests", help="0: unbounded"),
+    flag("--max-concurrent-requests", path="admission.max_concurrent_requests",
+         help="0 or -1 (the peers' default): unbounded"),
+    flag("--rate-limit-tokens-per-second", path="admission.rate_limit_tokens_per_second",
+         help="admit at most this many new requests per second, bursting up to --max-concurrent-requests; "
+              "beyond: 429 with Retry-After; default: no limit"),
     flag("--queue-size", path="admission.queue_size"),
     flag("--queue-timeout-secs", path="admission.queue_timeout_secs"),
     flag("--max-payload-size", path="admission.max_payload_size", help="bytes"),
@@ -144,7 +173,7 @@ SETTING_FLAGS: list[Flag] = [
     flag("--otlp-service-name", path="trace.service_name", env="OTEL_SERVICE_NAME",
          help="service.name of the router's spans (default: pd-router)"),
     # process
-    flag("--shutdown-grace-secs",
+    flag("--shutdown-grace-secs", "--shutdown-grace-period-secs",
          help="SIGTERM/SIGINT: stop accepting, let requests finish, abort what is left and exit 0 within this "
               "many seconds (a second signal aborts at once, a third exits at once)"),
     # SMG's RL control plane (/v1/rl)
@@ -185,6 +214,7 @@ def build_parser() -> argparse.ArgumentParser:
     add("--prefill-policy", default=None, help="the prefill pool's policy; overrides --policy")
     add("--decode-policy", default=None, help="the decode pool's policy; overrides --policy")
     add_flags(p, FLAGS)
+    add_peer_flags(p)
     return p
 
 
@@ -231,7 +261,10 @@ def config_from_args(argv: list[str] | None = None, env: dict | None = None) -> 
         decode=tuple(WorkerSpec(url, None) for url in decodes),
         prefill_policy=prefill_policy,
         decode_policy=decode_policy,
+        compat_warnings=tuple(w for w in (ignored_warning(tuple(getattr(args, IGNORED_DEST))),) if w),
     )
+    if config.log_level == "warn":
+        config = config.with_(log_level="warning")
     problems.extend(config.problems())
     if problems:
         raise ConfigError(problems)

@@ -8,6 +8,7 @@ that moves it away from its default (`--disable-health-check` for `enabled=True`
 from __future__ import annotations
 
 import argparse
+import functools
 import types
 import typing
 from collections import defaultdict
@@ -45,10 +46,16 @@ class Flag:
         *groups, leaf = self.path.split(".")
         for name in groups:
             owner = getattr(owner, name)
-        hint = typing.get_type_hints(type(owner))[leaf]
+        hint = _type_hints(type(owner))[leaf]
         if isinstance(hint, types.UnionType):
             (hint,) = [arg for arg in hint.__args__ if arg is not type(None)]
         return hint
+
+
+@functools.lru_cache(maxsize=None)
+def _type_hints(cls: type) -> dict[str, Any]:
+    """A config dataclass's resolved annotations (resolving them is most of the cost of building the parser)."""
+    return typing.get_type_hints(cls)
 
 
 def flag(*names: str, path: str | None = None, **options: Any) -> Flag:
@@ -57,10 +64,12 @@ def flag(*names: str, path: str | None = None, **options: Any) -> Flag:
 
 
 def field_flags(group: str, cls: type, prefix: str = "", helps: dict[str, str] | None = None,
-                skip: tuple[str, ...] = ()) -> list[Flag]:
-    """One row per field of a group, named `--<prefix><field-name>` (the policies' and rebalancer's knobs)."""
-    helps = helps or {}
-    return [Flag(("--" + prefix + f.name.replace("_", "-"),), f"{group}.{f.name}", helps.get(f.name))
+                skip: tuple[str, ...] = (), aliases: dict[str, tuple[str, ...]] | None = None) -> list[Flag]:
+    """One row per field of a group, named `--<prefix><field-name>` (the policies' and rebalancer's knobs), and
+    the field's other names (the peers' spellings) after it."""
+    helps, aliases = helps or {}, aliases or {}
+    return [Flag(("--" + prefix + f.name.replace("_", "-"), *aliases.get(f.name, ())), f"{group}.{f.name}",
+                 helps.get(f.name))
             for f in fields(cls) if f.name not in skip]
 
 
@@ -76,7 +85,7 @@ def add_flags(parser: argparse.ArgumentParser, rows: list[Flag]) -> None:
                                 default=default, help=help_text)
             continue
         if default is not None and default != ():
-            shown = f"(default: {default})"
+            shown = f"(default: {' '.join(map(str, default)) if isinstance(default, tuple) else default})"
             help_text = f"{help_text} {shown}" if help_text else shown
         kind = str if row.choices else row.value_type
         metavar = None if row.choices else row.names[-1].removeprefix("--").replace("-", "_").upper()

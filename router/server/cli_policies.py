@@ -46,9 +46,17 @@ _REBALANCE_HELP = {
                          "changes)",
 }
 
+# SMG 1.13's names of the same knobs.
+_POLICY_ALIASES = {
+    "cache_threshold": ("--cache-match-threshold",),
+    "balance_abs_threshold": ("--spill-abs-threshold",),
+    "balance_rel_threshold": ("--spill-rel-threshold",),
+    "max_idle_secs": ("--sticky-key-idle-secs",),
+}
+
 POLICY_FLAGS: list[Flag] = [
-    *field_flags("policy_params", PolicyParams, helps=_POLICY_HELP),
-    flag("--load-poll-interval-secs", path="load_monitor.interval_secs",
+    *field_flags("policy_params", PolicyParams, helps=_POLICY_HELP, aliases=_POLICY_ALIASES),
+    flag("--load-poll-interval-secs", "--load-monitor-interval", path="load_monitor.interval_secs",
          help="how often each server's /v1/loads is read (power_of_two, cache_aware, the rebalancer)"),
     flag("--load-poll-timeout-secs", path="load_monitor.timeout_secs"),
     flag("--disable-load-poll", path="load_monitor.enabled", help="policies use the router's own counts only"),
@@ -59,6 +67,8 @@ POLICY_FLAGS: list[Flag] = [
          help="how --dp-aware chooses a prefill server's rank"),
     flag("--decode-dp-rank-policy", path="dp_ranks.decode_policy", choices=DP_RANK_POLICIES,
          help="how --dp-aware chooses a decode server's rank"),
+    flag("--disable-load-monitoring", path="load_monitor.on_demand",
+         help="SMG's: read the servers' loads only when something uses them (a load-aware policy, the rebalancer)"),
     flag("--rebalance", path="rebalance.mode", choices=tuple(m.value for m in RebalanceMode),
          help="automatic P/D conversion: off, advisory (record what it would do) or enabled"),
     # `history` is the admin API's memory, not a knob of the command line.

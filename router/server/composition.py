@@ -36,6 +36,7 @@ from aiohttp import web
 from policies import Policy, make_policy
 from router.api import workers as api_workers
 from router.api.info import SHARED_ROUTES
+from router.api.probes import SHARED_ROUTES as PROBE_ROUTES
 from router.api.rl.relay import RELAY, Relay
 from router.api.rl.workers import FACTS, LaunchFactsCache
 from router.api.shared_answers import SHARED_ANSWERS, SharedAnswers
@@ -80,7 +81,7 @@ async def assemble(app: web.Application, stack: contextlib.AsyncExitStack) -> No
     lifecycle = app[LIFECYCLE] = Lifecycle()
     tasks = app[TASKS] = BackgroundTasks()
     admission = app[ADMISSION] = Admission(config.admission)
-    metrics = app[METRICS] = RouterMetrics(registry, admission)
+    metrics = app[METRICS] = RouterMetrics(registry, admission, config.prometheus_duration_buckets)
     spawn = tasks.spawn
 
     # ---- the control plane's client ----------------------------------------------------------------------
@@ -130,8 +131,8 @@ async def assemble(app: web.Application, stack: contextlib.AsyncExitStack) -> No
 
     # ---- the fleet's servers, read before the router serves -------------------------------------------------
     app[WORKER_ALLOW] = WorkerAllowList.parse(config.worker_allow)
-    live_state = app[LIVE_STATE] = LiveStateReader(registry, upstream, spawn,
-                                                   retry_interval=config.health.interval_secs)
+    live_state = app[LIVE_STATE] = LiveStateReader(
+        registry, upstream, spawn, retry_interval=config.worker_startup_check_interval_secs or config.health.interval_secs)
     stack.push_async_callback(live_state.close)
     sources = app[WORKER_SOURCES] = worker_sources.build(config, registry, *_worker_api(app))
     stack.push_async_callback(sources.close)
@@ -167,7 +168,8 @@ async def assemble(app: web.Application, stack: contextlib.AsyncExitStack) -> No
     metrics.prometheus.register(PolicyCollector(registry, policies, load_monitor, rebalancer))
     loops = [rebalancer.run(), *(policy_runtime.upkeep(p) for p in {id(p): p for p in policies.values()}.values()
                                  if p.maintenance_interval)]
-    if config.load_monitor.enabled:
+    if config.load_monitor.enabled and (not config.load_monitor.on_demand
+                                        or policy_runtime.loads_read(config, policies)):
         loops.append(load_monitor.run())
     stack.push_async_callback(_cancelled, [spawn(loop) for loop in loops])
 
@@ -188,7 +190,7 @@ async def assemble(app: web.Application, stack: contextlib.AsyncExitStack) -> No
     # ---- what handlers keep between calls -------------------------------------------------------------------
     app[FACTS] = LaunchFactsCache(registry, upstream)
     app[RELAY] = Relay(upstream, config.rl_control_timeout_secs, config.rl_fanout_concurrency)
-    answers = app[SHARED_ANSWERS] = SharedAnswers(registry, SHARED_ROUTES)
+    answers = app[SHARED_ANSWERS] = SharedAnswers(registry, {**SHARED_ROUTES, **PROBE_ROUTES})
     stack.callback(answers.close)
 
 

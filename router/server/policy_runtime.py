@@ -33,3 +33,8 @@ async def upkeep(policy: Policy) -> None:
             policy.maintain()
         except Exception:
             logger.exception("upkeep of policy %s failed", policy.name)
+
+
+def loads_read(config, policies: dict[Role, Policy]) -> bool:
+    """Whether anything reads the servers' load reports (SMG's --disable-load-monitoring polls only then)."""
+    return config.rebalance.mode.value != "off" or any(p.reads_server_load for p in policies.values())

@@ -21,6 +21,7 @@ import logging
 import os
 import signal
 import socket
+import ssl
 from typing import Awaitable, Callable
 
 from aiohttp import web
@@ -32,6 +33,8 @@ logger = logging.getLogger(__name__)
 # Out of descriptors or memory: stop accepting for a moment instead of spinning on a readable socket.
 RESOURCE_ERRORS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
 RESOURCE_PAUSE_S = 1.0
+# A client that opens a TLS connection and sends no handshake is dropped after this long.
+TLS_HANDSHAKE_TIMEOUT_S = 10.0
 
 
 class StopSignals:
@@ -70,10 +73,10 @@ class StopSignals:
 class EagerAcceptSite(web.BaseSite):
     """A TCP site like aiohttp's TCPSite that drains the accept queue on each readiness event."""
 
-    __slots__ = ("_host", "_port", "_reuse_port", "_listeners", "_loop", "_paused", "accepted_total")
+    __slots__ = ("_host", "_port", "_reuse_port", "_ssl", "_listeners", "_loop", "_paused", "accepted_total")
 
     def __init__(self, runner: web.BaseRunner, host: str | None, port: int, *, backlog: int = 2048,
-                 reuse_port: bool = False) -> None:
+                 reuse_port: bool = False, ssl_context: "ssl.SSLContext | None" = None) -> None:
         super().__init__(runner, backlog=backlog)
         self._host = host
         self._port = port
@@ -81,6 +84,7 @@ class EagerAcceptSite(web.BaseSite):
         # socket and accept queue; the kernel spreads new connections over them. Off by default, so that a
         # second router started on a taken port fails to bind instead of silently sharing it.
         self._reuse_port = reuse_port
+        self._ssl = ssl_context  # --tls-cert-path/--tls-key-path: HTTPS on every accepted connection
         self._listeners: list[socket.socket] = []
         self._loop: asyncio.AbstractEventLoop | None = None
         self._paused: dict[socket.socket, asyncio.TimerHandle] = {}
@@ -89,7 +93,8 @@ class EagerAcceptSite(web.BaseSite):
     @property
     def name(self) -> str:
         host = self._host or "0.0.0.0"
-        return f"http://{f'[{host}]' if ':' in host else host}:{self.port}"
+        scheme = "https" if self._ssl is not None else "http"
+        return f"{scheme}://{f'[{host}]' if ':' in host else host}:{self.port}"
 
     @property
     def port(self) -> int:
@@ -169,7 +174,11 @@ class EagerAcceptSite(web.BaseSite):
 
     async def _serve(self, conn: socket.socket) -> None:
         try:
-            await self._loop.connect_accepted_socket(self._runner.server, conn)
+            if self._ssl is None:
+                await self._loop.connect_accepted_socket(self._runner.server, conn)
+            else:
+                await self._loop.connect_accepted_socket(self._runner.server, conn, ssl=self._ssl,
+                                                         ssl_handshake_timeout=TLS_HANDSHAKE_TIMEOUT_S)
         except Exception as exc:  # the client left at once, or the runner is shutting down
             logger.debug("accepted connection dropped: %s", exc)
             conn.close()
@@ -178,7 +187,8 @@ class EagerAcceptSite(web.BaseSite):
 def run(app: web.Application, *, host: str, port: int, loop: asyncio.AbstractEventLoop, backlog: int,
         shutdown_timeout: float, announce: Callable[[str], None],
         wind_down: Callable[[StopSignals], Awaitable[None]] | None = None, reuse_port: bool = False,
-        on_listening: Callable[[EagerAcceptSite], None] | None = None) -> None:
+        on_listening: Callable[[EagerAcceptSite], None] | None = None,
+        ssl_context: "ssl.SSLContext | None" = None) -> None:
     """`web.run_app`'s job (signals, graceful shutdown, cancelling what is left) with EagerAcceptSite.
 
     On SIGTERM/SIGINT: stop listening, `await wind_down(signals)`, then close: handlers still running get
@@ -192,7 +202,7 @@ def run(app: web.Application, *, host: str, port: int, loop: asyncio.AbstractEve
         signals.install(asyncio.get_running_loop())
         await runner.setup()
         try:
-            site = EagerAcceptSite(runner, host, port, backlog=backlog, reuse_port=reuse_port)
+            site = EagerAcceptSite(runner, host, port, backlog=backlog, reuse_port=reuse_port, ssl_context=ssl_context)
             await site.start()
             if on_listening is not None:
                 on_listening(site)
