@@ -7,6 +7,8 @@ import asyncio
 import time
 from typing import Callable
 
+from aiohttp import web
+
 from router.control.upstream import INFO_TIMEOUT, Upstream, fan_out
 from router.core.coordination import ABORT, Coordinator, LocalCoordinator, StopAction, Ticket, while_owned
 from router.core.registry import Worker
@@ -103,3 +105,6 @@ class RequestAborts:
                                        for w in (a.prefill, a.decode)))
             await asyncio.sleep(min(delay, max(deadline - now, 0)))
             delay = min(delay * 2, 0.1)
+
+
+ABORTS = web.AppKey("request_aborts", RequestAborts)

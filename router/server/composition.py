@@ -14,7 +14,7 @@ half-way closes what it built. Handlers only read these keys; `setup()` function
     conversions                             live P/D role conversion
     health (live state, proxy)              probes and breakers; a worker found down is evicted
     load monitor, upkeep, rebalancer        what policies need beside the request path
-    weights (conversions)                   fleet-wide operations
+    fleet control (conversions)             fleet-wide operations: updates, pauses, memory, aborts
     RL relay, shared answers                what handlers keep between calls
 
 Adding a component: build it here where what it needs exists, give it its key beside its class, register
@@ -58,7 +58,11 @@ from router.dataplane.traffic import DataplaneControl
 from router.dataplane.upstream_http import UpstreamPool
 from router.flows.conversion import CONVERSIONS, Conversions
 from router.flows.rebalancer import REBALANCER, FlowConverter, Rebalancer
-from router.flows.weights import UPDATE_KINDS, WEIGHTS, WeightFlow
+from router.flows.fleet_control import FLEET_CONTROL, FleetControl
+from router.flows.memory import MEMORY, MemoryOccupation
+from router.flows.pauses import PAUSES, Pauses
+from router.flows.request_aborts import ABORTS, RequestAborts
+from router.flows.weight_updates import UPDATE_KINDS, UPDATES, WeightUpdates
 from router.obs import logs
 from router.obs.metrics import METRICS, RouterMetrics, metrics_port
 from router.obs.policy_metrics import PolicyCollector
@@ -160,14 +164,18 @@ async def assemble(app: web.Application, stack: contextlib.AsyncExitStack) -> No
     proxy.request_observers += [rebalancer.window.observe, metrics.observe_request, logs.log_request]
     await stack.enter_async_context(metrics_port(metrics, config))
 
-    # ---- fleet-wide operations ---------------------------------------------------------------------------------
-    weights = app[WEIGHTS] = WeightFlow(config, registry, upstream, traffic, spawn, coordinator=coordinator,
-                                        refusing=lifecycle.refusal, conversions_running=conversions.running,
-                                        observers=[_observe_fleet_operation(metrics)])
-    weights.start()
-    stack.push_async_callback(weights.close)
+    # ---- fleet-wide operations, one at a time: their shared state, then each operation ------------------------
+    fleet = app[FLEET_CONTROL] = FleetControl(config, registry, upstream, traffic, spawn, coordinator=coordinator,
+                                              refusing=lifecycle.refusal, conversions_running=conversions.running,
+                                              observers=[_observe_fleet_operation(metrics)])
+    app[UPDATES] = WeightUpdates(fleet)
+    app[PAUSES] = Pauses(fleet)
+    app[MEMORY] = MemoryOccupation(fleet)
+    app[ABORTS] = RequestAborts(traffic, upstream, fleet.targets, config.abort_timeout_secs, coordinator)
+    fleet.start()
+    stack.push_async_callback(fleet.close)
     if cluster is not None:
-        cluster.attach(weights)  # the weight flow's share of the fleet record (pause, released memory)
+        cluster.attach(fleet)  # the fleet's share of the fleet record (pause, released memory)
 
     # ---- what handlers keep between calls -------------------------------------------------------------------
     app[FACTS] = LaunchFactsCache(registry, upstream)
