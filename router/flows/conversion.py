@@ -30,12 +30,13 @@ from typing import Any, Awaitable, Callable
 from aiohttp import web
 
 from router.control.live_state import rejoin_check
-from router.control.upstream import HEALTH_TIMEOUT, INFO_TIMEOUT, Upstream
+from router.control.upstream import INFO_TIMEOUT, Upstream
 from router.core.coordination import Coordinator, LocalCoordinator, StopAction, Ticket, while_owned, worker_scope
 from router.core.errors import Conflict, RouterError, ServiceUnavailable
 from router.core.registry import Registry, Role, Worker, WorkerState
 from router.flows.conversion_record import Conversion, ConversionOutcome, DrainMode, Plan
 from router.flows.fleet import ABORT_REPEAT_SECS, POLL_FIRST, POLL_MAX
+from router.flows.conversion_recovery import recover_conversion
 from router.flows.role_switch import RoleSwitch
 from router.flows.steps import Step, StepFailed, run_step
 
@@ -93,6 +94,11 @@ class Conversions:
 
     def of_worker(self, worker: Worker) -> Conversion | None:
         return self._running.get(worker.id)
+
+    async def recover(self, ticket: Ticket, record: dict) -> tuple[str, str]:
+        """A conversion whose router replica died, recovered from its record (`core/recovery.py`)."""
+        return await recover_conversion(self.registry, self.upstream, self.server, ticket, record,
+                                        default_switch_s=self.switch_timeout_s)
 
     # ---- start -------------------------------------------------------------------------------------
     async def begin(self, worker: Worker, plan: Plan) -> Conversion | None:
@@ -376,15 +382,8 @@ class Conversions:
                 conversion.notes.append(f"{message}; but the server reports role {live}: verifying")
                 logger.warning("conversion %s: %s, yet the server reports the new role", conversion.id, message)
                 return True
-            if live == conversion.old_role.value:
-                health = await self.upstream.health(worker.url, timeout=HEALTH_TIMEOUT)
-                safe = health.ok
-                message += f"; the server still reports role {live}"
-                if not health.ok:
-                    message += f" but /health answered {health.status or 'nothing'}"
-            else:
-                safe = False
-                message += f"; the server reports role {live or 'nothing'}"
+            safe, seen = await self.server.unchanged(worker.url, conversion.old_role, live)
+            message += f"; {seen}"
         self._end_failed(conversion, worker, StepFailed(message, safe=safe, status=failure.status), safe)
         return False
 

@@ -26,12 +26,13 @@ from typing import Callable
 
 from aiohttp import web
 
-from router.control.live_state import read_weight_version
+from router.control.live_state import LiveState, read_live_state, read_weight_version
 from router.control.upstream import INFO_TIMEOUT, fan_out
+from router.core.coordination import Ticket
 from router.core.errors import ServiceUnavailable
-from router.core.registry import Worker
-from router.core.routability import HoldKind
-from router.flows.fleet import WorkerResult, http_status, most_common, summary
+from router.core.registry import Role, Worker, WorkerState
+from router.core.routability import HoldKind, choose_fleet_version
+from router.flows.fleet import WorkerResult, http_status, summary
 from router.flows.fleet_control import FleetControl
 from router.flows.operations import Operation
 
@@ -45,6 +46,11 @@ SESSION_KINDS = frozenset({DISTRIBUTED, TENSOR})  # 0.5.23: only inside begin/en
 # and still reports its old version, nothing changed.
 ATOMIC_KINDS = frozenset({DISK, VERSION})
 CACHE_NOT_FLUSHED = "cache was not flushed"
+# How long a replica taking an update over waits for the servers it reached to report its version. A server
+# still loading after that is held out for its weights and let back by the reconciler once it serves the
+# fleet's version.
+SETTLE_S = 30.0
+POLL_S = 0.2  # a polling cadence: a server says nothing when its update ends
 SESSION_ALREADY_OPEN = "already open"
 
 
@@ -153,7 +159,9 @@ class WeightUpdates:
                 result.extra["routable"] = result.worker.routable
             return (summary(results, kind) + f" Nothing changed: every server still serves version "
                     f"{versions[0]!r}, and stays in routing.")
-        chosen = target if target is not None else most_common(v for o, v in zip(results, versions) if o.success)
+        # a server that took the update but reports no version is taken at its word
+        chosen = version_after_update(target, [(o.worker.role, v if v is not None else target)
+                                               for o, v in zip(results, versions) if o.success])
         for result, version in zip(results, versions):
             if result.success and chosen is not None and version is not None and version != chosen:
                 result.success = False
@@ -179,6 +187,48 @@ class WeightUpdates:
                         f"{self.registry.fleet_version!r}.")
         return message
 
+    # ---- an update whose replica died: settled by the replica taking it over (`core/recovery.py`) --------
+    async def recover(self, ticket: Ticket, record: dict) -> tuple[str, str]:
+        """Every server's live version is read (once the update's step was reached, again until they report
+        what it asked for, up to SETTLE_S and the update's own deadline); the fleet serves the version
+        `version_after_update` chooses from them, servers on another one are held out (`weights`), those it
+        had held out for their weights and that serve it rejoin."""
+        workers = [w for w in self.registry.workers() if w.state is not WorkerState.PENDING]
+        read = await self._live_versions(workers)
+        options = ticket.details.get("options") if isinstance(ticket.details.get("options"), dict) else {}
+        target, before = options.get("weight_version"), self.registry.fleet_version
+        if record.get("step") == "update":
+            # the servers may still be loading: wait, as the owner would have, for them to report the version
+            # asked for (or, none named, to agree on a new one), up to SETTLE_S and the update's own deadline
+            started = record.get("started_at") if isinstance(record.get("started_at"), (int, float)) else time.time()
+            timeout = self.fleet.config.weight_update_timeout_secs
+            deadline = time.monotonic() + min(max(started + timeout - time.time(), 0.0), SETTLE_S)
+            while not _updated(read, target, before) and time.monotonic() < deadline:
+                await asyncio.sleep(POLL_S)
+                read = await self._live_versions(workers)
+        chosen = version_after_update(target, [(live.role or w.role, live.weight_version) for w, live in read.items()])
+        why = f"{ticket.kind} {ticket.op_id}: its replica {record.get('owner')} died"
+        self.registry.set_fleet_version(chosen if chosen is not None else self.registry.fleet_version, why,
+                                        worker_versions={w: live.weight_version for w, live in read.items()})
+        fleet_version, out = self.registry.fleet_version, []
+        for worker, live in read.items():
+            if live.weight_version != fleet_version:
+                self.fleet.held_out.leave_out(worker, HoldKind.WEIGHTS, f"{why}; it serves {live.weight_version!r}, "
+                                                                        f"the fleet {fleet_version!r}")
+                out.append(worker.url)
+            else:
+                self.fleet.held_out.rejoin(worker, f"{why}; it serves the fleet's version", kinds=(HoldKind.WEIGHTS,))
+        versions = sorted({str(live.weight_version) for live in read.values()})
+        message = (f"{why}; the servers report {', '.join(versions) or 'no version'}: the fleet serves "
+                   f"{fleet_version!r}" + (f", {', '.join(out)} held out" if out else ""))
+        if out or len(versions) != 1:
+            return "failed", message
+        return ("rolled back" if fleet_version == before != target else "succeeded"), message
+
+    async def _live_versions(self, workers: list[Worker]) -> dict[Worker, LiveState]:
+        lives = await asyncio.gather(*(read_live_state(self.upstream, w.url) for w in workers))
+        return {w: live for w, live in zip(workers, lives) if live.reachable and live.weight_version is not None}
+
     # ---- plain fan-outs ------------------------------------------------------------------------------
     async def broadcast(self, path: str, body: dict | None, *, timeout: float | None = None,
                         workers: list[Worker] | None = None,
@@ -193,6 +243,24 @@ class WeightUpdates:
         elif path == "/end_weight_update":
             self.fleet.session_open = False
         return self.fleet.aggregate(None, results, path.strip("/"))
+
+
+def version_after_update(target: str | None, reports: list[tuple[Role, str | None]]) -> str | None:
+    """The one rule for the weight version a fleet serves after an update, at its own end (`reports`: the
+    servers that took it) and at a takeover's (every server read): the version asked for where a prefill and
+    a decode server report it; else the version `choose_fleet_version` picks among the reports (one a P/D
+    pair serves, the most common first); None when no server reports one (the fleet's version stays)."""
+    if target is not None and {role for role, v in reports if v == target} == {Role.PREFILL, Role.DECODE}:
+        return target
+    return choose_fleet_version(reports)
+
+
+def _updated(read: dict[Worker, LiveState], target: str | None, before: str | None) -> bool:
+    """Every server read reports the version the update asked for (none named: one version, not the old)."""
+    versions = {live.weight_version for live in read.values()}
+    if target is not None:
+        return versions == {target}
+    return len(versions) == 1 and versions != {before}
 
 
 def _paused_count(results: list[WorkerResult]) -> int:

@@ -110,7 +110,7 @@ async def assemble(app: web.Application, stack: contextlib.AsyncExitStack) -> No
         from router.cluster import view  # etcd's modules only where a cluster is configured
         from router.cluster.runtime import Cluster
 
-        cluster = app[view.CLUSTER] = Cluster(config, registry, traffic, upstream, spawn,
+        cluster = app[view.CLUSTER] = Cluster(config, registry, traffic, spawn,
                                               replica_id=app[REPLICA].id)
         traffic, coordinator = cluster.holds, cluster.coordinator  # the flows' holds and turns are the fleet's
         metrics.prometheus.register(view.ClusterCollector(cluster))
@@ -168,14 +168,15 @@ async def assemble(app: web.Application, stack: contextlib.AsyncExitStack) -> No
     fleet = app[FLEET_CONTROL] = FleetControl(config, registry, upstream, traffic, spawn, coordinator=coordinator,
                                               refusing=lifecycle.refusal, conversions_running=conversions.running,
                                               observers=[_observe_fleet_operation(metrics)])
-    app[UPDATES] = WeightUpdates(fleet)
+    updates = app[UPDATES] = WeightUpdates(fleet)
     app[PAUSES] = Pauses(fleet)
     app[MEMORY] = MemoryOccupation(fleet)
     app[ABORTS] = RequestAborts(traffic, upstream, fleet.targets, config.abort_timeout_secs, coordinator)
     fleet.start()
     stack.push_async_callback(fleet.close)
     if cluster is not None:
-        cluster.attach(fleet)  # the fleet's share of the fleet record (pause, released memory)
+        # the fleet's share of the fleet record (pause, released memory); the flows that recover orphans
+        cluster.attach(fleet, {"conversion": conversions, **{kind: updates for kind in UPDATE_KINDS}})
 
     # ---- what handlers keep between calls -------------------------------------------------------------------
     app[FACTS] = LaunchFactsCache(registry, upstream)
