@@ -69,8 +69,8 @@ class Cluster:
         self.applier = Applier(self.keys, registry, self.publisher, self.holds)
         self.leadership = Leadership(self.client, self.keys, self.mirror, self.membership)
         self.coordinator = EtcdCoordinator(self.client, self.keys, self.mirror, self.membership, self.publisher,
-                                           self.leadership, self.status, ack_timeout_s=max(3.0 * ttl, 5.0),
-                                           flush_timeout_s=max(2.0 * ttl, 3.0))
+                                           self.leadership, self.status, registry, traffic,
+                                           ack_timeout_s=max(3.0 * ttl, 5.0), flush_timeout_s=max(2.0 * ttl, 3.0))
         self.barrier = BarrierResponder(self.client, self.keys, registry, traffic, self.membership, spawn)
         self.takeover = Takeover(self.keys, self.mirror, self.membership, self.coordinator, self.holds, spawn)
         self.mirror.listeners += [self.coordinator.on_changes, self.applier.on_changes, self.barrier.on_changes,

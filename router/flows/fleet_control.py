@@ -26,11 +26,11 @@ from aiohttp import web
 
 from router.control.upstream import Upstream, fan_out
 from router.core.config import RouterConfig
-from router.core.coordination import Coordinator, LocalCoordinator, StopAction
+from router.core.coordination import Coordinator, StopAction
 from router.core.errors import Conflict
 from router.core.registry import Registry, Worker, WorkerState
 from router.core.routability import Hold, HoldKind
-from router.core.traffic import AbortAction, RequestPathControl
+from router.core.traffic import RequestPathControl
 from router.flows.fleet import FleetVersion, WorkerResult, http_status, read_fleet_weight_version, summary, wait_quiet
 from router.flows.held_out import HeldOut
 from router.flows.operations import Operation, OperationRunner
@@ -38,7 +38,7 @@ from router.flows.operations import Operation, OperationRunner
 
 class FleetControl:
     def __init__(self, config: RouterConfig, registry: Registry, upstream: Upstream, traffic: RequestPathControl,
-                 spawn: Callable[[Awaitable], asyncio.Task], coordinator: Coordinator | None = None, *,
+                 spawn: Callable[[Awaitable], asyncio.Task], coordinator: Coordinator, *,
                  refusing: Callable[[], str | None] = lambda: None,
                  conversions_running: Callable[[], list] = lambda: [],
                  observers: list[Callable[[Operation], None]] | None = None) -> None:
@@ -52,7 +52,7 @@ class FleetControl:
         self.traffic = traffic  # the request path: admission's hold and the router's live requests
         # The other router replicas of the fleet (a lone router's does nothing): operations run once across
         # them, and every replica holds, marks and empties before a server changes.
-        self.coordinator = coordinator or LocalCoordinator()
+        self.coordinator = coordinator
         self.spawn = spawn
         self.operations = OperationRunner(config.weight_update_timeout_secs, spawn, self.coordinator,
                                           refusing=refusing, observers=observers)
@@ -172,13 +172,6 @@ class FleetControl:
         taking the operation over reads where they ended."""
         return await asyncio.shield(self.spawn(calls))
 
-    def mark_aborted(self, workers: list[Worker], retry: bool) -> int:
-        """Before the router aborts these servers: mark their requests so the request path re-sends them
-        (retry) or answers with SGLang's abort answer, and bump the workers' abort epochs."""
-        count = self.traffic.mark_on(workers, AbortAction.RETRY if retry else AbortAction.ANSWER)
-        self.registry.mark_aborted(workers)
-        return count
-
     async def quiesce(self, op: Operation, workers: list[Worker], *, abort: bool, retry: bool) -> bool:
         """Step `quiesce`: True once the fleet is quiet (or the step does not apply)."""
         if not abort and self.paused is not None:
@@ -187,11 +180,10 @@ class FleetControl:
             return True
         timeout = self.config.abort_timeout_secs if abort else self.config.drain_timeout_secs
         step = op.step("quiesce", timeout)
-        if abort:
-            op.aborted_requests = self.mark_aborted(workers, retry)
-        # every replica holds, marks its own requests the same way, and tells what it still has on the servers
+        # every replica, this one first, holds and marks its own requests (re-sent or answered with their abort,
+        # before the servers abort them), and tells what it still has on the servers
         action = StopAction.ROUTING if not abort else StopAction.RETRY if retry else StopAction.ANSWER
-        op.aborted_requests += (await self.coordinator.stop_routing(op.ticket, workers, action)).marked
+        op.aborted_requests = (await self.coordinator.stop_routing(op.ticket, workers, action)).marked
         quiet = await wait_quiet(self.registry, self.upstream, workers, time.monotonic() + timeout, abort=abort,
                                  elsewhere=lambda w: self.coordinator.inflight_elsewhere(op.ticket, w))
         op.quiesce_s = time.monotonic() - op.started

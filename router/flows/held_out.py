@@ -16,7 +16,7 @@ from typing import Awaitable, Callable
 
 from router.control.live_state import read_weight_version
 from router.control.upstream import INFO_TIMEOUT, Upstream
-from router.core.coordination import Coordinator, LocalCoordinator
+from router.core.coordination import Coordinator
 from router.core.registry import Registry, Worker, WorkerState
 from router.core.routability import Hold, HoldKind
 from router.flows.fleet import read_fleet_weight_version
@@ -26,11 +26,11 @@ logger = logging.getLogger(__name__)
 
 class HeldOut:
     def __init__(self, registry: Registry, upstream: Upstream, lock: asyncio.Lock, interval_s: float,
-                 spawn: Callable[[Awaitable], asyncio.Task], coordinator: Coordinator | None = None) -> None:
+                 spawn: Callable[[Awaitable], asyncio.Task], coordinator: Coordinator) -> None:
         self.registry = registry
         # Router replicas of one fleet: the reconciler runs on the one that leads, never under another
         # replica's fleet-wide operation (what it changes is shared with the others).
-        self.coordinator = coordinator or LocalCoordinator()
+        self.coordinator = coordinator
         self.upstream = upstream
         self.lock = lock  # the operations' lock: the reconciler never runs under a fleet operation
         self.interval_s = interval_s  # how often the reconciler looks without being woken

@@ -11,7 +11,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Awaitable, Callable
 
-from router.core.coordination import FLEET, Coordinator, LocalCoordinator, Ticket, while_owned
+from router.core.coordination import FLEET, Coordinator, Ticket, while_owned
 from router.core.errors import Conflict, RouterError, ServiceUnavailable
 from router.flows.steps import Step
 
@@ -105,13 +105,13 @@ class OperationRunner:
     its turn up to `timeout_s`, then gets 409."""
 
     def __init__(self, timeout_s: float, spawn: Callable[[Awaitable], asyncio.Task],
-                 coordinator: Coordinator | None = None, *, refusing: Callable[[], str | None] = lambda: None,
+                 coordinator: Coordinator, *, refusing: Callable[[], str | None] = lambda: None,
                  observers: list[Callable[["Operation"], None]] | None = None) -> None:
         """`refusing`: why no new operation may start now (the router shuts down), or None; `observers`: told
         of every finished operation (metrics)."""
         self.timeout_s = timeout_s
         self.spawn = spawn
-        self.coordinator = coordinator or LocalCoordinator()
+        self.coordinator = coordinator
         self.current: Operation | None = None
         self.history: collections.deque[Operation] = collections.deque(maxlen=HISTORY_SIZE)
         self.observers = observers if observers is not None else []

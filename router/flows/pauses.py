@@ -40,11 +40,10 @@ class Pauses:
         fleet.paused = mode
         fleet.traffic.hold_silence(PAUSE_HOLD)  # paused answers go silent: the legs' idle timeout waits
         workers = fleet.targets()
-        if mode == "abort":
-            op.aborted_requests = fleet.mark_aborted(workers, retry)
+        # every replica, this one first, marks its requests (abort mode) and tells what it has on the servers
         action = StopAction.ROUTING if mode != "abort" else StopAction.RETRY if retry else StopAction.ANSWER
         stopped = await fleet.coordinator.stop_routing(op.ticket, workers, action)
-        op.aborted_requests += stopped.marked
+        op.aborted_requests = stopped.marked
         step = op.step("pause", timeout)
         results = await fleet.sent(fan_out(workers, lambda w: fleet.call(w, "/pause_generation", body, timeout)))
         step.end("ok" if all(o.success for o in results) else "failed", summary(results, "pause_generation"))

@@ -102,7 +102,7 @@ async def assemble(app: web.Application, stack: contextlib.AsyncExitStack) -> No
     proxy = app[PROXY] = Proxy(config=config, registry=registry, upstream=legs, policies=policies,
                                admission=admission, spawn=spawn)
     traffic: RequestPathControl = DataplaneControl(admission, proxy.live, legs, abort_on=proxy.abort_on)
-    coordinator: Coordinator = LocalCoordinator()
+    coordinator: Coordinator = LocalCoordinator(registry, traffic)
 
     # ---- replicas sharing the fleet: joined before any worker of the command line is registered ---------------
     cluster = None
