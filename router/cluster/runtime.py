@@ -52,7 +52,7 @@ class SharedFlags(Protocol):
 
 class Cluster:
     def __init__(self, config: RouterConfig, registry: Registry, traffic: RequestPathControl,
-                 spawn: Callable[[Awaitable], asyncio.Task], *, replica_id: str | None = None) -> None:
+                 spawn: Callable[[Awaitable], asyncio.Task], *, replica_id: str) -> None:
         settings = config.cluster
         ttl = settings.lease_ttl_secs
         self.config = config
