@@ -32,3 +32,15 @@ def test_flows_import_only_core_control_and_each_other():
 def test_no_flow_module_is_over_600_lines():
     lengths = {path.name: len(path.read_text().splitlines()) for path in FLOWS.glob("*.py")}
     assert {name: n for name, n in lengths.items() if n > 600} == {}
+
+
+def test_flows_mark_requests_only_through_the_coordinator():
+    """One way of marking requests before the router aborts their servers: core's `stop_here`, which
+    `Coordinator.stop_routing` runs at every replica, the operation's own first. No flow marks on its own (it
+    would read differently with one replica than with five)."""
+    marking = ("mark_on", "mark_all", "mark_aborted")
+    calls = {path.name: sorted({node.func.attr for node in ast.walk(ast.parse(path.read_text()))
+                                if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                                and node.func.attr in marking})
+             for path in sorted(FLOWS.glob("*.py"))}
+    assert {name: found for name, found in calls.items() if found} == {}

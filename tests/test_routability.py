@@ -6,6 +6,7 @@ import pytest
 
 from router.core.registry import Registry, Role, WorkerState
 from router.core.routability import Hold, HoldKind, choose_fleet_version, judge
+from router.flows.weight_updates import version_after_update
 
 ACTIVE, PENDING, FAILED, DRAINING = WorkerState.ACTIVE, WorkerState.PENDING, WorkerState.FAILED, WorkerState.DRAINING
 P, D = Role.PREFILL, Role.DECODE
@@ -51,6 +52,20 @@ def test_judge_health_reason_names_the_probes_before_the_weights():
 ])
 def test_choose_fleet_version(servers, chosen):
     assert choose_fleet_version(servers) == chosen
+
+
+# ---- the version after an update: one rule, at the update's own end and at a takeover's -------------------------
+@pytest.mark.parametrize("target,reports,chosen", [
+    ("v2", [(P, "v2"), (D, "v2")], "v2"),
+    ("v2", [(P, "v1"), (D, "v1"), (D, "v2")], "v1"),  # v2 reached no prefill: the pair that serves
+    ("v2", [(D, "v2"), (D, "v2")], "v2"),  # no pair anywhere: the most common
+    (None, [(P, "v3"), (D, "v3"), (D, "v1")], "v3"),
+    (None, [(P, "v1"), (D, "v1"), (D, "v3"), (D, "v3")], "v1"),  # v3 has no prefill
+    ("v2", [], None),  # nobody reports a version: the fleet's stays
+    ("v2", [(P, None), (D, None)], None),
+])
+def test_version_after_update(target, reports, chosen):
+    assert version_after_update(target, reports) == chosen
 
 
 # ---- the registry applies the rules and tells every change ---------------------------------------------------

@@ -10,7 +10,7 @@ import pytest
 
 from router.api.shared_answers import SHARED_ANSWERS, SharedAnswer
 from router.core.errors import ServiceUnavailable
-from router.flows.weights import WEIGHTS
+from router.flows.fleet_control import FLEET_CONTROL
 
 from .fakes import INFO_PATHS
 from .helpers import wait_for
@@ -123,7 +123,7 @@ async def fleet_router(fake_fleet, make_router):
     fakes = await fake_fleet(2, 2)
     client = await make_router(fakes[:2], fakes[2:])
     await wait_for(lambda: all(w.weight_version for w in client.registry.workers()), message="facts learnt")
-    await client.app[WEIGHTS].reconcile()  # the fleet's version adopted: no background reads from here on
+    await client.app[FLEET_CONTROL].reconcile()  # the fleet's version adopted: no background reads from here on
     client.fakes = fakes
     return client
 

@@ -19,7 +19,7 @@ from router.core.config import AdmissionConfig, HealthConfig, RouterConfig, Work
 from router.core.keys import REGISTRY
 from router.dataplane.admission import ADMISSION
 from router.dataplane.proxy import PROXY
-from router.flows.weights import WEIGHTS
+from router.flows.fleet_control import FLEET_CONTROL
 from router.core.registry import WorkerState
 from simulator.fleet import Fleet
 
@@ -86,7 +86,7 @@ class Router:
 
     @property
     def flow(self):
-        return self.http.app[WEIGHTS]
+        return self.http.app[FLEET_CONTROL]
 
     @property
     def admission(self):
@@ -587,6 +587,8 @@ async def test_simulator_release_memory_needs_an_idle_server(sim_router):
     await router.fleet.set_faults(decode, hang_after_tokens=2)
     task = asyncio.ensure_future(router.generate())
     await wait_for(lambda: router.decoding() == 1)
+    # the router's count goes up before its leg reaches the server: wait for the server to be decoding it
+    await router.fleet.wait_for(decode, lambda s: s["rids_by_phase"].get("decode"))
     async with aiohttp.ClientSession() as session:
         async with session.post(decode.url + "/release_memory_occupation", json={}) as resp:
             assert resp.status == 400 and "idle" in (await resp.json())["error"]["message"]

@@ -24,11 +24,15 @@ from router.core.keys import CONFIG, REGISTRY
 from router.core.redact import redact
 from router.core.router_identity import MARKER_FIELD, marker
 from router.flows.fleet import read_fleet_weight_version
-from router.flows.weights import DISK, DISTRIBUTED, TENSOR, VERSION, WEIGHTS, WeightFlow
+from router.flows.fleet_control import FLEET_CONTROL, FleetControl
+from router.flows.memory import MEMORY
+from router.flows.pauses import PAUSES
+from router.flows.request_aborts import ABORTS
+from router.flows.weight_updates import DISK, DISTRIBUTED, TENSOR, UPDATES, VERSION
 
 
-def _flow(request: web.Request) -> WeightFlow:
-    return request.app[WEIGHTS]
+def _fleet(request: web.Request) -> FleetControl:
+    return request.app[FLEET_CONTROL]
 
 
 def _retry(request: web.Request, body: Retryable) -> bool:
@@ -51,17 +55,17 @@ async def abort_request(request: web.Request) -> web.Response:
     body = await read_body(request, AbortRequest, "abort_request")
     if not body.abort_all and not body.rid:
         raise BadRequest("abort_request needs a non-empty rid or abort_all: true", param="rid")
-    return _answer(await _flow(request).abort(rid=body.rid, abort_all=body.abort_all))
+    return _answer(await request.app[ABORTS].abort(rid=body.rid, abort_all=body.abort_all))
 
 
 async def pause_generation(request: web.Request) -> web.Response:
     body = await read_body(request, PauseGeneration, "pause_generation")
-    return _answer(await _flow(request).pause(body.forwarded(), retry=_retry(request, body)))
+    return _answer(await request.app[PAUSES].pause(body.forwarded(), retry=_retry(request, body)))
 
 
 async def continue_generation(request: web.Request) -> web.Response:
     body = await read_body(request, ContinueGeneration, "continue_generation")
-    return _answer(await _flow(request).resume(body.forwarded()))
+    return _answer(await request.app[PAUSES].resume(body.forwarded()))
 
 
 def _update_handler(kind: str):
@@ -69,7 +73,7 @@ def _update_handler(kind: str):
 
     async def handler(request: web.Request) -> web.Response:
         body = await read_body(request, model, kind)
-        return _answer(await _flow(request).update(kind, body.forwarded(), abort=body.abort_all_requests,
+        return _answer(await request.app[UPDATES].update(kind, body.forwarded(), abort=body.abort_all_requests,
                                                    retry=_retry(request, body)))
 
     handler.__name__ = kind
@@ -84,8 +88,8 @@ async def init_weights_update_group(request: web.Request) -> web.Response:
 async def init_update_group(app: web.Application, body: InitUpdateGroup) -> tuple[int, dict]:
     """Every server joins the trainer's group with ranks of its own: the router gives each server the next
     `tp_size` ranks from `rank_offset` (a body copied to all would give them all the same ranks)."""
-    flow, upstream = app[WEIGHTS], app[UPSTREAM]
-    workers = flow.targets()
+    updates, upstream = app[UPDATES], app[UPSTREAM]
+    workers = app[FLEET_CONTROL].targets()
     if not workers:
         raise ServiceUnavailable("there is no server")
     infos = await asyncio.gather(*(upstream.server_info(w.url, timeout=INFO_TIMEOUT) for w in workers))
@@ -100,7 +104,7 @@ async def init_update_group(app: web.Application, body: InitUpdateGroup) -> tupl
                          f"ranks {body.rank_offset}..{rank - 1} (tp sizes "
                          f"{[tp_sizes[w.id] for w in workers]})", param="world_size", ranks_needed=rank)
     forwarded = body.forwarded()
-    status, answer = await flow.broadcast("/init_weights_update_group", forwarded, workers=workers,
+    status, answer = await updates.broadcast("/init_weights_update_group", forwarded, workers=workers,
                                           per_worker=lambda w: {**forwarded, "rank_offset": offsets[w.id]})
     by_url = {w.url: w.id for w in workers}
     for row in answer["workers"]:
@@ -115,7 +119,7 @@ def _broadcast_handler(name: str):
 
     async def handler(request: web.Request) -> web.Response:
         body = await read_body(request, model, name)
-        return _answer(await _flow(request).broadcast("/" + name, body.forwarded()))
+        return _answer(await request.app[UPDATES].broadcast("/" + name, body.forwarded()))
 
     handler.__name__ = name
     return handler
@@ -123,19 +127,19 @@ def _broadcast_handler(name: str):
 
 async def release_memory_occupation(request: web.Request) -> web.Response:
     body = await read_body(request, ReleaseMemory, "release_memory_occupation")
-    return _answer(await _flow(request).release_memory(body.forwarded(), abort=body.abort_all_requests,
+    return _answer(await request.app[MEMORY].release_memory(body.forwarded(), abort=body.abort_all_requests,
                                                        retry=_retry(request, body)))
 
 
 async def resume_memory_occupation(request: web.Request) -> web.Response:
     body = await read_body(request, ResumeMemory, "resume_memory_occupation")
-    return _answer(await _flow(request).resume_memory(body.forwarded()))
+    return _answer(await request.app[MEMORY].resume_memory(body.forwarded()))
 
 
 async def get_weight_version(request: web.Request) -> web.Response:
-    flow = _flow(request)
-    fleet = await flow.fleet_version_now()
-    return json_response({**fleet.to_dict(), "fleet_weight_version": flow.fleet_version})
+    control = _fleet(request)
+    fleet = await control.fleet_version_now()
+    return json_response({**fleet.to_dict(), "fleet_weight_version": control.fleet_version})
 
 
 async def model_info(app: web.Application) -> tuple[dict, int]:
@@ -152,7 +156,7 @@ async def model_info(app: web.Application) -> tuple[dict, int]:
     if data is None:
         raise ServiceUnavailable("There is no server registered" if last is None
                                  else f"no worker answered: {last.message()}")
-    fleet = await read_fleet_weight_version(registry, upstream, app[WEIGHTS].targets())
+    fleet = await read_fleet_weight_version(registry, upstream, app[FLEET_CONTROL].targets())
     data["weight_version"] = fleet.version
     if not fleet.consistent:
         data["weight_versions"] = fleet.workers
@@ -161,11 +165,11 @@ async def model_info(app: web.Application) -> tuple[dict, int]:
 
 
 async def weight_updates(request: web.Request) -> web.Response:
-    return json_response(_flow(request).state())
+    return json_response(_fleet(request).state())
 
 
 async def weight_update(request: web.Request) -> web.Response:
-    op = _flow(request).find(request.match_info["op_id"])
+    op = _fleet(request).find(request.match_info["op_id"])
     if op is None:
         raise NotFound(f"no fleet operation {request.match_info['op_id']!r} (the last 50 are kept)")
     return json_response(op.to_dict())
@@ -174,7 +178,7 @@ async def weight_update(request: web.Request) -> web.Response:
 async def rejoin(request: web.Request) -> web.Response:
     """Check now the servers left out for their weights (and active ones with another version)."""
     await read_body(request, Empty, "weight_updates/rejoin")
-    return json_response(await _flow(request).reconcile())
+    return json_response(await _fleet(request).reconcile())
 
 
 # ---- routes --------------------------------------------------------------------------------------------

@@ -14,7 +14,7 @@ from pydantic import Field
 
 from router.api.bodies import (Body, Flag, Integer, OptionalJsonObject, OptionalText, OptionalTexts,
                                Text, Texts, one_of)
-from router.flows.weights import DISK, DISTRIBUTED, TENSOR, VERSION
+from router.flows.weight_updates import DISK, DISTRIBUTED, TENSOR, VERSION
 
 PAUSE_MODES = ("abort", "retract", "in_place")
 SELECTORS = ("target", "draft", "all")

@@ -21,9 +21,9 @@ from router.cluster.etcd_types import EtcdError
 from router.cluster.keys import ClusterKeys, decode, encode
 from router.cluster.mirror import Change
 from router.cluster.replica import Membership
-from router.core.coordination import StopAction
+from router.core.coordination import StopAction, stop_here
 from router.core.registry import Registry, Worker
-from router.core.traffic import AbortAction, LiveRequest, RequestPathControl
+from router.core.traffic import LiveRequest, RequestPathControl
 
 logger = logging.getLogger(__name__)
 
@@ -80,17 +80,7 @@ class BarrierResponder:
         urls = barrier.get("workers")
         workers = self.registry.workers() if urls is None else \
             [w for w in (self.registry.find(url) for url in urls) if w is not None]
-        marked: list[LiveRequest] = []
-        count = 0
-        if action is StopAction.ALL:
-            marked = self.traffic.mark_all(AbortAction.ANSWER)
-            count = len(marked)
-        elif action in (StopAction.RETRY, StopAction.ANSWER):
-            count = self.traffic.mark_on(workers, AbortAction(action.value))
-            self.registry.mark_aborted(workers)
-        elif action is StopAction.EPOCH:
-            count = sum(w.inflight for w in workers)
-            self.registry.mark_aborted(workers)
+        count, marked = stop_here(self.registry, self.traffic, workers, action)  # as the owner did its own
         self.answers += 1
         logger.debug("cluster: barrier %s of %s (%s on %d server(s)): %d request(s) marked", barrier["seq"], op_id,
                      action, len(workers), count)

@@ -32,9 +32,10 @@ from router.cluster.mirror import Change, Mirror
 from router.cluster.publisher import Fence, Publisher
 from router.cluster.records import describe_removal, removal_record
 from router.cluster.replica import Membership
-from router.core.coordination import FLEET, StopAction, StopReport, Ticket
+from router.core.coordination import FLEET, StopAction, StopReport, Ticket, stop_here
 from router.core.errors import Conflict, ServiceUnavailable
-from router.core.registry import Worker
+from router.core.registry import Registry, Worker
+from router.core.traffic import RequestPathControl
 
 logger = logging.getLogger(__name__)
 
@@ -66,9 +67,12 @@ class EtcdCoordinator:
     clustered = True
 
     def __init__(self, client: EtcdClient, keys: ClusterKeys, mirror: Mirror, membership: Membership,
-                 publisher: Publisher, leadership: Leadership, status: EtcdStatus, *, ack_timeout_s: float,
-                 flush_timeout_s: float = 10.0) -> None:
+                 publisher: Publisher, leadership: Leadership, status: EtcdStatus, registry: Registry,
+                 traffic: RequestPathControl, *, ack_timeout_s: float, flush_timeout_s: float = 10.0) -> None:
+        """`registry`, `traffic`: this replica's own, which `stop_routing` stops first (`stop_here`)."""
         self.client = client
+        self.registry = registry
+        self.traffic = traffic
         self.keys = keys
         self.mirror = mirror
         self.membership = membership
@@ -391,7 +395,11 @@ class EtcdCoordinator:
                 acks[replica] = ack
         return acks
 
-    async def stop_routing(self, ticket: Ticket, workers: Sequence[Worker] | None, action: StopAction) -> StopReport:
+    async def stop_routing(self, ticket: Ticket | None, workers: Sequence[Worker] | None,
+                           action: StopAction) -> StopReport:
+        marked_here, here = stop_here(self.registry, self.traffic, workers, action)  # this replica first, at once
+        if ticket is None:
+            return StopReport(marked=marked_here, here=tuple(here))
         await self.publisher.flush(self.flush_timeout_s)
         owned = self._of(ticket)
         if owned is None:
@@ -409,8 +417,9 @@ class EtcdCoordinator:
                                      f"within {self.ack_timeout_s:g} s that they stopped routing to the servers "
                                      f"concerned; nothing was changed on them", cluster=self.keys.name,
                                      replicas=missing)
-        return StopReport(replicas=len(acks), marked=sum(int(a.get("marked", 0)) for a in acks.values()),
-                          inflight=sum(int(a.get("inflight", 0)) for a in acks.values()))
+        return StopReport(replicas=len(acks),
+                          marked=marked_here + sum(int(a.get("marked", 0)) for a in acks.values()),
+                          inflight=sum(int(a.get("inflight", 0)) for a in acks.values()), here=tuple(here))
 
     def inflight_elsewhere(self, ticket: Ticket, worker: Worker) -> int:
         return sum(int(ack.get("counts", {}).get(worker.url, 0)) for ack in self._acks(ticket).values())

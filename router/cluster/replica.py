@@ -17,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import secrets
 import socket
 import time
 from dataclasses import dataclass, field
@@ -52,11 +51,10 @@ class ReplicaIdentity:
     version: str = field(default_factory=_version)
 
     @classmethod
-    def of_this_process(cls, port: int, replica_id: str | None = None) -> "ReplicaIdentity":
-        """`replica_id`: the one the server already calls itself (GET /admin/replica), else a new one."""
-        host = socket.gethostname()
-        pid = os.getpid()
-        return cls(id=replica_id or f"{host}-{pid}-{secrets.token_hex(3)}", host=host, pid=pid, port=port)
+    def of_this_process(cls, port: int, replica_id: str) -> "ReplicaIdentity":
+        """`replica_id`: the one the server calls itself (GET /admin/replica, `server/replica_info.py`: the
+        one place a replica's id is made)."""
+        return cls(id=replica_id, host=socket.gethostname(), pid=os.getpid(), port=port)
 
     def record(self) -> dict:
         return {"id": self.id, "host": self.host, "pid": self.pid, "port": self.port,

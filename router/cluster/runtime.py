@@ -32,8 +32,8 @@ from router.cluster.publisher import Publisher
 from router.cluster.records import fleet_record
 from router.cluster.replica import Membership, ReplicaIdentity
 from router.cluster.takeover import Takeover
-from router.control.upstream import Upstream
 from router.core.config import RouterConfig
+from router.core.recovery import Recovery
 from router.core.registry import Registry
 from router.core.traffic import RequestPathControl
 
@@ -51,8 +51,8 @@ class SharedFlags(Protocol):
 
 
 class Cluster:
-    def __init__(self, config: RouterConfig, registry: Registry, traffic: RequestPathControl, upstream: Upstream,
-                 spawn: Callable[[Awaitable], asyncio.Task], *, replica_id: str | None = None) -> None:
+    def __init__(self, config: RouterConfig, registry: Registry, traffic: RequestPathControl,
+                 spawn: Callable[[Awaitable], asyncio.Task], *, replica_id: str) -> None:
         settings = config.cluster
         ttl = settings.lease_ttl_secs
         self.config = config
@@ -69,11 +69,10 @@ class Cluster:
         self.applier = Applier(self.keys, registry, self.publisher, self.holds)
         self.leadership = Leadership(self.client, self.keys, self.mirror, self.membership)
         self.coordinator = EtcdCoordinator(self.client, self.keys, self.mirror, self.membership, self.publisher,
-                                           self.leadership, self.status, ack_timeout_s=max(3.0 * ttl, 5.0),
-                                           flush_timeout_s=max(2.0 * ttl, 3.0))
+                                           self.leadership, self.status, registry, traffic,
+                                           ack_timeout_s=max(3.0 * ttl, 5.0), flush_timeout_s=max(2.0 * ttl, 3.0))
         self.barrier = BarrierResponder(self.client, self.keys, registry, traffic, self.membership, spawn)
-        self.takeover = Takeover(self.keys, self.mirror, self.membership, self.coordinator, registry, upstream,
-                                 self.holds, spawn, update_timeout_s=config.weight_update_timeout_secs)
+        self.takeover = Takeover(self.keys, self.mirror, self.membership, self.coordinator, self.holds, spawn)
         self.mirror.listeners += [self.coordinator.on_changes, self.applier.on_changes, self.barrier.on_changes,
                                   self.takeover.on_changes]
         self.membership.rejoined.append(self.barrier.rejoined)
@@ -96,10 +95,12 @@ class Cluster:
         if self._flow is not None:
             self._flow.adopt_shared_state(self._flags)
 
-    def attach(self, flow: SharedFlags) -> None:
-        """The weight flow, once it exists: it takes the fleet's shared state."""
+    def attach(self, flow: SharedFlags, recoveries: dict[str, Recovery]) -> None:
+        """The flows, once they exist: the fleet-wide operations take the fleet's shared state, and the flows
+        that recover their kinds of operation (by kind) let this replica take over orphaned ones."""
         self._flow = flow
         flow.adopt_shared_state(self._flags)
+        self.takeover.recover_with(recoveries)
 
     # ---- life ------------------------------------------------------------------------------------------
     async def start(self, timeout: float) -> None:

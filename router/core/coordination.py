@@ -7,7 +7,8 @@ flows behave exactly as they do alone. Replicas sharing a fleet get the etcd imp
     acquire        before an operation changes anything: the right to run it, exclusive across the replicas
                    (one per worker for a conversion or a reinstate, one fleet-wide operation at a time)
     stop_routing   after the operation took its servers out of routing (their state, or the fleet's hold):
-                   every live replica has applied that and, per `action`, marked its own requests on them
+                   every live replica, this one included, has applied that and, per `action`, marked its own
+                   requests on them (`stop_here`: one way of marking, the same at every replica)
     elsewhere      the other replicas' requests still on the servers (`inflight_elsewhere`, and waiting
                    until there are none: `wait_idle_elsewhere`), so a drain or a quiesce counts every replica
     progress       before an irreversible step (a role switch, a weight update): recorded for a replica that
@@ -31,9 +32,10 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Awaitable, Callable, Protocol, Sequence, TypeVar
 
 from router.core.errors import RouterError
+from router.core.traffic import AbortAction, LiveRequest, RequestPathControl
 
 if TYPE_CHECKING:
-    from router.core.registry import Worker
+    from router.core.registry import Registry, Worker
 
 T = TypeVar("T")
 
@@ -74,8 +76,30 @@ class Ticket:
 @dataclass(frozen=True, slots=True)
 class StopReport:
     replicas: int = 0  # other replicas that confirmed
-    marked: int = 0  # requests they marked (to be retried or answered with their abort)
-    inflight: int = 0  # their requests still on the servers when they confirmed
+    marked: int = 0  # requests marked (to be retried or answered with their abort): this replica's and theirs
+    inflight: int = 0  # the other replicas' requests still on the servers when they confirmed
+    here: tuple[LiveRequest, ...] = ()  # this replica's requests marked by StopAction.ALL (to wait for them)
+
+
+def stop_here(registry: Registry, traffic: RequestPathControl, workers: Sequence[Worker] | None,
+              action: StopAction) -> tuple[int, list[LiveRequest]]:
+    """What one replica does for a `stop_routing`, the operation's own replica and every other alike, at once
+    (nothing of it runs in between): per `action`, mark its requests on `workers` (None: every worker) and
+    bump the workers' abort epochs, before any server is asked to abort. Returns how many requests it marked
+    (EPOCH: how many it has on them) and, for ALL, the requests marked."""
+    workers = registry.workers() if workers is None else list(workers)
+    if action is StopAction.ALL:
+        marked = traffic.mark_all(AbortAction.ANSWER)
+        return len(marked), marked
+    if action in (StopAction.RETRY, StopAction.ANSWER):
+        count = traffic.mark_on(workers, AbortAction(action.value))
+        registry.mark_aborted(workers)
+        return count, []
+    if action is StopAction.EPOCH:
+        count = sum(w.inflight for w in workers)
+        registry.mark_aborted(workers)
+        return count, []
+    return 0, []
 
 
 class Coordinator(Protocol):
@@ -100,10 +124,12 @@ class Coordinator(Protocol):
         """Return (not raise) the error its caller answers with, once this replica stops owning the operation:
         its lease ended or its lock went to another replica. Never returns for a lone router."""
 
-    async def stop_routing(self, ticket: Ticket, workers: Sequence[Worker] | None, action: StopAction) -> StopReport:
-        """Once every live replica has applied what this one published (a worker's state, the fleet's hold)
-        and done `action` on `workers` (None: every worker). Raises ServiceUnavailable when one does not
-        confirm in time."""
+    async def stop_routing(self, ticket: Ticket | None, workers: Sequence[Worker] | None,
+                           action: StopAction) -> StopReport:
+        """This replica does `action` on `workers` (None: every worker: `stop_here`); then, once every other
+        live replica has applied what this one published (a worker's state, the fleet's hold) and done the
+        same, the report. Raises ServiceUnavailable when one does not confirm in time. `ticket` None: an
+        operation only this replica knows of (nobody else to stop)."""
 
     def inflight_elsewhere(self, ticket: Ticket, worker: Worker) -> int:
         """The other replicas' requests on `worker`, as they last told (after a stop_routing)."""
@@ -141,12 +167,14 @@ class Coordinator(Protocol):
 
 
 class LocalCoordinator:
-    """A lone router's: nothing to agree with."""
+    """A lone router's: nothing to agree with; `stop_routing` stops this replica only."""
 
     clustered = False
     leading = True
 
-    def __init__(self) -> None:
+    def __init__(self, registry: Registry, traffic: RequestPathControl) -> None:
+        self.registry = registry
+        self.traffic = traffic
         self._ids = itertools.count(1)
 
     async def acquire(self, kind: str, scope: str, details: dict, *, wait_s: float = 0.0) -> Ticket:
@@ -162,8 +190,10 @@ class LocalCoordinator:
         await asyncio.Event().wait()  # a lone router owns what it runs until it ends
         raise AssertionError("unreachable")
 
-    async def stop_routing(self, ticket: Ticket, workers: Sequence[Worker] | None, action: StopAction) -> StopReport:
-        return StopReport()
+    async def stop_routing(self, ticket: Ticket | None, workers: Sequence[Worker] | None,
+                           action: StopAction) -> StopReport:
+        marked, here = stop_here(self.registry, self.traffic, workers, action)
+        return StopReport(marked=marked, here=tuple(here))
 
     def inflight_elsewhere(self, ticket: Ticket, worker: Worker) -> int:
         return 0

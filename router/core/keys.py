@@ -2,7 +2,7 @@
 
 Every key is typed (`web.AppKey(name, Type)`) and declared beside its type: the keys below hold core's
 objects; a key of an upper layer's object is declared in the module that defines its class (`PROXY` in
-`dataplane/proxy.py`, `UPSTREAM` in `control/upstream.py`, `WEIGHTS` in `flows/weights.py`, ...), so one
+`dataplane/proxy.py`, `UPSTREAM` in `control/upstream.py`, `FLEET_CONTROL` in `flows/fleet_control.py`, ...), so one
 import gives a handler the key and the type, and core names no layer above it. Only the composition root
 (`server/composition.py`) stores objects under them.
 """

@@ -30,12 +30,13 @@ from typing import Any, Awaitable, Callable
 from aiohttp import web
 
 from router.control.live_state import rejoin_check
-from router.control.upstream import HEALTH_TIMEOUT, INFO_TIMEOUT, Upstream
-from router.core.coordination import Coordinator, LocalCoordinator, StopAction, Ticket, while_owned, worker_scope
+from router.control.upstream import INFO_TIMEOUT, Upstream
+from router.core.coordination import Coordinator, StopAction, Ticket, while_owned, worker_scope
 from router.core.errors import Conflict, RouterError, ServiceUnavailable
 from router.core.registry import Registry, Role, Worker, WorkerState
 from router.flows.conversion_record import Conversion, ConversionOutcome, DrainMode, Plan
 from router.flows.fleet import ABORT_REPEAT_SECS, POLL_FIRST, POLL_MAX
+from router.flows.conversion_recovery import recover_conversion
 from router.flows.role_switch import RoleSwitch
 from router.flows.steps import Step, StepFailed, run_step
 
@@ -56,7 +57,7 @@ class Conversions:
                  drain_timeout_s: float = 300.0, switch_timeout_s: float = 120.0,
                  verify_timeout_s: float = VERIFY_TIMEOUT_SECS, history_size: int = HISTORY_SIZE,
                  fleet_busy: Callable[[], str | None] = lambda: None,
-                 coordinator: Coordinator | None = None,
+                 coordinator: Coordinator,
                  observers: list[Callable[[str, Conversion, dict], None]] | None = None) -> None:
         self.registry = registry
         self.upstream = upstream
@@ -69,7 +70,7 @@ class Conversions:
         self.fleet_busy = fleet_busy
         # The other router replicas of the fleet (a lone router's does nothing): `begin` takes the worker for
         # this conversion across all of them, and every replica stops routing to it before it drains.
-        self.coordinator = coordinator or LocalCoordinator()
+        self.coordinator = coordinator
         self._tickets: dict[str, Ticket] = {}  # by conversion id
         self._ids = itertools.count(1)
         self._running: dict[str, Conversion] = {}  # by worker id
@@ -93,6 +94,11 @@ class Conversions:
 
     def of_worker(self, worker: Worker) -> Conversion | None:
         return self._running.get(worker.id)
+
+    async def recover(self, ticket: Ticket, record: dict) -> tuple[str, str]:
+        """A conversion whose router replica died, recovered from its record (`core/recovery.py`)."""
+        return await recover_conversion(self.registry, self.upstream, self.server, ticket, record,
+                                        default_switch_s=self.switch_timeout_s)
 
     # ---- start -------------------------------------------------------------------------------------
     async def begin(self, worker: Worker, plan: Plan) -> Conversion | None:
@@ -287,20 +293,19 @@ class Conversions:
 
     # ---- emptying the worker -----------------------------------------------------------------------
     async def _drain(self, conversion: Conversion, worker: Worker, step: Step) -> None:
-        await self._stop_elsewhere(conversion, worker, StopAction.ROUTING)
+        await self._stop(conversion, worker, StopAction.ROUTING)
         await self._wait_idle(conversion, worker, step)
         step.message = step.message or "idle on the router and the server"
 
-    async def _stop_elsewhere(self, conversion: Conversion, worker: Worker, action: StopAction) -> int:
-        """Every other router replica stopped routing to the worker (and did `action`); their requests on it."""
-        ticket = self._tickets.get(conversion.id)
-        if ticket is None:
-            return 0
+    async def _stop(self, conversion: Conversion, worker: Worker, action: StopAction) -> int:
+        """Every router replica, this one first, stopped routing to the worker and did `action` (EPOCH: their
+        requests on it are router-aborted from here on); how many requests they had on it (EPOCH) or marked
+        (`stop_here`'s count, at every replica)."""
         try:
-            report = await self.coordinator.stop_routing(ticket, [worker], action)
+            report = await self.coordinator.stop_routing(self._tickets.get(conversion.id), [worker], action)
         except ServiceUnavailable as exc:
             raise StepFailed(exc.message, safe=True, status=503) from None
-        return report.inflight if action is StopAction.EPOCH else report.marked
+        return report.marked
 
     async def _owned(self, conversion: Conversion, work: Awaitable[None]) -> None:
         """An emptying step's waits, ended the moment this replica stops owning the conversion (its lease
@@ -319,13 +324,12 @@ class Conversions:
                 raise StepFailed(exc.message, safe=True, status=503) from None
 
     async def _abort(self, conversion: Conversion, worker: Worker, step: Step) -> None:
-        elsewhere = await self._stop_elsewhere(conversion, worker, StopAction.EPOCH)
+        # Marked first (the abort epochs): a request aborted by these calls is recognisable as router-aborted.
+        # The router's requests on the worker are counted once: it is out of routing, so a later round finds
+        # the same requests (still ending), not new ones.
+        stopped = await self._stop(conversion, worker, StopAction.EPOCH)
         while True:
-            # Mark first: a request aborted by this call must be recognisable as router-aborted.
-            self.registry.mark_aborted([worker])
-            # The router's requests on the worker, counted at the first abort only: the worker is out of
-            # routing, so a later round finds the same requests (still ending), not new ones.
-            inflight = worker.inflight + elsewhere if step.attempts == 0 else 0
+            inflight = stopped if step.attempts == 0 else 0
             reply = await self.upstream.abort(worker.url, abort_all=True, timeout=INFO_TIMEOUT)
             step.attempts += 1
             self._notify("abort_all", conversion, inflight=inflight)
@@ -383,15 +387,8 @@ class Conversions:
                 conversion.notes.append(f"{message}; but the server reports role {live}: verifying")
                 logger.warning("conversion %s: %s, yet the server reports the new role", conversion.id, message)
                 return True
-            if live == conversion.old_role.value:
-                health = await self.upstream.health(worker.url, timeout=HEALTH_TIMEOUT)
-                safe = health.ok
-                message += f"; the server still reports role {live}"
-                if not health.ok:
-                    message += f" but /health answered {health.status or 'nothing'}"
-            else:
-                safe = False
-                message += f"; the server reports role {live or 'nothing'}"
+            safe, seen = await self.server.unchanged(worker.url, conversion.old_role, live)
+            message += f"; {seen}"
         self._end_failed(conversion, worker, StepFailed(message, safe=safe, status=failure.status), safe)
         return False
 

@@ -11,7 +11,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Awaitable, Callable
 
-from router.core.coordination import FLEET, Coordinator, LocalCoordinator, Ticket, while_owned
+from router.core.coordination import FLEET, Coordinator, Ticket, while_owned
 from router.core.errors import Conflict, RouterError, ServiceUnavailable
 from router.flows.steps import Step
 
@@ -42,10 +42,18 @@ class Operation:
     duration_s: float | None = None
     ticket: Ticket | None = None  # its right to run, given by the coordinator (fleet-wide across replicas)
     lost: str | None = None  # why this replica stopped owning it mid-way (its lease ended), if it did
+    # The step from which servers may have changed (a weight update's `update`): before it, the operation can be
+    # rolled back at shutdown; from it on, a replica that loses it leaves the fleet's hold for its taker-over.
+    changes_at: str | None = None
 
     def reached(self, name: str) -> bool:
         """Whether the operation got to its step `name` (e.g. `update`: servers may have changed)."""
         return any(step.name == name for step in self.steps)
+
+    @property
+    def changed_servers(self) -> bool:
+        """It reached the step from which servers may have changed."""
+        return self.changes_at is not None and self.reached(self.changes_at)
 
     def step(self, name: str, deadline_s: float | None = None) -> Step:
         step = Step(name, deadline_s)
@@ -97,13 +105,13 @@ class OperationRunner:
     its turn up to `timeout_s`, then gets 409."""
 
     def __init__(self, timeout_s: float, spawn: Callable[[Awaitable], asyncio.Task],
-                 coordinator: Coordinator | None = None, *, refusing: Callable[[], str | None] = lambda: None,
+                 coordinator: Coordinator, *, refusing: Callable[[], str | None] = lambda: None,
                  observers: list[Callable[["Operation"], None]] | None = None) -> None:
         """`refusing`: why no new operation may start now (the router shuts down), or None; `observers`: told
         of every finished operation (metrics)."""
         self.timeout_s = timeout_s
         self.spawn = spawn
-        self.coordinator = coordinator or LocalCoordinator()
+        self.coordinator = coordinator
         self.current: Operation | None = None
         self.history: collections.deque[Operation] = collections.deque(maxlen=HISTORY_SIZE)
         self.observers = observers if observers is not None else []
@@ -119,10 +127,13 @@ class OperationRunner:
             return self.current
         return next((op for op in self.history if op.id == op_id), None)
 
-    async def run(self, kind: str, options: dict, body: Body, *, shutting_down: bool = False) -> tuple[int, dict]:
+    async def run(self, kind: str, options: dict, body: Body, *, shutting_down: bool = False,
+                  changes_at: str | None = None) -> tuple[int, dict]:
         """Run an operation as an owned task: a client that disconnects does not cancel a fleet update
-        half-way. `shutting_down`: the shutdown's own operation, which runs while others are refused."""
-        outcome = await asyncio.shield(self.spawn(_answered(self._run(kind, options, body, shutting_down))))
+        half-way. `shutting_down`: the shutdown's own operation, which runs while others are refused.
+        `changes_at`: its step from which servers may have changed (`Operation.changes_at`)."""
+        outcome = await asyncio.shield(self.spawn(_answered(self._run(kind, options, body, shutting_down,
+                                                                      changes_at))))
         if isinstance(outcome, RouterError):
             raise outcome
         return outcome
@@ -147,9 +158,10 @@ class OperationRunner:
         if not shutting_down and (refusal := self.refusing()) is not None:
             raise ServiceUnavailable(f"{refusal}: no fleet operation starts now")
 
-    async def _run(self, kind: str, options: dict, body: Body, shutting_down: bool) -> tuple[int, dict]:
+    async def _run(self, kind: str, options: dict, body: Body, shutting_down: bool,
+                   changes_at: str | None) -> tuple[int, dict]:
         self._refuse_while_shutting_down(shutting_down)
-        op = Operation(f"op{next(self._ids)}", kind, options)
+        op = Operation(f"op{next(self._ids)}", kind, options, changes_at=changes_at)
         try:
             async with asyncio.timeout(self.timeout_s):
                 await self.lock.acquire()

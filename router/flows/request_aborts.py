@@ -7,8 +7,10 @@ import asyncio
 import time
 from typing import Callable
 
+from aiohttp import web
+
 from router.control.upstream import INFO_TIMEOUT, Upstream, fan_out
-from router.core.coordination import ABORT, Coordinator, LocalCoordinator, StopAction, Ticket, while_owned
+from router.core.coordination import ABORT, Coordinator, StopAction, Ticket, while_owned
 from router.core.registry import Worker
 from router.core.traffic import AbortAction, LiveRequest, RequestPathControl
 from router.flows.fleet import ABORT_REPEAT_SECS, WorkerResult, summary
@@ -16,10 +18,10 @@ from router.flows.fleet import ABORT_REPEAT_SECS, WorkerResult, summary
 
 class RequestAborts:
     def __init__(self, traffic: RequestPathControl, upstream: Upstream, targets: Callable[[], list[Worker]],
-                 timeout_s: float, coordinator: Coordinator | None = None) -> None:
+                 timeout_s: float, coordinator: Coordinator) -> None:
         self.traffic = traffic
         # Router replicas of one fleet: an abort of everything is everyone's (each marks and aborts its own).
-        self.coordinator = coordinator or LocalCoordinator()
+        self.coordinator = coordinator
         self.upstream = upstream
         self.targets = targets  # the servers an abort of everything (or of an unknown rid) goes to
         self.timeout_s = timeout_s
@@ -55,8 +57,8 @@ class RequestAborts:
             await asyncio.shield(self.coordinator.release(ticket, outcome))
 
     async def _abort_everything(self, ticket: Ticket, deadline: float) -> tuple[int, dict | None]:
-        aborted = self.traffic.mark_all(AbortAction.ANSWER)
-        await self.coordinator.stop_routing(ticket, None, StopAction.ALL)
+        # every replica, this one first, marks all its requests to be answered with their abort
+        aborted = list((await self.coordinator.stop_routing(ticket, None, StopAction.ALL)).here)
         results = await fan_out(self.targets(), lambda w: self._abort_call(w, {"abort_all": True}))
         pending = await self._wait_ended(aborted, deadline)
         left_elsewhere = 0
@@ -103,3 +105,6 @@ class RequestAborts:
                                        for w in (a.prefill, a.decode)))
             await asyncio.sleep(min(delay, max(deadline - now, 0)))
             delay = min(delay * 2, 0.1)
+
+
+ABORTS = web.AppKey("request_aborts", RequestAborts)

@@ -13,7 +13,7 @@ import asyncio
 import logging
 import time
 
-from router.control.upstream import INFO_TIMEOUT, Reply, Upstream, bootstrap_port_of, live_role_of
+from router.control.upstream import HEALTH_TIMEOUT, INFO_TIMEOUT, Reply, Upstream, bootstrap_port_of, live_role_of
 from router.core.registry import Registry, Role, Worker
 from router.flows.conversion_record import Conversion, Plan
 from router.flows.fleet import POLL_FIRST, POLL_MAX
@@ -136,6 +136,34 @@ class RoleSwitch:
                                              self.upstream.server_info(worker.url, timeout=INFO_TIMEOUT))
         role = live_role_of(model.data if model.ok else None, server.data if server.ok else None)
         return role, server if server.ok else None
+
+    # ---- "safe to restore": one rule ---------------------------------------------------------------------
+    async def unchanged(self, url: str, old: Role, live: str | None) -> tuple[bool, str]:
+        """Whether a server whose switch ended without a clear answer is unchanged, so safe to route to in its
+        old pool (the flow after a failed step, a replica taking a conversion over): it still reports its old
+        role (`live`, just read) and answers /health. Returns that and what was seen."""
+        if live != old.value:
+            return False, f"the server reports role {live or 'nothing'}"
+        health = await self.upstream.health(url, timeout=HEALTH_TIMEOUT)
+        if not health.ok:
+            return False, f"the server still reports role {live} but /health answered {health.status or 'nothing'}"
+        return True, f"the server still reports role {live}"
+
+    async def no_switch_running(self, url: str, switch_api: str | None, new: Role) -> bool:
+        """Whether a 0.5.23 server is not switching now, asked without changing anything: `prepare_only`
+        runs every check of a switch (another switch in progress first) and stops there. A server that takes
+        requests one after another answers after a switch under way, "already in target role": running.
+        Servers of the convert API cannot tell (False: wait for them)."""
+        if switch_api != PD_ROLE_SWITCH:
+            return False
+        reply = await self.upstream.post(url, "/pd_role_switch", {"new_role": new.value, "prepare_only": True},
+                                         timeout=HEALTH_TIMEOUT)
+        answer = reply.data if isinstance(reply.data, dict) else {}
+        if reply.status == 200:
+            return answer.get("success") is True and answer.get("message") == "ready"
+        # refused before anything changed (busy, a check failed), but not because a switch is running
+        return (reply.status == 400 and answer.get("safe_to_restore") is True
+                and "in progress" not in str(answer.get("message", "")))
 
     # ---- verification --------------------------------------------------------------------------------
     async def verify(self, conversion: Conversion, worker: Worker, answer: dict, step: Step,

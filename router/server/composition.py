@@ -16,7 +16,7 @@ half-way closes what it built. Handlers only read these keys; `setup()` function
     conversions                             live P/D role conversion
     health (live state, proxy)              probes and breakers; a worker found down is evicted
     load monitor, upkeep, rebalancer        what policies need beside the request path
-    weights (conversions)                   fleet-wide operations
+    fleet control (conversions)             fleet-wide operations: updates, pauses, memory, aborts
     RL relay, shared answers                what handlers keep between calls
 
 Adding a component: build it here where what it needs exists, give it its key beside its class, register
@@ -62,7 +62,11 @@ from router.dataplane.traffic import DataplaneControl
 from router.dataplane.upstream_http import UpstreamPool
 from router.flows.conversion import CONVERSIONS, Conversions
 from router.flows.rebalancer import REBALANCER, FlowConverter, Rebalancer
-from router.flows.weights import UPDATE_KINDS, WEIGHTS, WeightFlow
+from router.flows.fleet_control import FLEET_CONTROL, FleetControl
+from router.flows.memory import MEMORY, MemoryOccupation
+from router.flows.pauses import PAUSES, Pauses
+from router.flows.request_aborts import ABORTS, RequestAborts
+from router.flows.weight_updates import UPDATE_KINDS, UPDATES, WeightUpdates
 from router.obs import logs
 from router.obs.metrics import METRICS, RouterMetrics, metrics_port
 from router.obs.policy_metrics import PolicyCollector
@@ -113,7 +117,7 @@ async def assemble(app: web.Application, stack: contextlib.AsyncExitStack) -> No
                                admission=admission, spawn=spawn,
                                tracer=tracing.requests if tracing is not None else None, ranks=ranks)
     traffic: RequestPathControl = DataplaneControl(admission, proxy.live, legs, abort_on=proxy.abort_on)
-    coordinator: Coordinator = LocalCoordinator()
+    coordinator: Coordinator = LocalCoordinator(registry, traffic)
 
     # ---- replicas sharing the fleet: joined before any worker of the command line is registered ---------------
     cluster = None
@@ -121,7 +125,7 @@ async def assemble(app: web.Application, stack: contextlib.AsyncExitStack) -> No
         from router.cluster import view  # etcd's modules only where a cluster is configured
         from router.cluster.runtime import Cluster
 
-        cluster = app[view.CLUSTER] = Cluster(config, registry, traffic, upstream, spawn,
+        cluster = app[view.CLUSTER] = Cluster(config, registry, traffic, spawn,
                                               replica_id=app[REPLICA].id)
         traffic, coordinator = cluster.holds, cluster.coordinator  # the flows' holds and turns are the fleet's
         metrics.prometheus.register(view.ClusterCollector(cluster))
@@ -177,15 +181,20 @@ async def assemble(app: web.Application, stack: contextlib.AsyncExitStack) -> No
     proxy.request_observers += [rebalancer.window.observe, metrics.observe_request, logs.log_request]
     await stack.enter_async_context(metrics_port(metrics, config))
 
-    # ---- fleet-wide operations ---------------------------------------------------------------------------------
-    weights = app[WEIGHTS] = WeightFlow(config, registry, upstream, traffic, spawn, coordinator=coordinator,
-                                        refusing=lifecycle.refusal, conversions_running=conversions.running,
-                                        observers=[_observe_fleet_operation(metrics),
-                                                   *([tracing.flows.operation_observer] if tracing else [])])
-    weights.start()
-    stack.push_async_callback(weights.close)
+    # ---- fleet-wide operations, one at a time: their shared state, then each operation ------------------------
+    fleet = app[FLEET_CONTROL] = FleetControl(config, registry, upstream, traffic, spawn, coordinator=coordinator,
+                                              refusing=lifecycle.refusal, conversions_running=conversions.running,
+                                              observers=[_observe_fleet_operation(metrics), *(
+                                                  [tracing.flows.operation_observer] if tracing is not None else [])])
+    updates = app[UPDATES] = WeightUpdates(fleet)
+    app[PAUSES] = Pauses(fleet)
+    app[MEMORY] = MemoryOccupation(fleet)
+    app[ABORTS] = RequestAborts(traffic, upstream, fleet.targets, config.abort_timeout_secs, coordinator)
+    fleet.start()
+    stack.push_async_callback(fleet.close)
     if cluster is not None:
-        cluster.attach(weights)  # the weight flow's share of the fleet record (pause, released memory)
+        # the fleet's share of the fleet record (pause, released memory); the flows that recover orphans
+        cluster.attach(fleet, {"conversion": conversions, **{kind: updates for kind in UPDATE_KINDS}})
 
     # ---- what handlers keep between calls -------------------------------------------------------------------
     app[FACTS] = LaunchFactsCache(registry, upstream)

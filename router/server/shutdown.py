@@ -36,7 +36,8 @@ from router.core.lifecycle import ABORTING, CLOSING
 from router.core.traffic import AbortAction
 from router.dataplane.admission import ADMISSION
 from router.flows.conversion import CONVERSIONS
-from router.flows.weights import WEIGHTS
+from router.flows.fleet_control import FLEET_CONTROL
+from router.flows.pauses import PAUSES
 from router.server.serving import StopSignals
 
 logger = logging.getLogger(__name__)
@@ -109,34 +110,34 @@ class Shutdown:
     async def _settle_flows(self) -> None:
         """The running fleet operation ends (a queued one is refused), then a pause the router holds is ended;
         running conversions end."""
-        weights = self.app.get(WEIGHTS)
+        fleet = self.app.get(FLEET_CONTROL)
         conversions = self.app.get(CONVERSIONS)
-        if weights is not None:
-            await weights.wait_current()
+        if fleet is not None:
+            await fleet.wait_current()
             coordinator = self.app.get(COORDINATOR)
-            if weights.paused is not None and coordinator is not None and coordinator.clustered:
+            if fleet.paused is not None and coordinator is not None and coordinator.clustered:
                 logger.info("shutdown: the fleet stays paused (%s): other router replicas share it",
-                            weights.paused)
-            elif weights.paused is not None:
+                            fleet.paused)
+            elif fleet.paused is not None:
                 logger.info("shutdown: the fleet is paused (%s): ending the pause with continue_generation",
-                            weights.paused)
+                            fleet.paused)
                 try:
-                    status, answer = await weights.release_pause()
+                    status, answer = await self.app[PAUSES].release_pause()
                     logger.info("shutdown: continue_generation: %s (%s)", status, answer.get("message", ""))
                 except Exception:  # logged; the shutdown goes on
                     logger.exception("shutdown: continue_generation failed")
-            if weights.released_tags:
+            if fleet.released_tags:
                 logger.warning("shutdown: the servers' memory stays released (%s): resume it through the next "
-                               "router (resume_memory_occupation)", ", ".join(sorted(weights.released_tags)))
+                               "router (resume_memory_occupation)", ", ".join(sorted(fleet.released_tags)))
         if conversions is not None:
             await conversions.wait_all()
 
     def _flows_now(self) -> str:
-        weights, conversions = self.app.get(WEIGHTS), self.app.get(CONVERSIONS)
+        fleet, conversions = self.app.get(FLEET_CONTROL), self.app.get(CONVERSIONS)
         parts = []
-        if weights is not None and weights.current is not None:
-            parts.append(f"fleet operation {weights.current.id} {weights.current.kind} "
-                         f"(step {weights.current.current_step})")
+        if fleet is not None and fleet.current is not None:
+            parts.append(f"fleet operation {fleet.current.id} {fleet.current.kind} "
+                         f"(step {fleet.current.current_step})")
         if conversions is not None:
             parts += [f"conversion {c.id} of {c.worker_url} (step {c.state})" for c in conversions.running()]
         return ", ".join(parts) or "none"
@@ -146,10 +147,10 @@ class Shutdown:
         app = self.app
         why = "a second signal" if signals.hurry.is_set() else "the grace period is over"
         # Roll back first, synchronously: a drain or a quiesce that saw its requests aborted would go on.
-        conversions, weights = app.get(CONVERSIONS), app.get(WEIGHTS)
+        conversions, fleet = app.get(CONVERSIONS), app.get(FLEET_CONTROL)
         rolled_back = [f"conversion {c.id} of {c.worker_url}" for c in
                        (conversions.roll_back_unswitched() if conversions is not None else [])]
-        op = weights.roll_back_current() if weights is not None else None
+        op = fleet.roll_back_current() if fleet is not None else None
         if op is not None:
             rolled_back.append(f"fleet operation {op.id} {op.kind}")
         if rolled_back:

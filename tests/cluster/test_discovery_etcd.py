@@ -184,7 +184,8 @@ async def test_the_announcer_registers_its_worker_until_it_stops_or_dies(fake_fl
                   await start_announcer(etcd, d1, "--role", "decode"),
                   await start_announcer(etcd, d2)]  # no role: the router reads the server's
     try:
-        await wait_for(lambda: routable_urls(client) == {p1.url, d1.url, d2.url}, timeout=15,
+        # three interpreters start at once (each imports aiohttp and pydantic): on a loaded machine, seconds each
+        await wait_for(lambda: routable_urls(client) == {p1.url, d1.url, d2.url}, timeout=45,
                        message="the announced workers routed")
         assert client.registry.find(d2.url).role is Role.DECODE
         assert client.registry.find(p1.url).bootstrap_port == p1.bootstrap_port

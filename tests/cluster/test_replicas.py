@@ -15,7 +15,7 @@ import pytest
 from router.cluster.keys import decode
 from router.core.keys import COORDINATOR
 from router.flows.rebalancer import REBALANCER
-from router.flows.weights import WEIGHTS
+from router.flows.fleet_control import FLEET_CONTROL
 from router.core.registry import Role, WorkerState
 from simulator.fleet import Fleet
 
@@ -208,13 +208,13 @@ async def test_a_pause_holds_every_replica_until_continue_at_any(replicas, fleet
     status, answer = await a.call("POST", "/pause_generation", {"mode": "in_place"})
     assert status == 200, answer
     await wait_for(lambda: not b.admission.is_open, timeout=1, message="the other replica holds too")
-    assert b.app[WEIGHTS].paused == "in_place"
+    assert b.app[FLEET_CONTROL].paused == "in_place"
     held = asyncio.ensure_future(b.generate())
     await wait_for(lambda: b.admission.waiting == 1, timeout=2)
     status, answer = await b.call("POST", "/continue_generation", {})
     assert status == 200, answer
     assert (await held)[0] == 200
-    await wait_for(lambda: a.admission.is_open and a.app[WEIGHTS].paused is None, timeout=1)
+    await wait_for(lambda: a.admission.is_open and a.app[FLEET_CONTROL].paused is None, timeout=1)
 
 
 async def test_abort_all_at_one_replica_ends_every_replicas_requests(replicas, fleet):

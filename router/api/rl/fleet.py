@@ -7,7 +7,7 @@ requests wait in the router's hold, aborted ones are re-sent where that is safe 
 answer mixes versions. Bodies are SGLang's, checked as strictly as on those endpoints.
 
 A flow always acts on the whole fleet, so the selector must select every server the flow acts on
-(`WeightFlow.targets()`): a selector that leaves one out is refused with 409 `partial_fleet`, since updating
+(`FleetControl.targets()`): a selector that leaves one out is refused with 409 `partial_fleet`, since updating
 or pausing part of a P/D fleet would pair servers on different weights. Selected servers the flows do not act
 on (pending, or left unsafe by a role conversion) are listed in `skipped`: they serve nothing, and rejoin
 only at the fleet's weight version.
@@ -32,7 +32,11 @@ from router.api.rl.relay import fanout_answer, rl_error
 from router.core.errors import BadRequest
 from router.core.keys import CONFIG, REGISTRY
 from router.core.registry import Worker
-from router.flows.weights import WEIGHTS, WeightFlow
+from router.flows.fleet_control import FLEET_CONTROL, FleetControl
+from router.flows.memory import MEMORY
+from router.flows.pauses import PAUSES
+from router.flows.request_aborts import ABORTS
+from router.flows.weight_updates import UPDATES
 
 MEMORY_PATHS = ("release_memory_occupation", "resume_memory_occupation")
 Operation = Callable[[web.Application, dict], Awaitable[tuple[int, dict | None]]]
@@ -42,38 +46,34 @@ def _retry(app: web.Application, body) -> bool:
     return body.retry(app[CONFIG].weight_update_retry_aborted)
 
 
-def _flow(app: web.Application) -> WeightFlow:
-    return app[WEIGHTS]
-
-
 async def _pause(app, raw):
     body = parse_body(PauseGeneration, raw, "pause_generation")
-    return await _flow(app).pause(body.forwarded(), retry=_retry(app, body))
+    return await app[PAUSES].pause(body.forwarded(), retry=_retry(app, body))
 
 
 async def _continue(app, raw):
     body = parse_body(ContinueGeneration, raw, "continue_generation")
-    return await _flow(app).resume(body.forwarded())
+    return await app[PAUSES].resume(body.forwarded())
 
 
 async def _abort(app, raw):
     body = parse_body(AbortRequest, raw, "abort_request")
     if not body.abort_all and not body.rid:
         raise BadRequest("abort_request needs a non-empty rid or abort_all: true", param="rid")
-    return await _flow(app).abort(rid=body.rid, abort_all=body.abort_all)
+    return await app[ABORTS].abort(rid=body.rid, abort_all=body.abort_all)
 
 
 def _update(kind: str) -> Operation:
     async def run(app, raw):
         body = parse_body(UPDATE_BODIES[kind], raw, kind)
-        return await _flow(app).update(kind, body.forwarded(), abort=body.abort_all_requests,
-                                       retry=_retry(app, body))
+        return await app[UPDATES].update(kind, body.forwarded(), abort=body.abort_all_requests,
+                                         retry=_retry(app, body))
     return run
 
 
 def _broadcast(name: str) -> Operation:
     async def run(app, raw):
-        return await _flow(app).broadcast("/" + name, parse_body(BROADCAST_BODIES[name], raw, name).forwarded())
+        return await app[UPDATES].broadcast("/" + name, parse_body(BROADCAST_BODIES[name], raw, name).forwarded())
     return run
 
 
@@ -83,13 +83,13 @@ async def _init_group(app, raw):
 
 async def _release_memory(app, raw):
     body = parse_body(ReleaseMemory, raw, "release_memory_occupation")
-    return await _flow(app).release_memory(body.forwarded(), abort=body.abort_all_requests,
-                                           retry=_retry(app, body))
+    return await app[MEMORY].release_memory(body.forwarded(), abort=body.abort_all_requests,
+                                            retry=_retry(app, body))
 
 
 async def _resume_memory(app, raw):
     body = parse_body(ResumeMemory, raw, "resume_memory_occupation")
-    return await _flow(app).resume_memory(body.forwarded())
+    return await app[MEMORY].resume_memory(body.forwarded())
 
 
 OPERATIONS: dict[str, Operation] = {
@@ -109,7 +109,7 @@ def is_fleet_operation(method: str, path: str) -> bool:
     return path in OPERATIONS and (method == "POST" or (method == "GET" and path in MEMORY_PATHS))
 
 
-def _whole_fleet(flow: WeightFlow, selected: list[Worker], path: str, selector: str
+def _whole_fleet(flow: FleetControl, selected: list[Worker], path: str, selector: str
                  ) -> tuple[list[Worker], list[dict]]:
     """The servers the flow acts on, all of which must be selected (else 409), and the selected ones it
     skips."""
@@ -132,7 +132,7 @@ def _whole_fleet(flow: WeightFlow, selected: list[Worker], path: str, selector: 
 
 async def run(app: web.Application, path: str, selected: list[Worker], selector: str, raw: dict
               ) -> tuple[int, dict]:
-    fleet, skipped = _whole_fleet(_flow(app), selected, path, selector)
+    fleet, skipped = _whole_fleet(app[FLEET_CONTROL], selected, path, selector)
     started = time.monotonic()
     status, answer = await OPERATIONS[path](app, raw)
     elapsed_ms = round((time.monotonic() - started) * 1000)

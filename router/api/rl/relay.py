@@ -21,7 +21,7 @@ from router.core.errors import RouterError
 from router.core.redact import redact, redact_text
 from router.core.registry import Worker
 from router.core.request_shape import GENERATE_ROUTES
-from router.flows.weights import UPDATE_KINDS
+from router.flows.weight_updates import UPDATE_KINDS
 
 MAX_BODY_CHARS = 1 << 20  # SMG's 1 MiB cut of an engine's answer
 SEGMENT = re.compile(r"[A-Za-z0-9._-]+")

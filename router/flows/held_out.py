@@ -1,6 +1,7 @@
-"""The fleet serves one weight version: which one, the servers left out of routing and why, and their way
-back (a later update that reaches them, the call that left them out succeeding, or the reconciler finding
-them fixed). New servers that report another version are kept out the same way.
+"""The servers a fleet operation held out of routing, and their way back. The fleet serves one weight
+version: which one, which servers are left out and why, and what brings each back (a later update that
+reaches it, the call that left it out succeeding, or the reconciler finding it fixed). New servers that
+report another version are kept out the same way.
 
 Both live in the registry, the one source of truth for routability: the fleet's version
 (`Registry.fleet_version`: the registry routes no server on another one) and the servers held out
@@ -15,7 +16,7 @@ from typing import Awaitable, Callable
 
 from router.control.live_state import read_weight_version
 from router.control.upstream import INFO_TIMEOUT, Upstream
-from router.core.coordination import Coordinator, LocalCoordinator
+from router.core.coordination import Coordinator
 from router.core.registry import Registry, Worker, WorkerState
 from router.core.routability import Hold, HoldKind
 from router.flows.fleet import read_fleet_weight_version
@@ -23,13 +24,13 @@ from router.flows.fleet import read_fleet_weight_version
 logger = logging.getLogger(__name__)
 
 
-class FleetMembership:
+class HeldOut:
     def __init__(self, registry: Registry, upstream: Upstream, lock: asyncio.Lock, interval_s: float,
-                 spawn: Callable[[Awaitable], asyncio.Task], coordinator: Coordinator | None = None) -> None:
+                 spawn: Callable[[Awaitable], asyncio.Task], coordinator: Coordinator) -> None:
         self.registry = registry
         # Router replicas of one fleet: the reconciler runs on the one that leads, never under another
         # replica's fleet-wide operation (what it changes is shared with the others).
-        self.coordinator = coordinator or LocalCoordinator()
+        self.coordinator = coordinator
         self.upstream = upstream
         self.lock = lock  # the operations' lock: the reconciler never runs under a fleet operation
         self.interval_s = interval_s  # how often the reconciler looks without being woken
