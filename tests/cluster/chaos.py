@@ -213,6 +213,8 @@ class Chaos:
         if status >= 400:
             assert isinstance(answer, dict) and isinstance(answer.get("error"), dict) \
                 and answer["error"].get("message"), f"{what}: {status} without a JSON error: {answer}"
+            if "lost it" in answer["error"]["message"]:  # its replica's lease ended while it ran
+                return f"{status} lost it"
             return f"{status} {answer['error'].get('type', '')}".strip()
         return str(status)
 
