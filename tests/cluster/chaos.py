@@ -150,6 +150,10 @@ class Chaos:
                 await asyncio.sleep(self.rng.uniform(1.0, 3.0))  # the pace of the events, not a wait
             await asyncio.gather(*self._events, return_exceptions=True)
             sampler.cancel()
+            dead = [i for i, r in enumerate(self.routers) if r.proc is None or r.proc.returncode is not None]
+            if dead:  # a restart that failed (its event says why): nothing to quiesce and compare
+                self.report.problems.append(f"replicas {dead} not running after the events")
+                return self.report
             await self._quiesce()
             answers = await self.clients.finish()
             self._check_answers(answers)

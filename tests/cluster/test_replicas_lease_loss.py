@@ -50,10 +50,12 @@ async def settled(routers) -> bool:
 async def test_an_operation_whose_replica_loses_its_lease_answers_at_once_and_blocks_nothing(cluster):
     r1, r2, r3 = routers = await cluster.start(3)
     fleet = cluster.fleet
-    held = await hold_request(r1, fleet.decode[0])
+    held: list[asyncio.Task] = []
     load = cluster.load([r2, r3], per_replica=1)
 
     for how in ("stop", "freeze"):
+        # a long request on the server, so that the update waits in its quiesce (again if the last ended)
+        held += await hold_request(r1, fleet.decode[0])
         update = asyncio.ensure_future(r1.call("/update_weights_from_disk", {
             "model_path": "sim/tiny-llama", "weight_version": f"lost-{how}"}))
         await wait_for(lambda: _step_is(r1, "quiesce"), timeout=10, interval=0.02, message="the update quiesces")
@@ -85,9 +87,11 @@ async def test_an_operation_whose_replica_loses_its_lease_answers_at_once_and_bl
         assert {(await fleet.state(h))["weight_version"] for h in fleet.workers} == {"default"}
 
     # a drain-mode conversion waiting for a request on its server, its replica's etcd frozen
+    held += await hold_request(r1, fleet.decode[0])
     status, record = await r1.call("/admin/workers/" + fleet.decode[0].url + "/convert", {"wait": False})
     assert status == 202, record
-    await wait_for(lambda: _all_see(routers, fleet.decode[0].url, "draining"), timeout=5, interval=0.02)
+    await wait_for(lambda: _all_see(routers, fleet.decode[0].url, "draining"), timeout=15, interval=0.02,
+                   message="the server draining everywhere")
     await cluster.etcd.freeze()
     cut = time.monotonic()
 
@@ -103,6 +107,8 @@ async def test_an_operation_whose_replica_loses_its_lease_answers_at_once_and_bl
     cluster.etcd.thaw()
     await wait_for(lambda: _all_see(routers, fleet.decode[0].url, "active"), timeout=15, interval=0.1,
                    message="the server back in its pool everywhere")
+    # r1 joins again after the thaw on its own schedule (a back-off): control calls need its new lease
+    await wait_for(lambda: settled(routers), timeout=15, interval=0.1, message="every replica joined again")
     status, answer = await r1.call("/pause_generation", {"mode": "in_place"})
     assert status == 200, answer
     status, answer = await r3.call("/continue_generation", {})
