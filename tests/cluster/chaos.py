@@ -537,8 +537,9 @@ class Chaos:
 
     async def _sample_memory(self) -> None:
         while True:
-            for router in self.routers:
-                if router.proc is not None and router.proc.returncode is None:
+            for index, router in enumerate(self.routers):
+                # from when it serves: a replica still starting (imports, joining) is not its settled size
+                if index not in self.down and router.proc is not None and router.proc.returncode is None:
                     rss = rss_kib(router.proc.pid)
                     if rss is not None:
                         self.memory.setdefault(router.proc.pid, []).append((time.monotonic(), rss))
