@@ -18,7 +18,7 @@ from simulator.fleet import Fleet
 from .helpers import free_port, wait_for
 
 REPO = Path(__file__).resolve().parents[1]
-START_TIMEOUT_S = 30.0
+START_TIMEOUT_S = 60.0  # a deadline, not a measure: a loaded machine (2 shared cores) took over 30 s to import it
 
 
 class RouterProcess:
@@ -46,7 +46,8 @@ class RouterProcess:
         if not first and not self._log.closed:  # it exited on its own (SIGTERM): its log is still open
             self._log.close()
         self._log = open(self.log_path, "wb" if first else "ab")
-        env = {**os.environ, "PYTHONPATH": str(REPO)}
+        # faulthandler: a router that does not serve in time dumps its threads' stacks into its log (SIGABRT)
+        env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONFAULTHANDLER": "1"}
         self.proc = await asyncio.create_subprocess_exec(*self.argv, cwd=REPO, env=env, stdout=self._log,
                                                          stderr=asyncio.subprocess.STDOUT)
         if self.session is None:
@@ -61,13 +62,31 @@ class RouterProcess:
             except aiohttp.ClientError:
                 return False
 
+        started = time.monotonic()
         try:
             await wait_for(ready, timeout=START_TIMEOUT_S, interval=0.02 if not serving else 0.1,
                            message="the router to serve" if serving else "the router's port to answer")
+        except AssertionError as exc:
+            # why: starved of CPU (few CPU seconds used), or stuck (its stacks, dumped into its log)
+            used = self.cpu_seconds()
+            if self.proc.returncode is None:
+                self.proc.send_signal(signal.SIGABRT)
+                await asyncio.wait_for(self.proc.wait(), 5)
+            await self.__aexit__(None, None, None)
+            raise AssertionError(f"{exc} (started {time.monotonic() - started:.1f} s ago, {used} CPU s used); "
+                                 f"its log:\n{self.log()[-6000:]}") from None
         except BaseException:  # `async with` runs no __aexit__ when entering fails: leave no process behind
             await self.__aexit__(None, None, None)
             raise
         return self
+
+    def cpu_seconds(self) -> float | None:
+        """The CPU time (user and system) the process has used so far."""
+        try:
+            fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            return None
+        return round((int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK"), 2)
 
     async def kill(self) -> None:
         """SIGKILL: the router dies at once, as in a crash or an OOM kill."""

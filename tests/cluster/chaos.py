@@ -52,7 +52,14 @@ NAME = "chaos"
 MODEL = "sim/tiny-llama"
 KINDS = ("convert", "convert", "convert", "update", "update", "pause", "kill", "term", "replace", "etcd", "etcd",
          "bad")
-CALL_TIMEOUT_S = 30.0  # no control call may take longer (a drain waits for a long request: seconds)
+# The replicas' own deadlines (their flags): a drain or an abort ends within its timeout (504 or 502 when the
+# fleet did not get quiet), an operation waits for the one before it at most WEIGHT_UPDATE_S, a switch SWITCH_S.
+# A control call that outlives them all (CALL_TIMEOUT_S) is a problem; a loaded machine makes drains slow, not
+# endless.
+DRAIN_S, SWITCH_S, WEIGHT_UPDATE_S = 20, 10, 30
+DEADLINE_FLAGS = ["--drain-timeout-secs", str(DRAIN_S), "--switch-timeout-secs", str(SWITCH_S),
+                  "--weight-update-timeout-secs", str(WEIGHT_UPDATE_S), "--abort-timeout-secs", str(DRAIN_S)]
+CALL_TIMEOUT_S = WEIGHT_UPDATE_S + DRAIN_S + SWITCH_S + 10.0
 SETTLE_TIMEOUT_S = 45.0
 # a replica's RSS may grow this much between the first third of its life and the end of the run
 MEMORY_SLACK = (1.25, 16 * 1024)  # factor, KiB
@@ -135,7 +142,7 @@ class Chaos:
     async def run(self) -> Report:
         command_line = SimpleNamespace(prefill=self.fleet.prefill, decode=self.fleet.decode)
         flags = ["--log-level", "info", "--etcd-endpoints", *self.etcd.endpoints, "--cluster-name", NAME,
-                 "--etcd-lease-ttl-secs", str(TTL), "--health-check-interval-secs", "1"]
+                 "--etcd-lease-ttl-secs", str(TTL), "--health-check-interval-secs", "1", *DEADLINE_FLAGS]
         self.routers = [RouterProcess(command_line, *flags, log_path=self.tmp_path / f"replica{i}.log")
                         for i in range(3)]
         try:
@@ -150,6 +157,10 @@ class Chaos:
                 await asyncio.sleep(self.rng.uniform(1.0, 3.0))  # the pace of the events, not a wait
             await asyncio.gather(*self._events, return_exceptions=True)
             sampler.cancel()
+            dead = [i for i, r in enumerate(self.routers) if r.proc is None or r.proc.returncode is not None]
+            if dead:  # a restart that failed (its event says why): nothing to quiesce and compare
+                self.report.problems.append(f"replicas {dead} not running after the events")
+                return self.report
             await self._quiesce()
             answers = await self.clients.finish()
             self._check_answers(answers)
@@ -213,6 +224,8 @@ class Chaos:
         if status >= 400:
             assert isinstance(answer, dict) and isinstance(answer.get("error"), dict) \
                 and answer["error"].get("message"), f"{what}: {status} without a JSON error: {answer}"
+            if "lost it" in answer["error"]["message"]:  # its replica's lease ended while it ran
+                return f"{status} lost it"
             return f"{status} {answer['error'].get('type', '')}".strip()
         return str(status)
 
@@ -285,7 +298,8 @@ class Chaos:
             failed = {w["url"] for w in answer["workers"] if not w["success"]}
             assert failed and failed <= self.removed, f"{event.detail}: 502 {answer}"
             return "502: a server replaced meanwhile"
-        outcome = self._expected(status, answer, (200, 409, 503), event.detail)
+        # 504: a drain that did not end within DRAIN_S (nothing was changed)
+        outcome = self._expected(status, answer, (200, 409, 503, 504), event.detail)
         if status == 200:
             assert answer["success"] and answer["weight_version"] == version, answer
             self.updated.append((time.monotonic(), version))
@@ -303,7 +317,7 @@ class Chaos:
     async def _continue(self, replica: int) -> str:
         """Until a continue_generation is taken (etcd may be away, another operation running): the fleet must
         not stay paused."""
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + 2 * CALL_TIMEOUT_S
         while True:
             status, answer = await self._call(replica if replica not in self.down else self._up()[0],
                                               "POST", "/continue_generation", {})
@@ -523,8 +537,9 @@ class Chaos:
 
     async def _sample_memory(self) -> None:
         while True:
-            for router in self.routers:
-                if router.proc is not None and router.proc.returncode is None:
+            for index, router in enumerate(self.routers):
+                # from when it serves: a replica still starting (imports, joining) is not its settled size
+                if index not in self.down and router.proc is not None and router.proc.returncode is None:
                     rss = rss_kib(router.proc.pid)
                     if rss is not None:
                         self.memory.setdefault(router.proc.pid, []).append((time.monotonic(), rss))

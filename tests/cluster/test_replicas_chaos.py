@@ -15,6 +15,7 @@ from .replicas import SIM
 SEEDS, DURATION_S, CLIENTS = settings()
 
 
+@pytest.mark.timeout(DURATION_S + 300)  # the run, then its calls' deadlines, the quiesce and the exits
 @pytest.mark.parametrize("seed", SEEDS)
 async def test_replicas_under_chaos_lose_no_request_and_end_on_the_servers_live_state(etcd, tmp_path, seed):
     # both switch APIs on every server (0.5.23's and the earlier design's), bootstrap ports the OS picks
