@@ -10,17 +10,15 @@ Prefill pool: its capacity is prefill compute (one forward at a time per server)
   for the prefill to compute its KV. 0.5.23 adds those to the decode's `num_waiting_reqs`; read as decode
   load they make a prefill-short fleet look decode-short too, and nothing ever moves to prefill. (The
   prefills' own count misses the batch of a forward in progress: the row shown is the one published before
-  it.) Only a current decode row counts so (at most 0.2 s old: 0.5.23 republishes a decode's row every 50 ms
-  while it runs no batch, i.e. while it waits on prefill, but every 15 steps while it runs batches: the
-  requests it admitted in that step sit in that row's transfer queue for 14 more, long after their KV came),
-  and only up to what the prefills still hold: the prefill legs the router has open on them (a 0.5.23
-  prefill answers its leg once the KV went out), less those waiting for decode room (the prefills' bootstrap
-  queues or the decodes' prealloc queues, the smaller: each side's row is up to a batch old) and those whose
-  KV is being sent. Read as prefill load, the transfers of a decode-heavy fleet whose requests finish together
-  (and whose successors are admitted together) looked prefill-short right after a server moved to decode, and
-  the rebalancer moved it straight back (seen on real servers). The router's own count is fresh; the rows
-  are up to a batch old. (With router replicas the leader counts only its own legs: the decode rows then
-  count for less, the prefills' queues as much.)
+  it.) The decode rows' transfers count only up to what the prefills still have: the prefill legs the
+  router has open on them (a 0.5.23 prefill answers its leg once the KV went out: a fresh count), less those
+  waiting for decode room (the prefills' bootstrap queues or the decodes' prealloc queues, the smaller: each
+  side's row is up to a batch old). A 0.5.23 decode running batches publishes its row every 15 steps: the
+  requests it admitted in that step sit in that row's transfer queue for 14 more, long after their KV came.
+  Read as prefill load, the transfers of a decode-heavy fleet whose requests finish together (and whose
+  successors are admitted together) looked prefill-short right after a server moved to decode, and the
+  rebalancer moved it straight back (seen on real servers). (With router replicas the leader counts only its
+  own legs: the decode rows then count for less, the prefills' queues as much.)
 - `busy`: the prefill servers' mean share of time in forwards (`total_prefill_busy_us` between two polls) /
   `busy_target`: saturation before a queue builds.
 - `ttft`: the router's p90 time to first token / `ttft_target_secs`, when prefill is where requests wait.
@@ -61,9 +59,6 @@ if TYPE_CHECKING:
 
 PREFILL, DECODE = "prefill", "decode"
 TTFT_MIN_WAITING = 2  # requests waiting before TTFT is charged to a pool
-# A decode row at least this old is one a batch back (0.5.23 republishes a stalled scheduler's row every 50 ms;
-# the rest is for a busy machine's scheduler loop).
-CURRENT_ROW_AGE_S = 0.2
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,52 +133,37 @@ def _ready(w: WorkerView) -> float:
 
 def waiting_parts(obs: Observation) -> dict[str, float | None]:
     """The counts waiting on prefill compute, by where they are seen (see the module docstring):
-    `prefill_queue` in the prefills' own waiting queues; `decode_transfer` in the transfer queues of the decode
-    rows that are current (`current_row`), less the prefills' inflight queues, up to what the prefills still
-    hold (`held`: the prefill legs the router has open on them, less those waiting for decode room and those
-    whose KV is being sent); `behind_transfers` the prealloc requests whose room those transfers hold;
-    `uncounted_transfer` the transfers of decode rows a batch old, and those no prefill holds any more (their
-    KV went out since the row was published): counted for nobody."""
+    `prefill_queue` in the prefills' own waiting queues; `pipeline` the requests the prefills still have
+    beyond those waiting for decode room (the prefill legs the router has open on them, less the smaller of
+    their bootstrap queues and the decodes' prealloc queues): waiting, in a forward, or sending their KV;
+    `decode_transfer` the decodes' transfers a prefill still has (up to `pipeline`), less the prefills'
+    inflight queues; `behind_transfers` the prealloc requests whose room those transfers hold;
+    `uncounted_transfer` the transfers the decode rows show beyond the pipeline (their KV came since the row was
+    published): counted for nobody, and the room they hold is the decode's own."""
     own = []
     for w in obs.prefill:
         if w.waiting_queue is not None:
             own.append(w.waiting_queue)
         elif w.waiting is not None:  # no breakdown: its waiting count, less what waits on decode if known
             own.append(max(0, w.waiting - (w.bootstrap or 0)))
-    current = [w for w in obs.decode if current_row(w)]
     shown = _total(w.transfer for w in obs.decode)
-    transfer = _total(w.transfer for w in current)
     sent = _total(w.inflight_queue for w in obs.prefill) or 0
     # Waiting for decode room: the prefills' bootstrap queues and the decodes' prealloc queues hold the same
     # requests, each side's row up to a batch old (a prefill's during a long forward, a decode's while it runs
     # batches): the smaller count is the one less out of date.
     room = [n for n in (_total(w.bootstrap for w in obs.prefill), _total(w.prealloc for w in obs.decode))
             if n is not None]
-    held = max(0, sum(w.inflight for w in obs.prefill) - (min(room) if room else 0) - sent)
-    raw = None if shown is None else max(0, (transfer or 0) - sent)
-    confirmed = None if raw is None else min(raw, max(held, sum(own)))
-    share = confirmed_share(raw, confirmed)
+    pipeline = max(0, sum(w.inflight for w in obs.prefill) - (min(room) if room else 0))
+    real = None if shown is None else min(shown, max(pipeline, sum(own) + sent))
+    share = 1.0 if not shown else real / shown
     return {
         "prefill_queue": sum(own) if own else None,
-        "held": held,
-        "decode_transfer": confirmed,
-        "behind_transfers": share * sum(_ready(w) * blocked_share(w) for w in current if w.prealloc is not None),
-        "uncounted_transfer": None if shown is None else shown - (confirmed or 0),
+        "pipeline": pipeline,
+        "decode_transfer": None if real is None else max(0, real - sent),
+        "behind_transfers": share * sum(_ready(w) * blocked_share(w) for w in obs.decode if w.prealloc is not None),
+        "uncounted_transfer": None if shown is None else shown - real,
         "share": share,
     }
-
-
-def current_row(w: WorkerView) -> bool:
-    """Whether a decode's row describes its queues now: a 0.5.23 decode republishes its row every 50 ms while it
-    runs no batch (waiting for KV, or for room), every 15 steps while it runs batches. A row older than 0.2 s is
-    one of those 15 steps back: the requests admitted in that step sit in its transfer queue, KV long arrived.
-    Unknown age (servers before 0.5.23's publishing): current."""
-    return w.row_age_s is None or w.row_age_s < CURRENT_ROW_AGE_S
-
-
-def confirmed_share(raw: float | None, confirmed: float | None) -> float:
-    """Of the transfers the current decode rows show, the share a prefill still holds."""
-    return 1.0 if not raw else (confirmed or 0) / raw
 
 
 def waits_on_prefill(obs: Observation) -> float | None:
@@ -201,9 +181,8 @@ def waits_on_decode(obs: Observation) -> float | None:
     share = waiting_parts(obs)["share"]
     for w in obs.decode:
         if w.waiting_queue is not None or w.prealloc is not None:
-            # behind transfers uncounted (a row a batch old, or no prefill holds them), the room is the decode's
-            blocked = blocked_share(w) * share if current_row(w) else 0.0
-            ready = _ready(w) * (1 - blocked)
+            # behind transfers no prefill has any more, the room they wait for is the decode's own
+            ready = _ready(w) * (1 - blocked_share(w) * share)
             parts.append((w.waiting_queue or 0) + ready + (w.retracted or 0))
         elif w.waiting is not None:  # no breakdown: its whole waiting count is read as its own
             parts.append(w.waiting)

@@ -304,15 +304,3 @@ def test_waiting_for_decode_room_is_read_from_the_side_whose_row_is_less_out_of_
                     transfer=2, retracted=0),)
     o = obs(p, d)
     assert (waits_on_prefill(o), waits_on_decode(o)) == (2 + 6, 0)
-
-
-def test_only_a_current_decode_row_shows_transfers_waiting_on_prefill():
-    """A 0.5.23 decode republishes its row every 50 ms while it runs no batch (it waits on prefill), every 15
-    steps while it runs batches: a row older than 0.2 s shows in its transfer queue what it admitted up to 15
-    steps ago. Even with the prefill holding legs (other requests, in a forward), such a row's transfers, and
-    the room they hold, count for nobody."""
-    p = prefill(1, forward=8, bootstrap=4)
-    stale = decode(2, running=3, transfer=4, prealloc_ready=2, row_age_s=3.5)
-    assert waits_on_prefill(obs(p, stale)) == 0 and waits_on_decode(obs(p, stale)) == 4
-    current = decode(2, running=3, transfer=4, prealloc_ready=2, row_age_s=0.03)
-    assert waits_on_prefill(obs(p, current)) == 8 + 2 * 2 * 4 / 7
