@@ -71,6 +71,17 @@ async def _serves(argv: list[str], log_path) -> str:
 
                 # four routers start at once: a loaded machine takes its time (the deadline, not a sleep)
                 await wait_for(ready, timeout=90, interval=0.1, message=f"{argv} to serve")
+                if "none" in argv:
+                    # "explicitly no bootstrap port": decode then uses its own default port, where this fleet's
+                    # prefill listens not; what the example means is each prefill's port as the router holds it
+                    async with session.get(url + "/workers") as resp:
+                        ports = {w["url"]: w["bootstrap_port"] for w in (await resp.json())["workers"]
+                                 if w["role"] == "prefill"}
+                    given = [argv[i + 1] for i, token in enumerate(argv) if token == "--prefill"]
+                    assert ports[given[0]] == int(argv[argv.index(given[0]) + 1])  # the port given
+                    assert ports[given[1]] is None  # none
+                    assert ports[given[2]] is not None  # no port: the server's own, read from it
+                    return log_path.read_text()
                 for i in range(6):  # random and power_of_two spread these over every pool member
                     async with session.post(url + "/generate", json={
                             "text": f"hello {i}", "sampling_params": {"max_new_tokens": 2}}) as resp:
