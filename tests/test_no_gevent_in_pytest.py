@@ -1,0 +1,25 @@
+"""No test module may monkey-patch the pytest process: importing locust (gevent's patch_all) at collection turned
+every later test's threads into greenlets, and the suite hung in tests/test_tracing (its OTLP receiver's gRPC
+server waited on gevent's hub). Collection of the whole tree is run in a child process and checked."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+CHECK = """
+import sys, pytest
+pytest.main(["-q", "--collect-only", "-p", "no:cacheprovider", "tests"])
+patched = [m for m in ("gevent", "locust") if m in sys.modules]
+print("PATCHED=" + ",".join(patched))
+"""
+
+
+def test_collecting_the_suite_imports_neither_gevent_nor_locust():
+    out = subprocess.run([sys.executable, "-c", CHECK], cwd=REPO, capture_output=True, text=True, timeout=240)
+    line = [ln for ln in out.stdout.splitlines() if ln.startswith("PATCHED=")]
+    assert line, out.stdout[-2000:] + out.stderr[-2000:]
+    assert line[-1] == "PATCHED=", line[-1]
