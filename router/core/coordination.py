@@ -9,8 +9,9 @@ flows behave exactly as they do alone. Replicas sharing a fleet get the etcd imp
     stop_routing   after the operation took its servers out of routing (their state, or the fleet's hold):
                    every live replica, this one included, has applied that and, per `action`, marked its own
                    requests on them (`stop_here`: one way of marking, the same at every replica)
-    elsewhere      the other replicas' requests still on the servers (`inflight_elsewhere`, and waiting
-                   until there are none: `wait_idle_elsewhere`), so a drain or a quiesce counts every replica
+    elsewhere      the other replicas' requests still on the servers (`inflight_elsewhere`, read by the one
+                   idle wait, `flows/fleet.wait_quiet`, so a drain or a quiesce counts every replica; abort_all
+                   waits until there are none: `wait_idle_elsewhere`)
     progress       before an irreversible step (a role switch, a weight update): recorded for a replica that
                    takes the operation over, and refused when this replica no longer owns it
     release        the operation's outcome is published and its right to run given back

@@ -24,18 +24,18 @@ import asyncio
 import collections
 import itertools
 import logging
-import time
+import math
 from typing import Any, Awaitable, Callable
 
 from aiohttp import web
 
 from router.control.live_state import rejoin_check
-from router.control.upstream import INFO_TIMEOUT, Upstream
+from router.control.upstream import Upstream
 from router.core.coordination import Coordinator, StopAction, Ticket, while_owned, worker_scope
 from router.core.errors import Conflict, RouterError, ServiceUnavailable
 from router.core.registry import Registry, Role, Worker, WorkerState
 from router.flows.conversion_record import Conversion, ConversionOutcome, DrainMode, Plan
-from router.flows.fleet import ABORT_REPEAT_SECS, POLL_FIRST, POLL_MAX
+from router.flows.fleet import Quiet, wait_quiet
 from router.flows.conversion_recovery import recover_conversion
 from router.flows.role_switch import RoleSwitch
 from router.flows.steps import Step, StepFailed, run_step
@@ -77,8 +77,8 @@ class Conversions:
         self._tasks: dict[str, asyncio.Task] = {}  # by conversion id
         self._history: collections.OrderedDict[str, Conversion] = collections.OrderedDict()
         self._history_size = history_size
-        # (event, conversion, details): "finished" once per conversion (refusals included); "abort_all" per
-        # abort sent, with `inflight` = the router's requests it aborted (counted once per conversion)
+        # (event, conversion, details): "finished" once per conversion (refusals included); "abort_all" once
+        # its abort step ends, with `inflight` = the router's requests it aborted and `aborts` = abort_all sent
         self.observers = observers if observers is not None else []
 
     # ---- reads -------------------------------------------------------------------------------------
@@ -294,8 +294,7 @@ class Conversions:
     # ---- emptying the worker -----------------------------------------------------------------------
     async def _drain(self, conversion: Conversion, worker: Worker, step: Step) -> None:
         await self._stop(conversion, worker, StopAction.ROUTING)
-        await self._wait_idle(conversion, worker, step)
-        step.message = step.message or "idle on the router and the server"
+        await self._wait_quiet(conversion, worker, step, abort=False)
 
     async def _stop(self, conversion: Conversion, worker: Worker, action: StopAction) -> int:
         """Every router replica, this one first, stopped routing to the worker and did `action` (EPOCH: their
@@ -328,46 +327,31 @@ class Conversions:
         # The router's requests on the worker are counted once: it is out of routing, so a later round finds
         # the same requests (still ending), not new ones.
         stopped = await self._stop(conversion, worker, StopAction.EPOCH)
-        while True:
-            inflight = stopped if step.attempts == 0 else 0
-            reply = await self.upstream.abort(worker.url, abort_all=True, timeout=INFO_TIMEOUT)
-            step.attempts += 1
-            self._notify("abort_all", conversion, inflight=inflight)
-            if not reply.ok:
-                step.message = f"abort_all answered {reply.status or 'nothing'}: {reply.message()}; waiting"
-            try:
-                async with asyncio.timeout(ABORT_REPEAT_SECS):
-                    await self._wait_idle(conversion, worker, step)
-                return
-            except TimeoutError:
-                continue  # a request reached the server after the abort, or the abort lags: abort again
+        try:
+            await self._wait_quiet(conversion, worker, step, abort=True)
+        finally:
+            self._notify("abort_all", conversion, inflight=stopped, aborts=step.attempts)
 
-    async def _wait_idle(self, conversion: Conversion, worker: Worker, step: Step) -> None:
-        """Router-side in-flight count 0 (on every replica), then the server reports nothing running, waiting
-        or queued."""
-        if worker.inflight:
-            step.message = f"{worker.inflight} requests in flight on the router"
-            await self.registry.wait_idle(worker, float("inf"))
+    async def _wait_quiet(self, conversion: Conversion, worker: Worker, step: Step, *, abort: bool) -> None:
+        """The fleet's idle wait on this one server (`wait_quiet`): no replica has a request on it, then the
+        server reports nothing running, waiting or queued; with `abort`, abort_all sent and sent again while
+        it is busy. The step's deadline (`run_step`) bounds it; what is still busy is on the step meanwhile."""
         ticket = self._tickets.get(conversion.id)
-        if ticket is not None and (elsewhere := self.coordinator.inflight_elsewhere(ticket, worker)):
-            step.message = f"{elsewhere} requests in flight on other router replicas"
-            await self.coordinator.wait_idle_elsewhere(ticket)
-        router_idle = time.monotonic()
-        step.details["router_idle_s"] = round(router_idle - step.t0, 6)
-        delay = POLL_FIRST
-        while True:
-            load = await self.upstream.load(worker.url, timeout=INFO_TIMEOUT)
-            step.details["server_polls"] = step.details.get("server_polls", 0) + 1
-            if load is None:
-                step.message = "the server reports no load: relied on the router's in-flight count"
-                break
-            if load.idle:
-                break
-            step.message = (f"the server reports {load.running} running, {load.waiting} waiting and "
-                            f"{load.queued} in its PD queues")
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, POLL_MAX)
-        step.details["server_idle_after_s"] = round(time.monotonic() - router_idle, 6)
+        elsewhere = (lambda w: self.coordinator.inflight_elsewhere(ticket, w)) if ticket is not None else \
+            (lambda w: 0)
+
+        def watch(progress: Quiet) -> None:
+            step.attempts = progress.aborts_sent
+            step.message = _busy_message(progress.busy[0]) if progress.busy else ""
+
+        quiet = await wait_quiet(self.registry, self.upstream, [worker], math.inf, abort=abort,
+                                 elsewhere=elsewhere, watch=watch)
+        step.attempts = quiet.aborts_sent
+        step.details.update(router_idle_s=round(quiet.router_idle_s or 0.0, 6), server_polls=quiet.server_polls,
+                            server_idle_after_s=round(quiet.duration_s - (quiet.router_idle_s or 0.0), 6))
+        how = f"abort_all sent {quiet.aborts_sent} times; " if abort else ""
+        step.message = how + ("the server reports no load: relied on the router's in-flight count" if quiet.silent
+                              else "idle on the router and the server")
 
     def _empty_timeout(self, worker: Worker, step: Step, what: str) -> StepFailed:
         detail = step.message or "not idle"
@@ -491,3 +475,13 @@ class Conversions:
 
 
 CONVERSIONS = web.AppKey("conversions", Conversions)
+
+
+def _busy_message(busy: dict) -> str:
+    """What keeps the server from being idle, as `wait_quiet` found it."""
+    if busy.get("router_inflight"):
+        return f"{busy['router_inflight']} requests in flight on the router"
+    if busy.get("other_replicas_inflight"):
+        return f"{busy['other_replicas_inflight']} requests in flight on other router replicas"
+    return (f"the server reports {busy.get('running')} running, {busy.get('waiting')} waiting and "
+            f"{busy.get('pd_queues')} in its PD queues")

@@ -123,17 +123,26 @@ class Quiet:
     busy: list[dict]  # what was still running at the deadline
     aborts_sent: int = 0
     silent: list[str] = field(default_factory=list)  # servers that tell nothing about their load
+    router_idle_s: float | None = None  # when no replica had a request left on them (None: not yet)
+    server_polls: int = 0  # load reads of the servers
 
 
 async def wait_quiet(registry: Registry, upstream: Upstream, workers: list[Worker], deadline: float, *,
-                     abort: bool, elsewhere: Callable[[Worker], int] = lambda worker: 0) -> Quiet:
+                     abort: bool, elsewhere: Callable[[Worker], int] = lambda worker: 0,
+                     watch: Callable[[Quiet], None] = lambda progress: None) -> Quiet:
     """Wait until no routed request holds any of `workers` and each server reports nothing running or
     waiting (`/v1/loads`, else `/get_load`). With `abort`, send `abort_all` first and again to servers
     still busy every ABORT_REPEAT_SECS (SGLang's abort is asynchronous, and a leg already on the wire
-    can reach the server after it). The caller holds admission, so nothing new arrives from the router.
-    `elsewhere`: the requests other router replicas of the fleet still have on a worker (they count too)."""
+    can reach the server after it). The caller has taken them out of routing (their state, or the fleet's
+    hold), so nothing new arrives from the router. The one idle wait of every flow (a conversion's drain or
+    abort on one server, a fleet's quiesce), so one replica or five read the same:
+    `elsewhere`: the requests other router replicas of the fleet still have on a worker (they count too).
+    `watch`: told what is still busy after each look (ok False), for a flow's visible state; a deadline of
+    `math.inf` leaves the deadline to the caller (cancelling the wait)."""
     started = time.monotonic()
     aborts = 0
+    router_idle: float | None = None
+    polls = 0
 
     async def abort_all(targets: list[Worker]) -> None:
         nonlocal aborts
@@ -152,6 +161,8 @@ async def wait_quiet(registry: Registry, upstream: Upstream, workers: list[Worke
                             for w in workers if w.inflight or w in remote]
         busy_workers = [w for w in workers if w.inflight or w in remote]
         if not busy:
+            router_idle = time.monotonic() - started if router_idle is None else router_idle
+            polls += 1
             loads = await asyncio.gather(*(upstream.load(w.url, timeout=INFO_TIMEOUT) for w in workers))
             for worker, load in zip(workers, loads):
                 if load is None:
@@ -164,10 +175,13 @@ async def wait_quiet(registry: Registry, upstream: Upstream, workers: list[Worke
                 if silent:
                     logger.warning("servers %s report no load: quiet judged from the router's side only",
                                    ", ".join(w.url for w in silent))
-                return Quiet(True, time.monotonic() - started, [], aborts, sorted(w.url for w in silent))
+                return Quiet(True, time.monotonic() - started, [], aborts, sorted(w.url for w in silent),
+                             router_idle, polls)
         now = time.monotonic()
+        progress = Quiet(False, now - started, busy, aborts, sorted(w.url for w in silent), router_idle, polls)
         if now >= deadline:
-            return Quiet(False, now - started, busy, aborts, sorted(w.url for w in silent))
+            return progress
+        watch(progress)
         if abort and now - last_abort >= ABORT_REPEAT_SECS:
             await abort_all(busy_workers)
             last_abort = time.monotonic()
