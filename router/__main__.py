@@ -49,6 +49,13 @@ def serve(argv: list[str] | None = None) -> int:
     except OSError as exc:
         print(f"pd-router: error: --log-dir {config.log_dir}: {exc.strerror or exc}", file=sys.stderr)
         return 2
+    from router.core.worker_tls import WorkerTlsError, worker_ssl_context
+
+    try:  # made again by the app: this is the check, with one line and exit 2 for a file that does not load
+        worker_ssl_context(config.client_cert_path, config.client_key_path, config.ca_cert_paths)
+    except WorkerTlsError as exc:
+        print(f"pd-router: error: {exc}", file=sys.stderr)
+        return 2
     if supervising:
         return supervise(sys.argv[1:] if argv is None else argv, config)
     if place is not None and not supervisor.die_with_supervisor(place):

@@ -19,7 +19,7 @@ NO_DEFAULT_SHOWN = {"--prefill", "--decode", "--prefill-bootstrap-ports", "--pre
                     "--api-key", "--admin-api-key", "--worker-api-key", "--prometheus-port", "--prometheus-host",
                     "--admin-allow-cidrs", "--worker-allow", "--etcd-data-dir",
                     "--discovery-file", "--discovery-etcd-endpoints", "--etcd-endpoints",
-                    "--tls-cert-path", "--tls-key-path",
+                    "--tls-cert-path", "--tls-key-path", "--client-cert-path", "--client-key-path", "--ca-cert-paths",
                     "--rate-limit-tokens-per-second",
                     "--prometheus-duration-buckets",
                     "--worker-startup-check-interval",

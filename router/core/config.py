@@ -289,6 +289,11 @@ class RouterConfig:
     # Serve HTTPS with this certificate (chain) and key (sgl-router's, SMG's --tls-cert-path/--tls-key-path)
     tls_cert_path: str | None = None
     tls_key_path: str | None = None
+    # TLS toward https:// workers (the peers' flags; core/worker_tls.py): a client certificate and its key
+    # presented to workers that ask (mTLS), CA bundles trusted besides the system's store.
+    client_cert_path: str | None = None
+    client_key_path: str | None = None
+    ca_cert_paths: tuple[str, ...] = ()
     log_dir: str | None = None  # the log lines also go to a file there (obs/logs.py: log_file_name)
     # The headers a request id is read from, first present wins, echoed back (obs/logs.py); empty: X-Request-Id
     request_id_headers: tuple[str, ...] = ()
@@ -384,6 +389,8 @@ class RouterConfig:
                 found.append(f"{name} must be positive")
         if (self.tls_cert_path is None) != (self.tls_key_path is None):
             found.append("--tls-cert-path and --tls-key-path go together (HTTPS needs both)")
+        if (self.client_cert_path is None) != (self.client_key_path is None):
+            found.append("--client-cert-path and --client-key-path go together (mTLS toward the workers needs both)")
         buckets = self.prometheus_duration_buckets
         if buckets and not (all(0 < b < float("inf") for b in buckets)
                             and all(a < b for a, b in zip(buckets, buckets[1:]))):

@@ -76,6 +76,10 @@ SETTING_FLAGS: list[Flag] = [
                                 "networks, addresses, host names or .domains (others: 403); default: anywhere"),
     flag("--tls-cert-path", help="serve HTTPS with this certificate (PEM, chain first) ..."),
     flag("--tls-key-path", help="... and its private key (PEM)"),
+    flag("--client-cert-path", help="https:// workers: present this client certificate (PEM) to them (mTLS) ..."),
+    flag("--client-key-path", help="... with this private key (PEM)"),
+    flag("--ca-cert-paths", nargs="*", help="https:// workers: trust these CA bundles (PEM) besides the system's "
+                                            "store, to verify the workers' certificates; repeatable"),
     flag("--prometheus-port", help="also serve /metrics on this port"),
     flag("--prometheus-host"),
     flag("--prometheus-duration-buckets", help="the bounds (seconds) of pd_router_request_duration_seconds; "

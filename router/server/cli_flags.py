@@ -27,6 +27,9 @@ class Flag:
     help: str | None = None
     env: str | None = None  # read when the flag is not given (secrets stay out of `ps`)
     choices: tuple[str, ...] | None = None
+    # a list's values: "+" (one or more; given again, the last wins) or "*" (none or more, each given adds: the
+    # peers' `nargs="*", action="extend"`)
+    nargs: str = "+"
 
     @property
     def dest(self) -> str:
@@ -91,6 +94,10 @@ def add_flags(parser: argparse.ArgumentParser, rows: list[Flag]) -> None:
         metavar = None if row.choices else row.names[-1].removeprefix("--").replace("-", "_").upper()
         if typing.get_origin(kind) is tuple:  # a list: one or more values after the flag (empty by default)
             (kind, _) = typing.get_args(kind)
+            if row.nargs == "*":
+                parser.add_argument(*row.names, dest=row.dest, type=kind, nargs="*", action="extend",
+                                    default=list(default), metavar=metavar, help=help_text)
+                continue
             parser.add_argument(*row.names, dest=row.dest, type=kind, nargs="+", default=default,
                                 metavar=metavar, help=help_text)
             continue

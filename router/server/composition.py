@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import ssl
 from typing import Callable
 
 import aiohttp
@@ -54,6 +55,7 @@ from router.core.lifecycle import Lifecycle
 from router.core.registry import Registry, Role
 from router.core.tasks import BackgroundTasks
 from router.core.traffic import RequestPathControl
+from router.core.worker_tls import worker_ssl_context
 from router.core.worker_url import identity
 from router.dataplane.admission import ADMISSION, Admission
 from router.dataplane.dp_ranks import RankPlacer
@@ -89,7 +91,8 @@ async def assemble(app: web.Application, stack: contextlib.AsyncExitStack) -> No
     spawn = tasks.spawn
 
     # ---- the control plane's client ----------------------------------------------------------------------
-    session = app[SESSION] = make_session(config)
+    worker_tls = worker_ssl_context(config.client_cert_path, config.client_key_path, config.ca_cert_paths)
+    session = app[SESSION] = make_session(config, worker_tls)
     stack.push_async_callback(session.close)
     upstream = app[UPSTREAM] = Upstream(session, api_key=config.worker_api_key)
     upstream.follow_credentials(registry)
@@ -107,7 +110,7 @@ async def assemble(app: web.Application, stack: contextlib.AsyncExitStack) -> No
                                     Role.DECODE: make_policy(config.decode_policy, config.policy_params)}
     app[POLICIES] = policies
     legs = UpstreamPool(max_connections=config.max_connections, connect_timeout=config.connect_timeout_secs,
-                        silence_timeout=config.upstream_idle_timeout_secs)
+                        silence_timeout=config.upstream_idle_timeout_secs, ssl_context=worker_tls)
     stack.push_async_callback(legs.close)
     stack.push_async_callback(tasks.close)  # before the pools close: aborts and lingering legs use them
     registry.subscribe(_forget_removed(legs))
@@ -210,8 +213,10 @@ async def router_context(app: web.Application):
         yield
 
 
-def make_session(config: RouterConfig) -> aiohttp.ClientSession:
+def make_session(config: RouterConfig, worker_tls: ssl.SSLContext | None = None) -> aiohttp.ClientSession:
+    """The control plane's one client; `worker_tls`: the context for https:// workers (None: the defaults)."""
     connector = aiohttp.TCPConnector(
+        ssl=worker_tls if worker_tls is not None else True,
         limit=config.max_connections,
         limit_per_host=0,  # the total limit already bounds each worker; a per-host cap would stall bursts
         ttl_dns_cache=300,
