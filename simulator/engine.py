@@ -335,6 +335,7 @@ class Engine(EngineControl):
 
     def flush_prefix_cache(self) -> None:
         """What a successful /flush_cache (also the one after a weight update) does to the radix cache."""
+        self.counters.cache_flushes += 1
         if self.prefix_cache is not None:
             self.prefix_cache.clear()
 

@@ -168,6 +168,7 @@ class Counters:
     generation_tokens: int = 0
     weight_updates: int = 0
     role_switches: int = 0
+    cache_flushes: int = 0  # successful flushes of the cache (/flush_cache, or the one after a weight update)
 
 
 def leg_failure(req: Req, role: str, stage: str, reason: str | None) -> RequestFailed:

@@ -23,6 +23,9 @@ class HoldKind(str, enum.Enum):
     WEIGHTS = "weights"  # failed a weight update or serves another version: an update or the reconciler
     PAUSED = "paused"  # paused or not ready (`/ready` 503): continue_generation, or `/ready` answering 200
     MEMORY = "memory"  # its memory was not resumed: resume_memory_occupation
+    # took a weight update, but its cache still holds the old weights' KV (0.5.23 refuses the flush while
+    # requests are on the server, e.g. paused in place): the router's /flush_cache once the server is idle
+    CACHE = "cache"
 
     def __str__(self) -> str:
         return self.value

@@ -4,7 +4,9 @@ A pause holds new requests until continue (admission closed for `pause_generatio
 and empties the fleet first; a pause in place (`in_place`, `retract`) leaves requests on their servers, whose
 answers go silent on purpose (the legs' idle timeout waits). Continue fans out to every server, held ones
 included: those that take it rejoin routing (at the fleet's weight version), the others are held out as
-`paused`. At shutdown a pause this router put on the fleet is ended (`release_pause`), unless other router
+`paused`. A server an update during the pause could not flush (its parked requests kept the old weights'
+cache) rejoins once its requests are done and the router has flushed it; where its pool has no other server,
+continue keeps admission closed until then (step `flush`). At shutdown a pause this router put on the fleet is ended (`release_pause`), unless other router
 replicas share the fleet (its pause is theirs too).
 """
 
@@ -70,6 +72,7 @@ class Pauses:
         fleet = self.fleet
         results = await fleet.restore(op, "continue", "continue_generation", body, fleet.config.abort_timeout_secs,
                                       HoldKind.PAUSED)
+        await self._flush_where_needed(op, fleet.config.abort_timeout_secs)
         for result in results:
             result.extra["routable"] = result.worker.routable
         fleet.paused = None
@@ -81,6 +84,22 @@ class Pauses:
         message = "Generation continued successfully." if status == 200 else summary(results, "continue_generation")
         return status, {"success": status == 200, "message": message, "status": "ok" if status == 200 else "error",
                         "workers": op.workers}
+
+    async def _flush_where_needed(self, op: Operation, timeout: float) -> None:
+        """Servers an update during the pause could not flush (requests were parked on them) finish those
+        requests now; where a pool has no other routable server, admission stays closed until they are flushed
+        and back (within `timeout`), so that new requests wait for them instead of finding the pool empty."""
+        registry = self.fleet.registry
+        stale = registry.held(HoldKind.CACHE)
+        needed = [w for w in stale if not registry.routable(w.role)]
+        if not needed:
+            return
+        step = op.step("flush", timeout)
+        left = await self.fleet.held_out.flush_until(needed, time.monotonic() + timeout)
+        done = [w.url for w in needed if w not in left]
+        step.end("ok" if not left else "timeout",
+                 f"flushed and back: {', '.join(done) or 'none'}"
+                 + (f"; still not idle: {', '.join(w.url for w in left)} (the reconciler keeps trying)" if left else ""))
 
     async def release_pause(self) -> tuple[int, dict] | None:
         """Shutdown: a pause the router put on the fleet is ended with continue_generation, so that no server

@@ -52,6 +52,9 @@ CACHE_NOT_FLUSHED = "cache was not flushed"
 SETTLE_S = 30.0
 POLL_S = 0.2  # a polling cadence: a server says nothing when its update ends
 SESSION_ALREADY_OPEN = "already open"
+# What an update left in a server's cache (`WorkerResult.extra["cache"]`; absent: flushed by the update)
+STALE = "stale"  # not flushed (requests were there): held out as `cache` until the router flushes it
+KEPT = "kept"  # the client asked for no flush (`flush_cache: false`): its choice, nothing held
 
 
 class WeightUpdates:
@@ -139,11 +142,19 @@ class WeightUpdates:
                 result.message = f"end_weight_update failed: {result.message}"
         if not result.success and reply.status == 400 and CACHE_NOT_FLUSHED in result.message:
             # 0.5.23 changed the weights but found requests still there when it flushed (a request got in
-            # after the quiesce, or the server was paused in place). Flush once it is idle.
-            flush = await self.upstream.post(worker.url, "/flush_cache?timeout=5", timeout=10)
+            # after the quiesce, or the server is paused in place: then it cannot become idle until continue).
+            # The update took; the cache the old weights left is the router's to flush once the server is idle.
+            wait = "" if self.fleet.paused is not None else "?timeout=5"
+            flush = await self.upstream.post(worker.url, "/flush_cache" + wait, timeout=10)
+            result.success = True
             if flush.ok:
-                result.success = True
                 result.message += " The router flushed the cache once the server was idle."
+            else:
+                result.extra["cache"] = STALE
+                result.message += (" It stays out of routing until the router has flushed its cache, once its "
+                                   "requests are done.")
+        elif result.success and body.get("flush_cache") is False:
+            result.extra["cache"] = KEPT
         return result
 
     def settle(self, kind: str, results: list[WorkerResult], versions: list[str | None],
@@ -175,8 +186,13 @@ class WeightUpdates:
             worker_versions={o.worker: v for o, v in zip(results, versions) if v is not None})
         for result, version in zip(results, versions):
             worker = result.worker
-            if result.success:
-                self.fleet.held_out.rejoin(worker, f"weights: updated to {version!r}", kinds=(HoldKind.WEIGHTS,))
+            cache = result.extra.get("cache")
+            if result.success and cache == STALE:
+                self.fleet.held_out.leave_out(worker, HoldKind.CACHE, f"{kind}: updated to {version!r}, but its "
+                                                                      "cache still holds the old weights' KV")
+            elif result.success:  # flushed by this update: a cache hold from an earlier one ends too
+                kinds = (HoldKind.WEIGHTS,) if cache == KEPT else (HoldKind.WEIGHTS, HoldKind.CACHE)
+                self.fleet.held_out.rejoin(worker, f"weights: updated to {version!r}", kinds=kinds)
             else:
                 self.fleet.held_out.leave_out(worker, HoldKind.WEIGHTS, f"{kind} failed: {result.message}"[:500])
             result.extra["routable"] = worker.routable
@@ -185,6 +201,8 @@ class WeightUpdates:
         if failed:
             message += (f" {failed} server(s) left out of routing until they serve version "
                         f"{self.registry.fleet_version!r}.")
+        if stale := sum(o.success and o.extra.get("cache") == STALE for o in results):
+            message += f" {stale} server(s) out of routing until their cache is flushed, once idle."
         return message
 
     # ---- an update whose replica died: settled by the replica taking it over (`core/recovery.py`) --------

@@ -132,6 +132,10 @@ class Chaos:
         self.reducing: set[str] = set()  # roles a conversion or a replacement is taking a server out of
         self.versions = 0  # weight versions asked for
         self.updated: list[tuple[float, str]] = []  # (answered at, version) of each update that succeeded
+        # (sent at, answered at, version) of each update that found the fleet paused in place: its quiesce was
+        # skipped, so requests parked on the servers resumed on the new weights (a partial rollout's answer,
+        # by design: its tokens carry both versions)
+        self.updated_while_paused: list[tuple[float, float, str]] = []
         self.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=CALL_TIMEOUT_S))
         self.memory: dict[int, list[tuple[float, int]]] = {}  # pid -> (time, RSS KiB)
         self.clients: Clients | None = None
@@ -292,6 +296,7 @@ class Chaos:
         self.versions += 1
         version, abort = f"v{self.versions}", self.rng.random() < 0.5
         event.detail = f"{version} abort_all_requests={abort} at replica {replica}"
+        sent = time.monotonic()
         status, answer = await self._call(replica, "POST", "/update_weights_from_disk", {
             "model_path": MODEL, "weight_version": version, "abort_all_requests": abort, "retry_aborted": True})
         if status == 502:  # a server that a `replace` removed and killed meanwhile: left out, the others updated
@@ -303,7 +308,17 @@ class Chaos:
         if status == 200:
             assert answer["success"] and answer["weight_version"] == version, answer
             self.updated.append((time.monotonic(), version))
+            if await self._skipped_quiesce(replica, answer["update_id"]):
+                self.updated_while_paused.append((sent, time.monotonic(), version))
         return outcome
+
+    async def _skipped_quiesce(self, replica: int, op_id: str) -> bool:
+        """Whether the update's record (at the replica that ran it) says it found the fleet paused and did
+        not wait for requests; unknown (the replica gone meanwhile) counts as paused: no answer is blamed."""
+        status, record = await self._call(replica, "GET", f"/weight_updates/{op_id}", None)
+        if status != 200:
+            return True
+        return any(s["name"] == "quiesce" and s["outcome"] == "skipped" for s in record.get("steps", ()))
 
     async def _pause(self, event: Event) -> str:
         at, then = self.rng.choice(self._up()), self.rng.choice(self._up())
@@ -513,7 +528,7 @@ class Chaos:
             self.report.problems.append(f"lost request: {answer} (events then: {self._events_at(answer)})")
         if lost:
             self.report.problems.append(f"{len(lost)} of {len(answers)} requests lost")
-        mixed = [a for a in answers if len(set(a.versions)) > 1]
+        mixed = [a for a in answers if len(set(a.versions)) > 1 and not self._parked_across_update(a)]
         if mixed:
             self.report.problems.append(f"{len(mixed)} answers mix weight versions: {mixed[:3]}")
         # updates answered in order; a request sent after one answered is never served on a version that an
@@ -529,6 +544,13 @@ class Chaos:
                     f"an answer on {answer.versions} sent {answer.sent - self.t0:.3f} s into the run, after "
                     f"{before[-1]} answered ({at:.3f} s): {answer}")
                 break
+
+    def _parked_across_update(self, answer: Answer) -> bool:
+        """An answer whose versions changed exactly once, to one that an update on a paused fleet brought while
+        the answer was running."""
+        changes = [new for old, new in zip(answer.versions, answer.versions[1:]) if new != old]
+        return len(changes) == 1 and any(version == changes[0] and sent <= answer.ended and answered >= answer.sent
+                                         for sent, answered, version in self.updated_while_paused)
 
     def _events_at(self, answer: Answer) -> list[str]:
         start, end = answer.sent - self.t0, answer.ended - self.t0
