@@ -85,7 +85,8 @@ def serve(argv: list[str] | None = None) -> int:
                 shutdown_timeout=shutdown.close_timeout(config.shutdown_grace_secs),
                 announce=lambda message: logger.info("%s", message), wind_down=shutdown.wind_down(app),
                 reuse_port=place is not None, on_listening=lambda site: setattr(replica, "site", site),
-                ssl_context=ssl_context)
+                ssl_context=ssl_context, header_read_timeout=config.connections.header_read_timeout_secs,
+                idle_connection_timeout=config.connections.idle_connection_timeout_secs)
     logger.info("pd-router stopped")
     return 0
 

@@ -148,6 +148,29 @@ class DpRanksConfig:
                 if value not in DP_RANK_POLICIES]
 
 
+@dataclass(frozen=True, slots=True)
+class ConnectionTimeouts:
+    """SMG's connection bounds, seconds; 0 turns each off (README: Connections)."""
+
+    # Pooled connections to the workers (the legs' and the control plane's) idle this long are closed: below
+    # SGLang's own keep-alive (uvicorn's 5 s), so that the router never reuses one the server is closing.
+    upstream_pool_idle_timeout_secs: float = 4.0
+    # A client connection must send a whole request head within this long of being accepted (a keep-alive one:
+    # of its next head's first byte), else it is closed.
+    header_read_timeout_secs: float = 30.0
+    # A keep-alive client connection with no request in flight for this long is closed.
+    idle_connection_timeout_secs: float = 90.0
+    # A request body that stops arriving for this long: 408.
+    stream_body_stall_timeout_secs: float = 300.0
+    # An SSE comment on a client's stream after this much silence from its decode server (0: none: SGLang's
+    # own bench_serving, and mini_lb-style clients, parse every non-empty line as a data event).
+    sse_keepalive_secs: float = 0.0
+
+    def problems(self) -> list[str]:
+        return [f"--{f.name.replace('_', '-')} must not be negative (0: off)" for f in fields(self)
+                if not getattr(self, f.name) >= 0]
+
+
 CLUSTER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 
 
@@ -324,6 +347,7 @@ class RouterConfig:
     # decode answered is cut too; 0: never. Longer than SGLang's own waits (PD bootstrap and KV transfer,
     # 300 s each, one after the other at worst); not counted while the fleet is paused in place.
     upstream_idle_timeout_secs: float = 900.0
+    connections: ConnectionTimeouts = field(default_factory=ConnectionTimeouts)
     # Inject a router-made `rid` when the client gave none, so both legs can be aborted by id.
     inject_rid: bool = True
     # SIGTERM/SIGINT: the whole shutdown, from the signal to the exit (Kubernetes' default grace period). Requests
@@ -436,7 +460,7 @@ class RouterConfig:
         if self.admission.max_batch_size < 1:
             found.append(f"--max-batch-size must be at least 1, got {self.admission.max_batch_size}")
         for group in (self.policy_params, self.load_monitor, self.dp_ranks, self.rebalance, self.worker_sources,
-                      self.cluster, self.trace):
+                      self.cluster, self.trace, self.connections):
             found.extend(group.problems())
         found.extend(f"--request-id-headers: {name!r} is not an HTTP header name" for name in self.request_id_headers
                      if not name or not all(c.isalnum() or c in "!#$%&'*+-.^_`|~" for c in name))

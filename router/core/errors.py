@@ -70,6 +70,11 @@ class WorkerRemoved(Conflict):
     removed: it is not added again but by a registration on purpose (POST /workers)."""
 
 
+class RequestTimeout(RouterError):
+    status = 408
+    type = "request_timeout"
+
+
 class PayloadTooLarge(RouterError):
     status = 413
     type = "payload_too_large"

@@ -18,12 +18,13 @@ path does not pay for it: it catches the same error where it writes the body any
 
 from __future__ import annotations
 
+import asyncio
 import zlib
 
 import orjson
 from aiohttp import web
 
-from router.core.errors import BadRequest, PayloadTooLarge
+from router.core.errors import BadRequest, PayloadTooLarge, RequestTimeout
 
 ACCEPTED_ENCODINGS = ("identity", "gzip", "deflate")
 _GZIP = frozenset({"gzip", "x-gzip"})
@@ -53,6 +54,25 @@ async def read_bounded(request: web.BaseRequest, limit: int, flag: str) -> bytes
             raise too_large(request, limit, flag)
         chunks.append(chunk)
     return b"".join(chunks)
+
+
+async def read_unstalled(request: web.BaseRequest, limit: int, stall_s: float) -> bytes:
+    """The body of a request that is still arriving, bounded by `limit` (413) and by `stall_s` seconds without a
+    byte of it (408, --stream-body-stall-timeout-secs). The caller reads a body already in whole as it is."""
+    content, chunks, size = request.content, [], 0
+    while True:
+        try:
+            async with asyncio.timeout(stall_s):
+                chunk = await content.readany()
+        except TimeoutError:
+            raise RequestTimeout(f"{request.method} {request.path}: the request body stopped arriving: nothing of "
+                                 f"it for {stall_s:g} s (--stream-body-stall-timeout-secs)") from None
+        if not chunk:
+            return b"".join(chunks)
+        size += len(chunk)
+        if size > limit:
+            raise too_large(request, limit, "--max-payload-size")
+        chunks.append(chunk)
 
 
 def decode_content(request: web.BaseRequest, raw: bytes, limit: int, flag: str) -> bytes:

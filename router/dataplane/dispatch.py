@@ -57,8 +57,11 @@ class Dispatcher:
 
     def __init__(self, *, registry: Registry, upstream: UpstreamPool, policies: dict[Role, Policy],
                  spawn: Callable[[Awaitable], asyncio.Task], abort_headers: bytes, retry_aborted: bool,
-                 live: LiveRequests | None = None, linger_timeout: float | None = None) -> None:
-        """`linger_timeout`: how long a prefill leg may run on after its decode answered (None: no bound)."""
+                 live: LiveRequests | None = None, linger_timeout: float | None = None,
+                 sse_keepalive: float | None = None) -> None:
+        """`linger_timeout`: how long a prefill leg may run on after its decode answered (None: no bound).
+        `sse_keepalive`: --sse-keepalive-secs on the streams relayed (None: none)."""
+        self._sse_keepalive = sse_keepalive
         self.registry = registry
         self.upstream = upstream  # the legs and their aborts
         self.policies = policies
@@ -358,7 +361,7 @@ class Dispatcher:
             first_at = time.monotonic()
             record.ttft_s = first_at - record.started
             attempt.relaying = d_resp
-            ok = await relay(response, d_resp, events, splitter, prefill_first, record, first_at)
+            ok = await relay(response, d_resp, events, splitter, prefill_first, record, first_at, self._sse_keepalive)
             if not ok:  # cut mid-stream (silent, closed early): the server may still hold the request
                 self.abort_on(d.worker, attempt.rids)
             d.finish(Outcome.SUCCESS if ok else Outcome.ERROR)

@@ -22,7 +22,7 @@ from policies import Policy, RequestInfo
 from router.core.config import RouterConfig
 from router.core.errors import BadRequest, GatewayTimeout, RouterError, ServiceUnavailable, parse_json_object
 from router.core.records import RequestObserver, RequestRecord
-from router.core.request_body import NESTING_LIMIT, check_declared_size, decode_content
+from router.core.request_body import NESTING_LIMIT, check_declared_size, decode_content, read_unstalled
 from router.core.registry import Registry, Role, Worker
 from router.core.router_identity import HOP_LINE
 from router.core.tracing import TRACE_HEADERS, RequestTracer
@@ -71,7 +71,8 @@ class Proxy:
             abort_headers=HOP_LINE + (header_lines({"Authorization": self._worker_auth}) if self._worker_auth
                                       else b""),
             retry_aborted=config.retry.retry_aborted, live=live,
-            linger_timeout=config.upstream_idle_timeout_secs or None)
+            linger_timeout=config.upstream_idle_timeout_secs or None,
+            sse_keepalive=config.connections.sse_keepalive_secs or None)
         self.policies = policies
         self.leg_observers = dispatcher.leg_observers  # (worker, verdict) of every leg: passive health
         # Bound once: the attempt loop calls them without a hop through the dispatcher.
@@ -83,6 +84,7 @@ class Proxy:
         self._timeout = config.request_timeout_secs
         self._retry = config.retry
         self._max_payload = config.admission.max_payload_size
+        self._body_stall = config.connections.stream_body_stall_timeout_secs  # 0: a body may stall for ever
         self._limits = config.admission  # --max-n, --max-batch-size
         self._ranks = ranks
 
@@ -149,7 +151,10 @@ class Proxy:
         body is decoded from its content coding (gzip, deflate) and bounded again once decoded."""
         limit = self._max_payload
         check_declared_size(request, limit, "--max-payload-size")
-        raw = await request.read()  # bounded by the app's client_max_size (the same limit) while it is read
+        if self._body_stall and not request.content.is_eof():  # still arriving: bounded by its stalls too
+            raw = await read_unstalled(request, limit, self._body_stall)
+        else:
+            raw = await request.read()  # bounded by the app's client_max_size (the same limit) while it is read
         if "Content-Encoding" in request.headers:
             raw = decode_content(request, raw, limit, "--max-payload-size")
         return parse_json_object(raw)

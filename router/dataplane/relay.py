@@ -25,11 +25,55 @@ class ClientGone(Exception):
     """Writing to the client failed: it disconnected."""
 
 
+KEEPALIVE_COMMENT = b": keep-alive\n\n"
+
+
+class KeepAlive:
+    """--sse-keepalive-secs: an SSE comment on a client's stream its decode server has been silent on that long,
+    so an idle-timeout proxy in between does not cut it. One timer per stream, moved lazily: a relayed chunk only
+    notes its time and whether it ended an event; the timer, when it fires, writes a comment only at an event's
+    end (never inside an event the server sent in pieces) and sets itself for the next due time."""
+
+    __slots__ = ("response", "every", "last", "boundary", "sent", "_loop", "_timer", "_writing")
+
+    def __init__(self, response: web.StreamResponse, every: float) -> None:
+        self.response, self.every = response, every
+        self.last = time.monotonic()
+        self.boundary = True
+        self.sent = 0
+        self._loop = asyncio.get_running_loop()
+        self._writing: asyncio.Task | None = None
+        self._timer = self._loop.call_later(every, self._look)
+
+    def _look(self) -> None:
+        silent = time.monotonic() - self.last
+        if silent >= self.every and self.boundary and self._writing is None:
+            self._writing = asyncio.ensure_future(self._write())
+            silent = 0.0
+        self._timer = self._loop.call_later(max(self.every - silent, 0.01), self._look)
+
+    async def _write(self) -> None:
+        try:
+            await self.response.write(KEEPALIVE_COMMENT)  # one transport write: never inside another frame
+            self.sent += 1
+        except (ConnectionError, RuntimeError):
+            pass  # the client left, or the stream ended meanwhile: the relay finds out on its own
+        finally:
+            self._writing = None
+
+    def close(self) -> None:
+        self._timer.cancel()
+        if self._writing is not None:
+            self._writing.cancel()
+
+
 async def relay(response: web.StreamResponse, d_resp: UpstreamResponse, events: list[bytes],
                 splitter: sse.EventSplitter, prefill_first: dict[int, dict], record: RequestRecord,
-                first_at: float) -> bool:
-    """Relay decode's stream; True if it ended with [DONE]. Mid-stream failure → error event + [DONE]."""
+                first_at: float, keepalive_s: float | None = None) -> bool:
+    """Relay decode's stream; True if it ended with [DONE]. Mid-stream failure → error event + [DONE].
+    `keepalive_s`: --sse-keepalive-secs (None: no comments)."""
     merge = bool(prefill_first)
+    keep = KeepAlive(response, keepalive_s) if keepalive_s else None
     last_at = first_at
     saw_done = False
 
@@ -63,22 +107,33 @@ async def relay(response: web.StreamResponse, d_resp: UpstreamResponse, events: 
                     last_at = time.monotonic()
                     record.events += len(new)
                     await write(rewrite(new))
+                    if keep is not None:
+                        keep.last = last_at
         else:
             # Relay bytes as they come; only the tail is inspected for the final [DONE].
             tail = splitter.rest()
             if tail:
                 await write(tail)
+                if keep is not None:
+                    keep.boundary = tail.endswith(b"\n\n")
             async for chunk in d_resp:
                 last_at = time.monotonic()
                 record.events += chunk.count(b"data:")
                 await write(chunk)
                 tail = (tail + chunk)[-64:]
+                if keep is not None:
+                    keep.last, keep.boundary = last_at, chunk.endswith(b"\n\n")
             saw_done = saw_done or tail.rstrip(b"\r\n").endswith(sse.DONE.rstrip(b"\n"))
     except (UpstreamError, asyncio.TimeoutError) as exc:
+        if keep is not None:
+            keep.close()
         record.error = f"decode stream failed: {exc}"
         logger.warning("decode %s failed mid-stream: %s", record.decode.url if record.decode else "?", exc)
         await write(sse.error_event(f"decode worker failed mid-stream: {type(exc).__name__}: {exc}") + sse.DONE)
         return False
+    finally:
+        if keep is not None:  # nothing after the last event: the stream's end is written next
+            keep.close()
     if record.events > 1:
         record.itl_s = (last_at - first_at) / (record.events - 1)
     if not saw_done:

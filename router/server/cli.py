@@ -100,6 +100,19 @@ SETTING_FLAGS: list[Flag] = [
          help="cut a leg whose server sends nothing for this long mid-answer (not while the fleet is paused in "
               "place), and a prefill leg still open this long after decode answered; 0: never"),
     flag("--max-connections", help="upstream connection pool size"),
+    # SMG's connection bounds (README: Connections); 0 turns each off
+    flag("--upstream-pool-idle-timeout-secs", path="connections.upstream_pool_idle_timeout_secs",
+         help="close pooled connections to the workers idle this long (below SGLang's 5 s keep-alive)"),
+    flag("--header-read-timeout-secs", path="connections.header_read_timeout_secs",
+         help="close a client connection whose request head is not in within this long of its accept (or of "
+              "the next head's first byte)"),
+    flag("--idle-connection-timeout-secs", path="connections.idle_connection_timeout_secs",
+         help="close a keep-alive client connection with no request in flight for this long"),
+    flag("--stream-body-stall-timeout-secs", path="connections.stream_body_stall_timeout_secs",
+         help="a request body that stops arriving for this long: 408"),
+    flag("--sse-keepalive-secs", path="connections.sse_keepalive_secs",
+         help="write an SSE comment (': keep-alive') on a stream after this much silence from its decode server; "
+              "0: none (SGLang's bench_serving parses every line as an event)"),
     # workers listed outside the command line (README: Worker discovery)
     flag("--discovery-file", path="worker_sources.file",
          help="a YAML or JSON file listing workers (url, worker_type, bootstrap_port), watched: workers added to "

@@ -60,8 +60,7 @@ REFUSED: tuple[tuple[str, str], ...] = (
     # What a PD operator uses that pd-router has not built yet (docs/PEERS.md: "to build").
     ("not built in pd-router yet (docs/PEERS.md)",
      "--prefill-max-inflight-requests-per-worker "
-     "--prefill-queue-size --prefill-queue-timeout-secs --pd-admission-wait-secs --upstream-pool-idle-timeout-secs "
-     "--header-read-timeout-secs --idle-connection-timeout-secs --stream-body-stall-timeout-secs --sse-keepalive-secs "
+     "--prefill-queue-size --prefill-queue-timeout-secs --pd-admission-wait-secs "
      "--remove-unhealthy-workers! --no-remove-unhealthy-workers! --worker-auto-recovery! --no-worker-auto-recovery! "
      "--routing-key-override! --sticky-sessions!"),
 )

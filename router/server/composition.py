@@ -110,7 +110,8 @@ async def assemble(app: web.Application, stack: contextlib.AsyncExitStack) -> No
                                     Role.DECODE: make_policy(config.decode_policy, config.policy_params)}
     app[POLICIES] = policies
     legs = UpstreamPool(max_connections=config.max_connections, connect_timeout=config.connect_timeout_secs,
-                        silence_timeout=config.upstream_idle_timeout_secs, ssl_context=worker_tls)
+                        silence_timeout=config.upstream_idle_timeout_secs, ssl_context=worker_tls,
+                        idle_timeout=config.connections.upstream_pool_idle_timeout_secs or float("inf"))  # 0: ever
     stack.push_async_callback(legs.close)
     stack.push_async_callback(tasks.close)  # before the pools close: aborts and lingering legs use them
     registry.subscribe(_forget_removed(legs))
@@ -220,7 +221,7 @@ def make_session(config: RouterConfig, worker_tls: ssl.SSLContext | None = None)
         limit=config.max_connections,
         limit_per_host=0,  # the total limit already bounds each worker; a per-host cap would stall bursts
         ttl_dns_cache=300,
-        keepalive_timeout=30,
+        keepalive_timeout=config.connections.upstream_pool_idle_timeout_secs or None,  # 0: kept for ever
     )
     return aiohttp.ClientSession(
         connector=connector,

@@ -8,10 +8,17 @@ answers them as the rest of the router does, `{"error": {"message", "type", "cod
 warning line per bad request, rate-limited (`RateLimitedLog`: at most `LINES` per `WINDOW_S`, then one line
 saying how many were not written). A 500 (the router's own fault, never a client's) keeps aiohttp's
 traceback. `RouterRunner` builds the server with this protocol (router/server/serving.py).
+
+The same protocol bounds how long a client may take to send a request head (SMG's --header-read-timeout-secs):
+each connection notes when its head began (its accept, or the next head's first byte on a keep-alive one) and
+clears it once the head is parsed; `HeadWatch` looks at every connection a few times per timeout and closes
+those whose head is late (no timer per request). Idle keep-alive connections are aiohttp's own
+`keepalive_timeout` (--idle-connection-timeout-secs).
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from http import HTTPStatus
@@ -72,7 +79,18 @@ def json_error(status: int, message: str, kind: str = "http_error") -> web.Respo
 
 
 class JsonErrorRequestHandler(RequestHandler):
-    __slots__ = ()
+    __slots__ = ("head_since",)
+
+    def connection_made(self, transport) -> None:
+        self.head_since: float | None = time.monotonic()  # accepted: its first head is due
+        super().connection_made(transport)
+
+    def data_received(self, data: bytes) -> None:
+        if self.head_since is None and self._current_request is None and not self._messages:
+            self.head_since = time.monotonic()  # the first byte of a keep-alive connection's next head
+        super().data_received(data)
+        if self._messages or self._current_request is not None:
+            self.head_since = None  # the head is in (or this was the body of the request being handled)
 
     def handle_error(self, request, status: int = 500, exc: BaseException | None = None,
                      message: str | None = None) -> web.StreamResponse:
@@ -103,6 +121,30 @@ class JsonErrorRequestHandler(RequestHandler):
                     shaped.headers.setdefault(name, value)
             resp = shaped
         return await super().finish_response(request, resp, start_time)
+
+
+class HeadWatch:
+    """--header-read-timeout-secs: close the connections of `server` whose request head is late."""
+
+    LOOKS_PER_TIMEOUT = 4
+
+    def __init__(self, server: Server, timeout: float) -> None:
+        self.server, self.timeout = server, timeout
+        self.closed_total = 0
+        self._every = min(timeout / self.LOOKS_PER_TIMEOUT, 5.0)
+        self._timer = asyncio.get_running_loop().call_later(self._every, self._look)
+
+    def _look(self) -> None:
+        late = time.monotonic() - self.timeout
+        for handler in self.server.connections:
+            since = getattr(handler, "head_since", None)
+            if since is not None and since < late:
+                self.closed_total += 1
+                handler.force_close()
+        self._timer = asyncio.get_running_loop().call_later(self._every, self._look)
+
+    def close(self) -> None:
+        self._timer.cancel()
 
 
 class JsonErrorServer(Server):

@@ -26,7 +26,7 @@ from typing import Awaitable, Callable
 
 from aiohttp import web
 
-from router.server.http_errors import RouterRunner
+from router.server.http_errors import HeadWatch, RouterRunner
 
 logger = logging.getLogger(__name__)
 
@@ -184,23 +184,31 @@ class EagerAcceptSite(web.BaseSite):
             conn.close()
 
 
+IDLE_FOR_EVER_S = 365 * 24 * 3600.0
+
+
 def run(app: web.Application, *, host: str, port: int, loop: asyncio.AbstractEventLoop, backlog: int,
         shutdown_timeout: float, announce: Callable[[str], None],
         wind_down: Callable[[StopSignals], Awaitable[None]] | None = None, reuse_port: bool = False,
         on_listening: Callable[[EagerAcceptSite], None] | None = None,
-        ssl_context: "ssl.SSLContext | None" = None) -> None:
+        ssl_context: "ssl.SSLContext | None" = None, header_read_timeout: float = 0.0,
+        idle_connection_timeout: float = 0.0) -> None:
     """`web.run_app`'s job (signals, graceful shutdown, cancelling what is left) with EagerAcceptSite.
 
     On SIGTERM/SIGINT: stop listening, `await wind_down(signals)`, then close: handlers still running get
-    `shutdown_timeout` seconds before they are cancelled."""
+    `shutdown_timeout` seconds before they are cancelled. `header_read_timeout`, `idle_connection_timeout`: SMG's
+    client connection bounds (0: none)."""
     runner = RouterRunner(app, handler_cancellation=True,  # a client that disconnects cancels its handler
-                           access_log=None, shutdown_timeout=shutdown_timeout,
-                           auto_decompress=False)  # the app decodes bodies itself (core/request_body.py)
+                          access_log=None, shutdown_timeout=shutdown_timeout,
+                          # aiohttp closes at once when 0: "never" is a year
+                          keepalive_timeout=idle_connection_timeout or IDLE_FOR_EVER_S,
+                          auto_decompress=False)  # the app decodes bodies itself (core/request_body.py)
     signals = StopSignals()
 
     async def serve() -> None:
         signals.install(asyncio.get_running_loop())
         await runner.setup()
+        heads = HeadWatch(runner.server, header_read_timeout) if header_read_timeout else None
         try:
             site = EagerAcceptSite(runner, host, port, backlog=backlog, reuse_port=reuse_port, ssl_context=ssl_context)
             await site.start()
@@ -216,6 +224,8 @@ def run(app: web.Application, *, host: str, port: int, loop: asyncio.AbstractEve
             if wind_down is not None:
                 await wind_down(signals)
         finally:
+            if heads is not None:
+                heads.close()
             await runner.cleanup()
 
     asyncio.set_event_loop(loop)

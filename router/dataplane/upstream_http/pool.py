@@ -132,7 +132,8 @@ class UpstreamPool:
         self.loop = asyncio.get_running_loop()
         self.max_connections = max_connections
         self.connect_timeout = connect_timeout
-        self.idle_timeout = idle_timeout
+        self.idle_timeout = idle_timeout  # --upstream-pool-idle-timeout-secs; swept at least twice per timeout
+        self._sweep_every = min(IDLE_SWEEP_S, max(self.idle_timeout / 2, 0.05))
         self.max_body_size = max_body_size
         self._ssl_context = ssl_context
         self._endpoints: dict[str, _Endpoint] = {}
@@ -259,7 +260,7 @@ class UpstreamPool:
         conn.idle_since = time.monotonic()
         conn.endpoint.idle.append(conn)
         if self._sweeper is None:
-            self._sweeper = self.loop.call_later(IDLE_SWEEP_S, self._sweep)
+            self._sweeper = self.loop.call_later(self._sweep_every, self._sweep)
 
     def _sweep(self) -> None:
         """Close connections idle for longer than idle_timeout, drop lost ones from the idle lists."""
@@ -278,7 +279,7 @@ class UpstreamPool:
             endpoint.idle[:] = keep
             remaining += len(keep)
         if remaining and not self._closed:
-            self._sweeper = self.loop.call_later(IDLE_SWEEP_S, self._sweep)
+            self._sweeper = self.loop.call_later(self._sweep_every, self._sweep)
 
     def forget(self, base_url: str) -> None:
         """The server left the fleet: close its idle connections and drop what the pool keeps for it (a
