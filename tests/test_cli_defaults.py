@@ -32,7 +32,8 @@ NO_DEFAULT_SHOWN = {"--prefill", "--decode", "--prefill-bootstrap-ports", "--pre
 # Switches that change nothing (mini_lb and SMG compatibility).
 NO_OP_SWITCHES = {"-h", "--pd-disaggregation", "--mini-lb", "--enable-rl"}
 # Config fields set by the launch forms rather than by a flag row, and the one field no flag sets.
-SET_BY_LAUNCH_FORMS = {"prefill", "decode", "prefill_policy", "decode_policy"}
+SET_BY_LAUNCH_FORMS = {"prefill", "decode", "prefill_policy", "decode_policy",
+                       "health.remove_unhealthy"}  # --remove-unhealthy-workers and its --no- form (by hand)
 NOT_A_FLAG = {"rebalance.history", "compat_warnings"}
 
 

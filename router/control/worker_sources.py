@@ -9,6 +9,8 @@ finish). What the reconciler cannot apply now is kept as a problem and tried aga
 Precedence: a worker belongs to whoever registered it first (the command line, the API, a source). A source
 never takes over, changes or removes a worker it did not register; its entry waits (a problem) until the URL
 is free. A worker of a source that an operator removes through the API stays out until its entry changes.
+One the health checker removes (--remove-unhealthy-workers) waits instead: it is registered again, as a
+registration on purpose, once its server answers (tried every `retry_secs`).
 Router replicas (docs/CLUSTER.md): the first listing a source reads seeds the cluster as a command line does,
 so an entry of it that the cluster removed stays out until its entry changes; an entry listed later (new, or
 changed) is a registration on purpose, which brings a removed worker back.
@@ -17,6 +19,7 @@ changed) is a registration on purpose, which brings a removed worker back.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from dataclasses import dataclass, field
@@ -123,6 +126,8 @@ class SourceReconciler:
         self.error_since: float | None = None
         self.applied_at: float | None = None
         self._removing: Worker | None = None
+        self.removing_unhealthy: Worker | None = None  # the health checker removes it now (WorkerSources)
+        self._recovering: set[str] = set()  # removed as unhealthy: registered again once its server answers
         self._lock = asyncio.Lock()
         registry.subscribe(self._on_registry_event)
 
@@ -130,6 +135,13 @@ class SourceReconciler:
         if event != "removed" or worker is None or worker is self._removing:
             return
         owned = self._owned.get(worker.url)
+        if worker is self.removing_unhealthy and owned is not None and owned[1] is worker:
+            del self._owned[worker.url]
+            self._recovering.add(worker.url)
+            self.problems[worker.url] = "removed as unhealthy: registered again once its server answers"
+            logger.warning("%s: %s was removed as unhealthy; registered again once its server answers", self.name,
+                           worker.url)
+            return
         if owned is not None and owned[1] is worker:
             del self._owned[worker.url]
             self._dismissed[worker.url] = owned[0]
@@ -182,6 +194,7 @@ class SourceReconciler:
                 self._removed_elsewhere.discard(url)
         for url in [url for url in self.problems if url not in self.listed and url not in self._owned]:
             del self.problems[url]
+        self._recovering &= set(self.listed)
         new = [item for url, item in self.listed.items() if url not in self._owned and url not in self._dismissed]
         await asyncio.gather(*(self._add(item, read) for item in new))
         self.applied_at = time.time()
@@ -207,7 +220,8 @@ class SourceReconciler:
             self._problem(item.url, f"already registered ({existing.source or 'through the API'}): "
                                     f"left as it is while it stays registered")
             return
-        seed = self._seeds is not None and self._seeds.get(item.url) == item
+        # a worker removed as unhealthy comes back on purpose (its removal is on the cluster's record too)
+        seed = self._seeds is not None and self._seeds.get(item.url) == item and item.url not in self._recovering
         try:
             worker = await self._register(item, self.name, read, seed)
         except WorkerRemoved as exc:  # the cluster removed it: left out until its entry changes
@@ -220,6 +234,9 @@ class SourceReconciler:
             self._problem(item.url, f"not registered: {exc.message}")
             return
         self.problems.pop(item.url, None)
+        if item.url in self._recovering:
+            self._recovering.discard(item.url)
+            logger.info("%s: %s answers again: registered again", self.name, item.url)
         if self.registry.find(worker.id) is not worker:
             self._dismissed[item.url] = item  # removed by an operator while it was being read
             return
@@ -238,6 +255,8 @@ class SourceReconciler:
             owned = self._owned.get(url)
             if owned is not None and owned[0] == item:
                 status = "registered"
+            elif url in self._recovering:
+                status = "removed as unhealthy"
             elif url in self._removed_elsewhere:
                 status = "removed from the cluster"
             elif url in self._dismissed:
@@ -282,6 +301,19 @@ class WorkerSources:
 
     async def close(self) -> None:
         await asyncio.gather(*(source.close() for source in self.sources))
+
+    @contextlib.contextmanager
+    def unhealthy_removal(self, worker: Worker):
+        """Around the health checker's removal of `worker`: the source that registered it keeps its entry, to
+        register it again once its server answers (yields whether one did)."""
+        owners = [source.reconciler for source in self.sources if source.reconciler.owns(worker)]
+        for reconciler in owners:
+            reconciler.removing_unhealthy = worker
+        try:
+            yield bool(owners)
+        finally:
+            for reconciler in owners:
+                reconciler.removing_unhealthy = None
 
     def to_dict(self) -> dict:
         return {"sources": [source.to_dict() for source in self.sources]}

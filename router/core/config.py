@@ -66,6 +66,10 @@ class HealthConfig:
     success_threshold: int = 2
     endpoint: str = "/health"
     enabled: bool = True
+    # SMG's --remove-unhealthy-workers / --worker-auto-recovery: a worker the probes declare down is removed, and
+    # its worker source registers it again once its server answers. Off (SMG: on under service discovery), it is
+    # held out and probed, and comes back by itself when it answers (its live state read again): no churn.
+    remove_unhealthy: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -482,6 +486,10 @@ class RouterConfig:
         """What is unsafe but allowed (compatibility forbids refusing it): logged at start-up, shown by
         GET /admin/health."""
         found = list(self.compat_warnings)
+        if self.health.remove_unhealthy and not (self.worker_sources.file or self.worker_sources.etcd_endpoints):
+            found.append("--remove-unhealthy-workers without a worker source (--discovery-file, "
+                         "--discovery-etcd-endpoints): a worker found down is removed for good (nothing registers "
+                         "it again); without the flag it is held out and comes back when it answers")
         if self.api_key or self.admin_api_key or is_loopback(self.host):
             return found
         where = f"{self.host or '0.0.0.0'}:{self.port}"

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from dataclasses import replace
 
 from policies import available_policies
 from router.core.config import DISCOVER, ConfigError, RouterConfig, WorkerSpec
@@ -230,6 +231,10 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"policy for both pools: {names}; po2 and rr are short names (default: {DEFAULTS.prefill_policy})")
     add("--prefill-policy", default=None, help="the prefill pool's policy; overrides --policy")
     add("--decode-policy", default=None, help="the decode pool's policy; overrides --policy")
+    add("--remove-unhealthy-workers", "--worker-auto-recovery", dest="remove_unhealthy_workers", default=None,
+        action=argparse.BooleanOptionalAction,
+        help="remove a worker its probes declare down, so that its worker source registers it again once its "
+             "server answers (SMG's); --no-... (the default): hold it out and probe it until it answers")
     add_flags(p, FLAGS)
     add_peer_flags(p)
     return p
@@ -280,6 +285,8 @@ def config_from_args(argv: list[str] | None = None, env: dict | None = None) -> 
         decode_policy=decode_policy,
         compat_warnings=tuple(w for w in (ignored_warning(tuple(getattr(args, IGNORED_DEST))),) if w),
     )
+    if args.remove_unhealthy_workers is not None:
+        config = config.with_(health=replace(config.health, remove_unhealthy=args.remove_unhealthy_workers))
     if config.log_level == "warn":
         config = config.with_(log_level="warning")
     problems.extend(config.problems())

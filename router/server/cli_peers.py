@@ -61,7 +61,6 @@ REFUSED: tuple[tuple[str, str], ...] = (
     ("not built in pd-router yet (docs/PEERS.md)",
      "--prefill-max-inflight-requests-per-worker "
      "--prefill-queue-size --prefill-queue-timeout-secs --pd-admission-wait-secs "
-     "--remove-unhealthy-workers! --no-remove-unhealthy-workers! --worker-auto-recovery! --no-worker-auto-recovery! "
      "--routing-key-override! --sticky-sessions!"),
 )
 

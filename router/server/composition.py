@@ -49,6 +49,7 @@ from router.control.worker_sources import WORKER_SOURCES
 from router.core.allowlists import WorkerAllowList
 from router.core.config import DISCOVER, RouterConfig
 from router.core.coordination import Coordinator, LocalCoordinator
+from router.core.errors import RouterError
 from router.core.keys import (CONFIG, COORDINATOR, LIFECYCLE, POLICIES, REGISTRY, SESSION, TASKS, TRAFFIC,
                               WORKER_ALLOW)
 from router.core.lifecycle import Lifecycle
@@ -163,7 +164,8 @@ async def assemble(app: web.Application, stack: contextlib.AsyncExitStack) -> No
     # ---- health: probes and breakers --------------------------------------------------------------------------
     health = app[HEALTH] = HealthMonitor(registry, upstream, config.health, config.breaker,
                                          is_held=lambda: not admission.is_open, refresh=live_state.refresh,
-                                         on_down=[proxy.evict])
+                                         on_down=[proxy.evict, *([_remove_unhealthy(app, sources, spawn)]
+                                                                 if config.health.remove_unhealthy else [])])
     proxy.leg_observers.append(health.on_leg)
     health.start()
     stack.push_async_callback(health.close)
@@ -285,6 +287,30 @@ def _worker_api(app: web.Application):
         await api_workers.unregister_worker(app, worker, by=by)
 
     return register, unregister
+
+
+def _remove_unhealthy(app: web.Application, sources, spawn):
+    """--remove-unhealthy-workers: a worker its probes declare down is removed as `DELETE /workers/{id}` would
+    (the cluster's record too); the worker source that listed it registers it again once its server answers."""
+    registry = app[REGISTRY]
+
+    async def remove(worker, reason: str) -> None:
+        if registry.find(worker.id) is not worker or worker.healthy:
+            return  # gone already, or back meanwhile
+        with sources.unhealthy_removal(worker) as listed:
+            try:
+                await api_workers.unregister_worker(app, worker, by=f"the health checker ({reason})")
+            except RouterError as exc:  # an operation owns it (a conversion): it stays, held out
+                logger.warning("%s is unhealthy but not removed: %s", worker.url, exc.message)
+                return
+        logger.warning("removed %s %s: unhealthy (%s)%s", worker.role, worker.url, reason,
+                       "; its worker source registers it again once it answers" if listed else
+                       ": nothing registers it again (not from a worker source)")
+
+    def on_down(worker, reason: str) -> None:
+        spawn(remove(worker, reason))
+
+    return on_down
 
 
 def _conversion_refusal(lifecycle: Lifecycle, admission: Admission) -> Callable[[], str | None]:
