@@ -19,6 +19,7 @@ import aiohttp
 import orjson
 
 from bench import procs
+from harness import processes
 from bench.contenders import REPO_ROOT
 
 START_TIMEOUT_S = 60.0
@@ -34,50 +35,42 @@ class RouterReplica:
         self.argv = [sys.executable, "-m", "router", "--host", "127.0.0.1", "--port", str(self.port), *flags]
         self.log_path = workdir / f"{name}.log"
         self.checkout = checkout
-        self.process: asyncio.subprocess.Process | None = None
+        self.child: procs.Child | None = None
 
     @property
     def pid(self) -> int:
-        return self.process.pid
+        return self.child.pid
 
     async def start(self, session: aiohttp.ClientSession) -> "RouterReplica":
-        with open(self.log_path, "ab") as log:
-            self.process = await asyncio.create_subprocess_exec(
-                *self.argv, cwd=self.checkout, env={**os.environ, "PYTHONPATH": str(self.checkout)},
-                stdout=log, stderr=asyncio.subprocess.STDOUT, stdin=asyncio.subprocess.DEVNULL)
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while True:
-            if self.process.returncode is not None:
-                raise RuntimeError(f"{self.name} exited with {self.process.returncode}:\n{self.log_tail()}")
+        self.child = processes.start(self.name, self.argv, self.log_path, cwd=self.checkout, append=True,
+                                     env={**os.environ, "PYTHONPATH": str(self.checkout)})
+
+        async def serves() -> bool:
             try:
                 async with session.get(self.url + "/health") as resp:
-                    if resp.status == 200:
-                        return self
+                    return resp.status == 200
             except aiohttp.ClientError:
-                pass
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{self.name} not serving within {START_TIMEOUT_S} s:\n{self.log_tail()}")
-            await asyncio.sleep(0.1)  # the poll interval of a wait with a deadline
+                return False
+
+        await self.child.await_until(serves, timeout=START_TIMEOUT_S, what=f"{self.name} serving")
+        return self
 
     def kill(self) -> float:
         """SIGKILL; the monotonic time it was sent."""
-        self.process.send_signal(signal.SIGKILL)
+        self.child.popen.send_signal(signal.SIGKILL)
         return time.monotonic()
 
+    async def exited(self) -> int:
+        await processes.await_until(lambda: not self.child.alive(), timeout=30, what=f"{self.name} to exit",
+                                    interval=0.01)
+        return self.child.returncode
+
     async def stop(self) -> None:
-        if self.process is not None and self.process.returncode is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                await asyncio.wait_for(self.process.wait(), 30)
-            except TimeoutError:
-                self.process.kill()
-                await self.process.wait()
+        if self.child is not None:
+            await asyncio.get_running_loop().run_in_executor(None, self.child.stop, 30)
 
     def log_tail(self, chars: int = 3000) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")[-chars:]
-        except OSError:
-            return ""
+        return self.child.log_tail(chars) if self.child is not None else ""
 
 
 async def worker_view(session: aiohttp.ClientSession, replica: RouterReplica, url: str) -> dict | None:

@@ -133,7 +133,7 @@ async def one_kill(scenario: str, session, fleet: Fleet, replicas: list[RouterRe
     wanted = "start" if scenario == "drain" else "switch"
     await wait_until(lambda: _step_is(session, survivors[0], target.url, wanted), f"the conversion at step {wanted}")
     killed = victim.kill()
-    await victim.process.wait()
+    await victim.exited()
     for task in streams:
         task.cancel()
     lease_gone = await leases.ended(victim_id)

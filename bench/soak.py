@@ -33,6 +33,7 @@ import aiohttp
 import orjson
 
 from bench import procs
+from harness.processes import rss_kib
 from simulator.config import Timing
 from simulator.fleet import Fleet, WorkerHandle, config_to_argv
 
@@ -59,16 +60,6 @@ class Run:
     def mark(self, what: str) -> None:
         self.events.append((round(time.monotonic() - self.t0, 2), what))
         print(f"[{time.monotonic() - self.t0:7.1f}s] {what}", flush=True)
-
-
-def rss_kb(pid: int) -> int | None:
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1])
-    except OSError:
-        return None
-    return None
 
 
 # ---- one client loop ----------------------------------------------------------------------------------------
@@ -199,7 +190,7 @@ async def schedule(fleet: Fleet, router: str, duration: float, run: Run, facts: 
 
 async def sample_rss(pid: int, run: Run, until: float) -> None:
     while time.monotonic() < until:
-        if (kb := rss_kb(pid)) is not None:
+        if (kb := rss_kib(pid)) is not None:
             run.rss_kb.append((round(time.monotonic() - run.t0, 1), kb))
         await asyncio.sleep(5)
 
@@ -306,7 +297,7 @@ async def soak(duration: float, concurrency: int, workdir: Path) -> dict:
             if not any(left["worker_inflight"].values()) or time.monotonic() > deadline:
                 break
             await asyncio.sleep(0.5)
-        if (kb := rss_kb(child.pid)) is not None:
+        if (kb := rss_kib(child.pid)) is not None:
             run.rss_kb.append((round(time.monotonic() - run.t0, 1), kb))
         report = {"facts": facts, "events": run.events, **analyse(run, facts, child.log_path), "after": left}
         return report

@@ -12,84 +12,32 @@ import contextlib
 import json
 import os
 import signal
-import socket
-import subprocess
 import sys
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
 import aiohttp
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+from harness import processes
+from harness.processes import REPO as REPO_ROOT, Child, free_port, port_open
+
 START_TIMEOUT_S = 60.0
 # A short generation on a lightly loaded GPU server, roughly: 5 ms of prefill, then 10 ms per decode step.
 DEFAULT_WORKER_ARGS = ("--prefill-overhead-s", "0.005", "--decode-step-s", "0.01")
 
 
-def free_port() -> int:
-    """A port the OS reports free on loopback (the child binds it a moment later)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def port_open(port: int, host: str = "127.0.0.1") -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.settimeout(0.5)
-        return sock.connect_ex((host, port)) == 0
-
-
-@dataclass
-class Process:
-    """A started child (in its own session, so that stopping it reaches its children) and its log."""
-
-    name: str
-    popen: subprocess.Popen
-    log_path: Path
-
-    @property
-    def pid(self) -> int:
-        return self.popen.pid
-
-    def alive(self) -> bool:
-        return self.popen.poll() is None
-
-    def log_tail(self, chars: int = 3000) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")[-chars:]
-        except OSError:
-            return ""
+Process = Child  # a started child (in its own session, so that stopping it reaches its children) and its log
 
 
 def spawn(name: str, argv: list[str], workdir: Path, *, stdout_path: Path | None = None) -> Process:
     """Start argv from the repository root; stderr (and stdout unless given its own file) to NAME.log."""
-    log_path = workdir / f"{name}.log"
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
-    env.setdefault("PYTHONUNBUFFERED", "1")
-    with open(log_path, "ab") as log, open(stdout_path or os.devnull, "ab") as out:
-        popen = subprocess.Popen(argv, stdout=out if stdout_path else log, stderr=log, stdin=subprocess.DEVNULL,
-                                 cwd=REPO_ROOT, env=env, start_new_session=True)
-    return Process(name, popen, log_path)
+    return processes.start(name, argv, workdir / f"{name}.log", append=True, stdout_path=stdout_path)
 
 
 def stop_processes(procs: list[Process], grace: float = 10.0) -> None:
     """SIGTERM every process group at once, SIGKILL what is left after `grace` seconds."""
-    for proc in procs:
-        if proc.popen.poll() is None:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(proc.pid, signal.SIGTERM)
-    deadline = time.monotonic() + grace
-    for proc in procs:
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.popen.wait(timeout=max(deadline - time.monotonic(), 0.01))
-    for proc in procs:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(proc.pid, signal.SIGKILL)  # the leader may be gone while its children live on
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.popen.wait(timeout=grace)
+    processes.stop_all(procs, grace)
 
 
 def stop_process(proc: Process, grace: float = 10.0) -> None:
@@ -98,20 +46,9 @@ def stop_process(proc: Process, grace: float = 10.0) -> None:
 
 async def wait_until(condition: Callable[[], Any], *, timeout: float, what: str, interval: float = 0.1,
                      process: Process | None = None) -> Any:
-    """Await until condition() (sync or async) is truthy; TimeoutError naming `what` at the deadline."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = condition()
-        if asyncio.iscoroutine(value):
-            value = await value
-        if value:
-            return value
-        if process is not None and not process.alive():
-            raise RuntimeError(f"{process.name} exited with {process.popen.returncode} while waiting for {what};"
-                               f" log tail:\n{process.log_tail()}")
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{what}: not reached within {timeout:g} s")
-        await asyncio.sleep(interval)
+    """Await until condition() (sync or async) is truthy; TimeoutError naming `what` at the deadline, a
+    RuntimeError (ChildExited) with its log's tail if `process` ends first."""
+    return await processes.await_until(condition, timeout=timeout, what=what, child=process, interval=interval)
 
 
 @dataclass

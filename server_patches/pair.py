@@ -17,19 +17,18 @@ Stdlib only.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Optional, Sequence
+
+from harness import processes
+from harness.processes import free_ports, http_status, pid_alive, stop_group
 
 from . import launch_server
 from .stack import CHECKOUT_ROOT, ENV_PATCHES_DISABLE, StackPaths, is_installed, log, resolve_paths
@@ -48,44 +47,10 @@ CPU_ARGS = (
 # ... and a PD server on top of them.
 CPU_PD_ARGS = (*CPU_ARGS, "--disaggregation-transfer-backend", "mooncake_tcp", launch_server.CONVERT_FLAG)
 ROLES = ("prefill", "decode", "regular")  # regular: not disaggregated (SGLang's disaggregation mode "null")
-PR_SET_PDEATHSIG = 1
-try:
-    _PRCTL = ctypes.CDLL(None, use_errno=True).prctl  # Linux; elsewhere children simply do not get the signal
-except (OSError, AttributeError):
-    _PRCTL = None
-# When set, every server started appends its process group id to this file, so that CI can kill whatever a
-# killed test run left behind (.ci/real does).
-ENV_PGID_FILE = "PDR_REAL_PGID_FILE"
 
 
 class PairError(RuntimeError):
     pass
-
-
-def free_ports(count: int) -> list[int]:
-    """Distinct ports the OS says are free now (all sockets held until every port is picked)."""
-    sockets = []
-    try:
-        for _ in range(count):
-            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            s.bind((HOST, 0))
-            sockets.append(s)
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for s in sockets:
-            s.close()
-
-
-def http_status(url: str, timeout: float = 2.0) -> Optional[int]:
-    try:
-        with urllib.request.urlopen(url, timeout=timeout) as resp:
-            resp.read()
-            return resp.status
-    except urllib.error.HTTPError as e:
-        e.close()
-        return e.code
-    except (OSError, ValueError):
-        return None
 
 
 def ensure_tiny_model(paths: StackPaths, timeout: float = 300.0) -> Path:
@@ -160,26 +125,21 @@ class RealServer:
         if disabled_patches:
             env[ENV_PATCHES_DISABLE] = ",".join(disabled_patches)
         env["PDR_REAL_VENV"] = str(paths.venv)
-        log_path.parent.mkdir(parents=True, exist_ok=True)
         # Run from the log's folder, not the checkout: `python -m` puts the working directory first on sys.path,
         # and the checkout's top-level packages (router, tests, ...) have no business shadowing anything there.
         launcher = (f"import sys; sys.path.insert(0, {str(CHECKOUT_ROOT)!r}); "
                     "from server_patches.launch_server import main; sys.exit(main())")
-        with open(log_path, "ab") as log_file:
-            process = subprocess.Popen(
-                [sys.executable, "-c", launcher, *args],
-                cwd=log_path.parent, env=env, stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT,
-                start_new_session=True,  # its own process group: stop() reaches scheduler and detokenizer too
-                preexec_fn=kill_when_parent_dies if die_with_parent else None,
-            )
-        record_process_group(process.pid)
-        info = ServerInfo(role, f"http://{HOST}:{port}", port, bootstrap_port, process.pid, str(log_path))
-        return cls(info, process)
+        # its own process group: stop() reaches scheduler and detokenizer too
+        child = processes.start(f"{role} server", [sys.executable, "-c", launcher, *args], log_path,
+                                cwd=log_path.parent, env=env, append=True, die_with_parent=die_with_parent,
+                                record_group=True)
+        info = ServerInfo(role, f"http://{HOST}:{port}", port, bootstrap_port, child.pid, str(log_path))
+        return cls(info, child.popen)
 
     def alive(self) -> bool:
         if self.process is not None:
             return self.process.poll() is None
-        return _pid_alive(self.info.pid)
+        return pid_alive(self.info.pid)
 
     def log_tail(self, lines: int = 20) -> str:
         try:
@@ -194,59 +154,6 @@ class RealServer:
         stop_group(self.info.pid, grace_s)
         if self.process is not None:
             self.process.wait(timeout=grace_s)
-
-
-def record_process_group(pgid: int) -> None:
-    """Append pgid to $PDR_REAL_PGID_FILE, if set (one line each)."""
-    path = os.environ.get(ENV_PGID_FILE)
-    if path:
-        with open(path, "a") as f:
-            f.write(f"{pgid}\n")
-
-
-def kill_when_parent_dies() -> None:
-    """preexec_fn: SIGKILL this child when its parent ends (kept across exec). Nothing is loaded after the fork
-    (libc's prctl was looked up at import): a forked child of a threaded parent must not take locks."""
-    if _PRCTL is not None:
-        _PRCTL(PR_SET_PDEATHSIG, signal.SIGKILL)
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    # A zombie child still "exists"; treat it as dead.
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
-    except (FileNotFoundError, IndexError):
-        return False
-
-
-def _group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-        return True
-    except ProcessLookupError:
-        return False
-
-
-def stop_group(pgid: int, grace_s: float) -> None:
-    """SIGTERM the server's process group; SIGKILL whatever is left after grace_s."""
-    try:
-        os.killpg(pgid, signal.SIGTERM)
-    except ProcessLookupError:
-        return
-    deadline = time.monotonic() + grace_s
-    while time.monotonic() < deadline and _pid_alive(pgid):
-        time.sleep(POLL_S)
-    if _group_alive(pgid):
-        try:
-            os.killpg(pgid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
 
 
 def wait_healthy(servers: Sequence[RealServer], timeout: float) -> float:
@@ -373,7 +280,7 @@ def status(run_dir: Path) -> dict:
     for role in ("prefill", "decode"):
         info = recorded[role]
         pid_file = run_dir / f"{role}.pid"
-        info["running"] = pid_file.exists() and _pid_alive(int(info["pid"]))
+        info["running"] = pid_file.exists() and pid_alive(int(info["pid"]))
         info["health"] = http_status(f"{info['url']}/health") if info["running"] else None
     recorded["healthy"] = all(recorded[r]["health"] == 200 for r in ("prefill", "decode"))
     return recorded
@@ -388,9 +295,9 @@ def stop_recorded(run_dir: Path) -> dict:
             stopped[role] = "not running"
             continue
         pid = int(pid_file.read_text())
-        if _pid_alive(pid):
+        if pid_alive(pid):
             stop_group(pid, STOP_GRACE_S)
-            stopped[role] = "stopped" if not _pid_alive(pid) else "still running"
+            stopped[role] = "stopped" if not pid_alive(pid) else "still running"
         else:
             stopped[role] = "was not running"
         pid_file.unlink(missing_ok=True)

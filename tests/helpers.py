@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import inspect
-import socket
 import time
+
+from harness.processes import free_port  # noqa: F401: the tests' free port is every harness's
 
 
 async def wait_for(condition, timeout: float = 5.0, interval: float = 0.01, message: str = "") -> None:
@@ -21,8 +22,3 @@ async def wait_for(condition, timeout: float = 5.0, interval: float = 0.01, mess
             raise AssertionError(f"condition not met within {timeout} s: {message or condition}")
         await asyncio.sleep(interval)
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]

@@ -4,8 +4,8 @@ process has (signals, its exit status, its logs, its listening socket)."""
 from __future__ import annotations
 
 import asyncio
-import os
 import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -13,11 +13,11 @@ from pathlib import Path
 import aiohttp
 import orjson
 
+from harness import processes
+from harness.processes import REPO
 from simulator.fleet import Fleet
 
-from .helpers import free_port, wait_for
-
-REPO = Path(__file__).resolve().parents[1]
+from .helpers import free_port
 START_TIMEOUT_S = 60.0  # a deadline, not a measure: a loaded machine (2 shared cores) took over 30 s to import it
 
 
@@ -33,7 +33,8 @@ class RouterProcess:
         for handle in fleet.decode:
             self.argv += ["--decode", handle.url]
         self.argv += list(flags)
-        self.proc: asyncio.subprocess.Process | None = None
+        self.proc: subprocess.Popen | None = None
+        self.child: processes.Child | None = None
         self.session: aiohttp.ClientSession | None = None
 
     async def __aenter__(self) -> "RouterProcess":
@@ -43,19 +44,14 @@ class RouterProcess:
         """Start the process (again, after `kill`: same flags, same port); wait until it serves (`/health`
         200), or with `serving=False` only until its port answers."""
         first = self.proc is None
-        if not first and not self._log.closed:  # it exited on its own (SIGTERM): its log is still open
-            self._log.close()
-        self._log = open(self.log_path, "wb" if first else "ab")
-        # faulthandler: a router that does not serve in time dumps its threads' stacks into its log (SIGABRT)
-        env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONFAULTHANDLER": "1"}
-        self.proc = await asyncio.create_subprocess_exec(*self.argv, cwd=REPO, env=env, stdout=self._log,
-                                                         stderr=asyncio.subprocess.STDOUT)
+        # its own process group; faulthandler: a router that does not serve in time dumps its threads' stacks
+        # into its log (SIGABRT)
+        self.child = processes.start("the router", self.argv, self.log_path, append=not first)
+        self.proc = self.child.popen
         if self.session is None:
             self.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60))
 
         async def ready() -> bool:
-            if self.proc.returncode is not None:
-                raise AssertionError(f"the router exited with {self.proc.returncode}:\n{self.log()}")
             try:
                 async with self.session.get(self.url + "/health") as resp:
                     return resp.status == 200 or not serving
@@ -64,17 +60,20 @@ class RouterProcess:
 
         started = time.monotonic()
         try:
-            await wait_for(ready, timeout=START_TIMEOUT_S, interval=0.02 if not serving else 0.1,
-                           message="the router to serve" if serving else "the router's port to answer")
-        except AssertionError as exc:
+            await self.child.await_until(ready, timeout=START_TIMEOUT_S, interval=0.02 if not serving else 0.1,
+                                         what="the router to serve" if serving else "the router's port to answer")
+        except processes.ChildExited:
+            await self.__aexit__(None, None, None)
+            raise AssertionError(f"the router exited with {self.proc.returncode}:\n{self.log()}") from None
+        except TimeoutError as exc:
             # why: starved of CPU (few CPU seconds used), or stuck (its stacks, dumped into its log)
             used = self.cpu_seconds()
-            if self.proc.returncode is None:
+            if self.proc.poll() is None:
                 self.proc.send_signal(signal.SIGABRT)
-                await asyncio.wait_for(self.proc.wait(), 5)
+                await self.exited(5)
             await self.__aexit__(None, None, None)
-            raise AssertionError(f"{exc} (started {time.monotonic() - started:.1f} s ago, {used} CPU s used); "
-                                 f"its log:\n{self.log()[-6000:]}") from None
+            raise AssertionError(f"{str(exc).split(';')[0]} (started {time.monotonic() - started:.1f} s ago, {used} "
+                                 f"CPU s used); its log:\n{self.log()[-6000:]}") from None
         except BaseException:  # `async with` runs no __aexit__ when entering fails: leave no process behind
             await self.__aexit__(None, None, None)
             raise
@@ -82,24 +81,18 @@ class RouterProcess:
 
     def cpu_seconds(self) -> float | None:
         """The CPU time (user and system) the process has used so far."""
-        try:
-            fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            return None
-        return round((int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK"), 2)
+        return self.child.cpu_seconds()
 
     async def kill(self) -> None:
         """SIGKILL: the router dies at once, as in a crash or an OOM kill."""
         self.proc.kill()
-        await self.proc.wait()
-        self._log.close()
+        await self.exited(15)
 
     async def __aexit__(self, *exc) -> None:
-        if self.proc.returncode is None:
+        if self.proc.poll() is None:
             self.proc.kill()
-            await self.proc.wait()
+            await self.exited(15)
         await self.session.close()
-        self._log.close()
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
@@ -110,7 +103,10 @@ class RouterProcess:
         return time.monotonic()
 
     async def exited(self, timeout: float) -> int:
-        return await asyncio.wait_for(self.proc.wait(), timeout)
+        """Its exit status, once it exited (TimeoutError after `timeout` seconds)."""
+        await processes.await_until(lambda: self.proc.poll() is not None, timeout=timeout,
+                                    what="the router to exit", interval=0.01)
+        return self.proc.returncode
 
     async def call(self, path: str, body: dict | None = None) -> tuple[int, object]:
         async with self.session.post(self.url + path, json=body or {}) as resp:

@@ -41,6 +41,7 @@ from urllib.parse import quote
 import aiohttp
 import orjson
 
+from harness.processes import rss_kib
 from simulator.fleet import Fleet, WorkerHandle
 
 from ..router_process import RouterProcess
@@ -105,16 +106,6 @@ class Report:
                              for e in self.events]}
 
 
-def rss_kib(pid: int) -> int | None:
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1])
-    except OSError:
-        return None
-    return None
-
-
 class Chaos:
     def __init__(self, etcd, fleet: Fleet, tmp_path: Path, seed: int, duration_s: float, per_replica: int) -> None:
         self.etcd, self.fleet, self.tmp_path = etcd, fleet, tmp_path
@@ -161,7 +152,7 @@ class Chaos:
                 await asyncio.sleep(self.rng.uniform(1.0, 3.0))  # the pace of the events, not a wait
             await asyncio.gather(*self._events, return_exceptions=True)
             sampler.cancel()
-            dead = [i for i, r in enumerate(self.routers) if r.proc is None or r.proc.returncode is not None]
+            dead = [i for i, r in enumerate(self.routers) if r.proc is None or r.proc.poll() is not None]
             if dead:  # a restart that failed (its event says why): nothing to quiesce and compare
                 self.report.problems.append(f"replicas {dead} not running after the events")
                 return self.report
@@ -561,7 +552,7 @@ class Chaos:
         while True:
             for index, router in enumerate(self.routers):
                 # from when it serves: a replica still starting (imports, joining) is not its settled size
-                if index not in self.down and router.proc is not None and router.proc.returncode is None:
+                if index not in self.down and router.proc is not None and router.proc.poll() is None:
                     rss = rss_kib(router.proc.pid)
                     if rss is not None:
                         self.memory.setdefault(router.proc.pid, []).append((time.monotonic(), rss))

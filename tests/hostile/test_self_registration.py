@@ -8,7 +8,6 @@ import asyncio
 import os
 import subprocess
 import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import aiohttp
@@ -16,6 +15,7 @@ import orjson
 import pytest
 from aiohttp.test_utils import TestServer
 
+from harness.processes import rss_kib
 from router.core.config import RouterConfig, WorkerSpec
 from router.core.keys import REGISTRY
 from router.core.registry import Role
@@ -27,13 +27,6 @@ from ..helpers import free_port, wait_for
 from ..router_process import REPO, RouterProcess
 
 TIMEOUT = aiohttp.ClientTimeout(total=20)
-
-
-def rss_kib(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1])
-    raise AssertionError("no VmRSS")
 
 
 async def post(session, url, body=None, **kw):

@@ -7,19 +7,18 @@ a test can check that a probe left no traceback behind.
 
 from __future__ import annotations
 
-import os
 import socket
 import subprocess
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import orjson
 
+from harness import processes
+
 from ..helpers import free_port
 
-REPO = Path(__file__).resolve().parents[2]
 START_TIMEOUT_S = 30.0
 
 
@@ -47,33 +46,33 @@ class WireRouter:
         self.argv = [sys.executable, "-m", "router", "--host", "127.0.0.1", "--port", str(self.port),
                      "--log-level", "info", *flags]
         self.proc: subprocess.Popen | None = None
+        self.child: processes.Child | None = None
 
     def start(self) -> "WireRouter":
-        self._log = open(self.log_path, "wb")
-        self.proc = subprocess.Popen(self.argv, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
-                                     stdout=self._log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while True:
-            if self.proc.poll() is not None:
-                raise AssertionError(f"the router exited with {self.proc.returncode}:\n{self.log()}")
+        self.child = processes.start("the router", self.argv, self.log_path)
+        self.proc = self.child.popen
+
+        def serves() -> bool:
             try:
-                if self.exchange(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n", timeout=1).status:
-                    return self
+                return bool(self.exchange(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n", timeout=1).status)
             except OSError:
-                pass
-            if time.monotonic() > deadline:
-                self.stop()
-                raise AssertionError(f"the router did not serve within {START_TIMEOUT_S} s:\n{self.log()}")
-            time.sleep(0.05)
+                return False
+
+        try:
+            self.child.wait_until(serves, timeout=START_TIMEOUT_S, what="the router to serve", interval=0.05)
+        except processes.ChildExited:
+            raise AssertionError(f"the router exited with {self.proc.returncode}:\n{self.log()}") from None
+        except TimeoutError:
+            self.stop()
+            raise AssertionError(f"the router did not serve within {START_TIMEOUT_S} s:\n{self.log()}") from None
+        return self
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
-        self._log.close()
+        if self.child is not None:
+            self.child.kill()
 
     def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
+        return self.child.log()
 
     def exchange(self, data: bytes, timeout: float = 5.0, chunks: list[bytes] | None = None) -> Answer:
         """Send `data` (then each of `chunks`) on a new connection and read one answer."""

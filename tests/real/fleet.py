@@ -27,9 +27,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Optional
 
+from harness.processes import stop_group
 from server_patches.pair import (
-    DEFAULT_START_TIMEOUT_S, PairError, RealPair, RealServer, ServerInfo, stop_group, ensure_tiny_model,
-    wait_healthy,
+    DEFAULT_START_TIMEOUT_S, PairError, RealPair, RealServer, ServerInfo, ensure_tiny_model, wait_healthy,
 )
 from server_patches.stack import StackPaths, is_installed, resolve_paths
 

@@ -2,20 +2,17 @@
 
 from __future__ import annotations
 
-import os
-import signal
 import subprocess
 import sys
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional, Sequence
 
-from server_patches.pair import kill_when_parent_dies, free_ports, http_status, record_process_group
+from harness import processes
+from harness.processes import REPO as CHECKOUT_ROOT, ChildExited, free_ports, http_status
 
 from .real_client import get_json
 
-CHECKOUT_ROOT = Path(__file__).resolve().parents[2]
 START_TIMEOUT_S = 60.0
 STOP_GRACE_S = 15.0
 
@@ -27,6 +24,7 @@ class RouterProcess:
     log_path: Path
     args: list[str] = field(default_factory=list)
     expected_workers: int = 0
+    child: Optional[processes.Child] = field(default=None, repr=False)
 
     @classmethod
     def start(cls, *, prefill: Sequence[tuple[str, Optional[int]]], decode: Sequence[str], log_path: Path,
@@ -45,14 +43,10 @@ class RouterProcess:
     def launch(cls, args: Sequence[str], port: int, log_path: Path, *, workers: int,
                python: str = sys.executable) -> "RouterProcess":
         args = list(args)
-        log_path.parent.mkdir(parents=True, exist_ok=True)
-        with open(log_path, "ab") as log_file:
-            process = subprocess.Popen(
-                [python, "-m", "router", *args], cwd=CHECKOUT_ROOT, stdin=subprocess.DEVNULL, stdout=log_file,
-                stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=kill_when_parent_dies,
-            )
-        record_process_group(process.pid)
-        router = cls(f"http://127.0.0.1:{port}", process, log_path, args, workers)
+        child = processes.start("the router", [python, "-m", "router", *args], log_path, cwd=CHECKOUT_ROOT,
+                                env=processes.child_env(repo_on_path=False), append=True, die_with_parent=True,
+                                record_group=True)
+        router = cls(f"http://127.0.0.1:{port}", child.popen, log_path, args, workers, child)
         try:
             router._wait_ready(workers)
         except BaseException:
@@ -61,17 +55,17 @@ class RouterProcess:
         return router
 
     def _wait_ready(self, workers: int) -> None:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while True:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"the router exited ({self.process.returncode}); log:\n{self.log_tail()}")
-            if http_status(f"{self.url}/health") is not None:
-                listed = get_json(f"{self.url}/workers")["workers"]
-                if len(listed) == workers and all(w["state"] == "active" for w in listed):
-                    return
-            if time.monotonic() >= deadline:
-                raise RuntimeError(f"the router did not serve within {START_TIMEOUT_S}s; log:\n{self.log_tail()}")
-            time.sleep(0.2)
+        def serving() -> bool:
+            if http_status(f"{self.url}/health") is None:
+                return False
+            listed = get_json(f"{self.url}/workers")["workers"]
+            return len(listed) == workers and all(w["state"] == "active" for w in listed)
+
+        try:
+            self.child.wait_until(serving, timeout=START_TIMEOUT_S, what="the router serving with every worker "
+                                                                         "active", interval=0.2)
+        except (ChildExited, TimeoutError) as exc:
+            raise RuntimeError(str(exc)) from None  # with the log's tail
 
     def restarted(self, log_path: Path) -> "RouterProcess":
         """The same command line (flags and port) started again, as an operator restarts a router that died;
@@ -81,38 +75,19 @@ class RouterProcess:
 
     def kill(self) -> None:
         """SIGKILL, as a crash or an OOM kill: nothing of the router runs its shutdown."""
-        try:
-            os.killpg(self.process.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        self.process.wait(timeout=STOP_GRACE_S)
+        self.child.kill(STOP_GRACE_S)
 
     def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
+        return self.child.log()
 
     def alive(self) -> bool:
-        return self.process.poll() is None
+        return self.child.alive()
 
     def log_tail(self, lines: int = 30) -> str:
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
-        except FileNotFoundError:
-            return "(no log)"
+        return self.child.log_lines(lines)
 
     def workers(self) -> list[dict]:
         return get_json(f"{self.url}/workers")["workers"]
 
     def stop(self) -> None:
-        try:
-            os.killpg(self.process.pid, signal.SIGTERM)
-        except ProcessLookupError:
-            return
-        try:
-            self.process.wait(timeout=STOP_GRACE_S)
-        except subprocess.TimeoutExpired:
-            pass
-        try:
-            os.killpg(self.process.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        self.process.wait(timeout=STOP_GRACE_S)
+        self.child.stop(STOP_GRACE_S)

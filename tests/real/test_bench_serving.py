@@ -7,7 +7,7 @@ import signal
 import subprocess
 
 from server_patches import launch_server
-from server_patches.pair import kill_when_parent_dies, record_process_group
+from harness.processes import kill_when_parent_dies, record_process_group
 
 NUM_PROMPTS = 20
 BENCH_TIMEOUT_S = 300

@@ -24,7 +24,7 @@ import time
 
 import pytest
 
-from server_patches.pair import kill_when_parent_dies, record_process_group
+from harness.processes import kill_when_parent_dies, record_process_group
 from simulator.conformance import shape_diff
 
 from .real_client import get_json, is_idle, request_json, wait_until

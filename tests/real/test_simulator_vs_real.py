@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from server_patches.pair import kill_when_parent_dies, record_process_group
+from harness.processes import kill_when_parent_dies, record_process_group
 from simulator.conformance import normalize_message, shape_diff
 
 from .conftest import ROUTER_ARGS

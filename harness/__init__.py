@@ -1,0 +1,1 @@
+"""What the harnesses share (tests, bench, loadtest, server_patches): stdlib only, nothing of the router."""
