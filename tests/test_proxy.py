@@ -263,3 +263,39 @@ async def test_a_stream_whose_client_left_ends_as_a_disconnect_not_an_error(fake
         assert not errors, errors
     finally:
         await runner.cleanup()
+
+
+async def test_a_client_gone_before_the_streams_head_ends_as_a_disconnect_not_an_error(fake_fleet, caplog):
+    """The client leaves while decode has not answered, and decode's first event comes before anything
+    cancelled the handler (its connection closing: here no handler cancellation at all): writing the stream's
+    head fails, and the request ends as the client's disconnect (both legs ended, decode aborted), never as an
+    unhandled error (the hostile fuzz saw one under load)."""
+    p, d = await fake_fleet(1, 1)
+    d.behaviour.hang = True
+    config = RouterConfig(prefill=(WorkerSpec(p.url, p.bootstrap_port),), decode=(WorkerSpec(d.url),)).validated()
+    runner = web.AppRunner(create_app(config), handler_cancellation=False, **RUNNER_KWARGS)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+    registry = runner.app[REGISTRY]
+    try:
+        async with aiohttp.ClientSession() as session:
+            request = asyncio.ensure_future(session.post(url + "/generate", json={"text": "x", "stream": True}))
+            await wait_for(lambda: d.in_handler == 1, message="decode has the request")
+            request.cancel()  # the client leaves before the stream began
+            with pytest.raises(asyncio.CancelledError):
+                await request
+            caplog.set_level("INFO", logger="router")
+            d.release.set()  # decode answers: the router's first write finds the client gone
+            await wait_for(lambda: [w.inflight for w in registry.workers()] == [0, 0], message="both legs ended")
+            rid = d.bodies()[0]["rid"]
+            await wait_for(lambda: {"rid": rid} in d.aborts, message="decode aborted")
+            async with session.get(url + "/metrics") as answer:
+                metrics = await answer.text()
+        assert 'pd_router_request_outcomes_total{outcome="client_disconnect",route="/generate"} 1.0' in metrics, \
+            [line for line in metrics.splitlines() if "outcomes" in line]
+        errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+        assert not errors, errors
+    finally:
+        await runner.cleanup()

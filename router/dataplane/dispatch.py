@@ -357,7 +357,10 @@ class Dispatcher:
                 self.linger(p, attempt)
             response = web.StreamResponse(status=200, headers=RESPONSE_HEADERS)
             record.response = response
-            await response.prepare(request)
+            try:
+                await response.prepare(request)
+            except ConnectionError as exc:  # the client left before the stream's head went out (its connection
+                raise ClientGone(str(exc)) from None  # closing, the handler's cancellation not run yet)
             first_at = time.monotonic()
             record.ttft_s = first_at - record.started
             attempt.relaying = d_resp
