@@ -55,6 +55,7 @@ class LoadReport:
     waiting: int  # num_waiting_reqs: what it counts depends on the role (see the module docstring)
     used_tokens: int | None = None
     capacity_tokens: int | None = None  # max_total_num_tokens, summed over ranks
+    running_window: int | None = None  # max_running_requests, summed over ranks: the most it runs at once
     token_usage: float | None = None  # the highest of the ranks
     active_tokens: int | None = None
     waiting_uncached_tokens: int | None = None  # prompt tokens of the prefill waiting queue not in the prefix cache
@@ -147,6 +148,7 @@ def parse_loads(data: Any) -> LoadReport | None:
         waiting=_sum(ranks, "num_waiting_reqs") or 0,
         used_tokens=_sum(ranks, "num_used_tokens"),
         capacity_tokens=_sum(ranks, "max_total_num_tokens"),
+        running_window=_sum(ranks, "max_running_requests"),
         token_usage=max(usage) if usage else None,
         active_tokens=_sum(ranks, "num_active_tokens"),
         waiting_uncached_tokens=_sum(ranks, "num_waiting_uncached_tokens"),

@@ -20,6 +20,7 @@ NO_DEFAULT_SHOWN = {"--prefill", "--decode", "--prefill-bootstrap-ports", "--pre
                     "--admin-allow-cidrs", "--worker-allow", "--etcd-data-dir",
                     "--discovery-file", "--discovery-etcd-endpoints", "--etcd-endpoints",
                     "--tls-cert-path", "--tls-key-path", "--client-cert-path", "--client-key-path", "--ca-cert-paths",
+                    "--prefill-queue-size", "--prefill-queue-timeout-secs", "--pd-admission-wait-secs",
                     "--rate-limit-tokens-per-second",
                     "--prometheus-duration-buckets",
                     "--worker-startup-check-interval",

@@ -153,6 +153,36 @@ class DpRanksConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class PdAdmissionConfig:
+    """SMG's PD admission (dataplane/pd_admission.py): at most `prefill_max_inflight_requests_per_worker` requests
+    on each prefill (<= 0: no bound), the rest waiting in one FIFO queue; with `pd_admission_wait_secs`, a
+    request waits that long for a decode below its running window (`max_running_requests`), else 503."""
+
+    prefill_max_inflight_requests_per_worker: int = -1
+    prefill_queue_size: int | None = None  # None: 100 (SMG's) when the bound is on; 0: no waiting (429 at once)
+    prefill_queue_timeout_secs: float | None = None  # None: 60 (SMG's)
+    pd_admission_wait_secs: float | None = None  # None: no decode gate (SMG: 30); 0: shed at once
+
+    @property
+    def prefill_bounded(self) -> bool:
+        return self.prefill_max_inflight_requests_per_worker > 0
+
+    def problems(self) -> list[str]:
+        found = []
+        if not self.prefill_bounded and (self.prefill_queue_size is not None
+                                         or self.prefill_queue_timeout_secs is not None):
+            found.append("--prefill-queue-size and --prefill-queue-timeout-secs need "
+                         "--prefill-max-inflight-requests-per-worker to be positive (as SMG's)")
+        if self.prefill_queue_size is not None and self.prefill_queue_size < 0:
+            found.append("--prefill-queue-size must not be negative (0: no waiting)")
+        if self.prefill_queue_timeout_secs is not None and not self.prefill_queue_timeout_secs > 0:
+            found.append("--prefill-queue-timeout-secs must be positive")
+        if self.pd_admission_wait_secs is not None and self.pd_admission_wait_secs < 0:
+            found.append("--pd-admission-wait-secs must not be negative (0: shed at once)")
+        return found
+
+
+@dataclass(frozen=True, slots=True)
 class ConnectionTimeouts:
     """SMG's connection bounds, seconds; 0 turns each off (README: Connections)."""
 
@@ -352,6 +382,7 @@ class RouterConfig:
     # 300 s each, one after the other at worst); not counted while the fleet is paused in place.
     upstream_idle_timeout_secs: float = 900.0
     connections: ConnectionTimeouts = field(default_factory=ConnectionTimeouts)
+    pd_admission: PdAdmissionConfig = field(default_factory=PdAdmissionConfig)
     # Inject a router-made `rid` when the client gave none, so both legs can be aborted by id.
     inject_rid: bool = True
     # SIGTERM/SIGINT: the whole shutdown, from the signal to the exit (Kubernetes' default grace period). Requests
@@ -464,7 +495,7 @@ class RouterConfig:
         if self.admission.max_batch_size < 1:
             found.append(f"--max-batch-size must be at least 1, got {self.admission.max_batch_size}")
         for group in (self.policy_params, self.load_monitor, self.dp_ranks, self.rebalance, self.worker_sources,
-                      self.cluster, self.trace, self.connections):
+                      self.cluster, self.trace, self.connections, self.pd_admission):
             found.extend(group.problems())
         found.extend(f"--request-id-headers: {name!r} is not an HTTP header name" for name in self.request_id_headers
                      if not name or not all(c.isalnum() or c in "!#$%&'*+-.^_`|~" for c in name))

@@ -58,10 +58,11 @@ class Dispatcher:
     def __init__(self, *, registry: Registry, upstream: UpstreamPool, policies: dict[Role, Policy],
                  spawn: Callable[[Awaitable], asyncio.Task], abort_headers: bytes, retry_aborted: bool,
                  live: LiveRequests | None = None, linger_timeout: float | None = None,
-                 sse_keepalive: float | None = None) -> None:
+                 sse_keepalive: float | None = None, leg_ended: Callable[[Role], None] | None = None) -> None:
         """`linger_timeout`: how long a prefill leg may run on after its decode answered (None: no bound).
         `sse_keepalive`: --sse-keepalive-secs on the streams relayed (None: none)."""
         self._sse_keepalive = sse_keepalive
+        self._leg_ended = leg_ended  # SMG's PD admission: a leg's end frees room on its worker
         self.registry = registry
         self.upstream = upstream  # the legs and their aborts
         self.policies = policies
@@ -94,6 +95,8 @@ class Dispatcher:
 
     def leg_done(self, worker: Worker, role: Role, outcome: Outcome, fault: bool = True) -> None:
         self.registry.release(worker)
+        if self._leg_ended is not None:
+            self._leg_ended(role)
         if outcome is Outcome.SUCCESS:
             verdict: bool | None = True
         else:

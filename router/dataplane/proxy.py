@@ -34,6 +34,7 @@ from router.dataplane.attempt import Attempt, LegFailed
 from router.dataplane.dispatch import Dispatcher
 from router.dataplane.dp_ranks import RankPlacer, complete_client_ranks, has_client_ranks
 from router.dataplane.live import LiveRequests
+from router.dataplane.pd_admission import PdAdmission
 from router.dataplane.relay import ClientGone, end_stream_with_error
 from router.dataplane.upstream_http import UpstreamPool, header_lines
 
@@ -65,6 +66,8 @@ class Proxy:
         self._worker_auth = f"Bearer {config.worker_api_key}" if config.worker_api_key else None
         self.admission = admission
         self.live = live = LiveRequests()  # attempts in flight, by rid (abort endpoint, flows)
+        pd = PdAdmission(config.pd_admission, registry)  # SMG's PD admission gates (None when both are off)
+        self.pd_admission = pd if pd.enabled else None
         self._dispatcher = dispatcher = Dispatcher(
             registry=registry, upstream=upstream, spawn=spawn,
             policies=policies,
@@ -72,7 +75,8 @@ class Proxy:
                                       else b""),
             retry_aborted=config.retry.retry_aborted, live=live,
             linger_timeout=config.upstream_idle_timeout_secs or None,
-            sse_keepalive=config.connections.sse_keepalive_secs or None)
+            sse_keepalive=config.connections.sse_keepalive_secs or None,
+            leg_ended=self.pd_admission.leg_ended if self.pd_admission is not None else None)
         self.policies = policies
         self.leg_observers = dispatcher.leg_observers  # (worker, verdict) of every leg: passive health
         # Bound once: the attempt loop calls them without a hop through the dispatcher.
@@ -165,6 +169,11 @@ class Proxy:
         (used only while the pool has others)."""
         prefills = self.registry.routable(Role.PREFILL)
         decodes = self.registry.routable(Role.DECODE)
+        if (pd := self.pd_admission) is not None:
+            if pd.prefill is not None:
+                prefills = pd.prefill.with_room(prefills) or prefills
+            if pd.decode is not None:
+                decodes = pd.decode.with_room(decodes) or decodes
         if avoid:
             prefills = tuple(w for w in prefills if w not in avoid) or prefills
             decodes = tuple(w for w in decodes if w not in avoid) or decodes
@@ -199,7 +208,9 @@ class Proxy:
                     await self.admission.wait_open(deadline)
                 else:
                     await self._traced_wait_open(trace, deadline)
-                prefill, decode = self.select_pair(info, failed)
+                if self.pd_admission is not None:  # room on a prefill (FIFO) and a decode, or 429/503
+                    await self.pd_admission.enter()
+                prefill, decode = self.select_pair(info, failed)  # no await from here until the legs hold them
                 payload_body = dict(body)
                 inject_bootstrap(payload_body, shape, prefill)
                 rids = assign_rid(payload_body, shape, self.config.inject_rid)

@@ -158,6 +158,16 @@ SETTING_FLAGS: list[Flag] = [
               "beyond: 429 with Retry-After; default: no limit"),
     flag("--queue-size", path="admission.queue_size"),
     flag("--queue-timeout-secs", path="admission.queue_timeout_secs"),
+    # SMG's PD admission (README: Limits)
+    flag("--prefill-max-inflight-requests-per-worker", path="pd_admission.prefill_max_inflight_requests_per_worker",
+         help="at most this many requests on each prefill, the rest wait in one FIFO queue; <= 0: no bound"),
+    flag("--prefill-queue-size", path="pd_admission.prefill_queue_size",
+         help="requests waiting for a prefill below its bound: 429 beyond (default 100; 0: none wait)"),
+    flag("--prefill-queue-timeout-secs", path="pd_admission.prefill_queue_timeout_secs",
+         help="the longest wait for a prefill below its bound: 429 after (default 60)"),
+    flag("--pd-admission-wait-secs", path="pd_admission.pd_admission_wait_secs",
+         help="wait this long for a decode below its running window (its max_running_requests), then 503; "
+              "0: 503 at once; default: no such gate"),
     flag("--max-payload-size", path="admission.max_payload_size", help="bytes"),
     flag("--max-admin-payload-size", path="admission.max_admin_payload_size",
          help="bytes; the bound of admin calls' bodies (but /update_weights_from_tensor's: --max-payload-size)"),

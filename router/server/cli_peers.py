@@ -58,10 +58,7 @@ REFUSED: tuple[tuple[str, str], ...] = (
      "--priority-scheduler-tenant-metric-top-n --tenant-rate-limit-enabled! --tenant-rate-limit-config"),
     ("the probes (/liveness, /readiness, /health) are answered on --port", "--health-check-port"),
     # What a PD operator uses that pd-router has not built yet (docs/PEERS.md: "to build").
-    ("not built in pd-router yet (docs/PEERS.md)",
-     "--prefill-max-inflight-requests-per-worker "
-     "--prefill-queue-size --prefill-queue-timeout-secs --pd-admission-wait-secs "
-     "--routing-key-override! --sticky-sessions!"),
+    ("not built in pd-router yet (docs/PEERS.md)", "--routing-key-override! --sticky-sessions!"),
 )
 
 # A refused flag given its peer's default value asks for nothing pd-router lacks.

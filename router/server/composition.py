@@ -60,6 +60,7 @@ from router.core.worker_tls import worker_ssl_context
 from router.core.worker_url import identity
 from router.dataplane.admission import ADMISSION, Admission
 from router.dataplane.dp_ranks import RankPlacer
+from router.dataplane.pd_admission import PdAdmissionCollector
 from router.dataplane.proxy import PROXY, Proxy
 from router.dataplane.traffic import DataplaneControl
 from router.dataplane.upstream_http import UpstreamPool
@@ -121,6 +122,8 @@ async def assemble(app: web.Application, stack: contextlib.AsyncExitStack) -> No
     proxy = app[PROXY] = Proxy(config=config, registry=registry, upstream=legs, policies=policies,
                                admission=admission, spawn=spawn,
                                tracer=tracing.requests if tracing is not None else None, ranks=ranks)
+    if proxy.pd_admission is not None:  # SMG's PD admission: its queue and refusals on /metrics
+        metrics.prometheus.register(PdAdmissionCollector(proxy.pd_admission))
     traffic: RequestPathControl = DataplaneControl(admission, proxy.live, legs, abort_on=proxy.abort_on)
     coordinator: Coordinator = LocalCoordinator(registry, traffic)
 
