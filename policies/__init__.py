@@ -15,6 +15,7 @@ from .manual import ManualPolicy
 from .params import PolicyParams
 from .prefix_hash import PrefixHashPolicy
 from .simple import PassthroughPolicy, RandomPolicy, RoundRobinPolicy
+from .sticky import RoutingKeyOverride
 
 # name -> build(params, rng) -> Policy
 _FACTORIES: dict[str, Callable[..., Policy]] = {
@@ -39,7 +40,11 @@ def make_policy(name: str, params: PolicyParams | None = None, *, rng: random.Ra
         factory = _FACTORIES[name]
     except KeyError:
         raise ValueError(f"unknown policy {name!r}; choose from {', '.join(sorted(_FACTORIES))}") from None
-    return factory(params or PolicyParams(), rng)
+    params = params or PolicyParams()
+    policy = factory(params, rng)
+    if params.routing_key_override:  # --routing-key-override: sticky by routing key in front of it
+        return RoutingKeyOverride(policy, params, rng)
+    return policy
 
 
 __all__ = ["Outcome", "Policy", "PolicyParams", "RequestInfo", "ServerLoad", "available_policies",

@@ -8,8 +8,9 @@ back, the key returns to it. A request without a key is assigned by the mode and
 
 Assignment modes: `random`; `min_load` (the least loaded by `effective_load`: the router's count and the
 server's report, where the peers use the router's count alone); `min_group` (the fewest keys pinned to it;
-the peers count keys with a request in flight); SMG's `delegate` names the routing-key override's fallback
-policy and means `random` here. Ties are broken at random (seeded in tests).
+the peers count keys with a request in flight); SMG's `delegate` asks the pool's own policy when a `delegate`
+is given (the routing-key override, `sticky.py`), else it means `random`. Ties are broken at random (seeded in
+tests).
 
 Keys unused for `--max-idle-secs` (4 h) are forgotten every `--eviction-interval-secs`; at most
 `MAX_KEYS` are kept (the least recently used go first), so a client inventing keys cannot grow it without
@@ -45,12 +46,13 @@ class ManualPolicy(Policy):
     reads_server_load = True
 
     def __init__(self, params: PolicyParams | None = None, rng: random.Random | None = None, *,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, delegate: Policy | None = None) -> None:
         params = params or PolicyParams()
         if problems := params.problems():
             raise ValueError("; ".join(problems))
         self._key_headers = params.routing_key_headers
         self._mode = params.assignment_mode
+        self._delegate = delegate  # assignment_mode "delegate": new keys and keyless requests go where it says
         self._max_idle = params.max_idle_secs
         self.maintenance_interval = params.eviction_interval_secs
         self._rng = rng or random.Random()
@@ -64,7 +66,9 @@ class ManualPolicy(Policy):
     def build(cls, params: PolicyParams, rng: random.Random | None = None) -> "ManualPolicy":
         return cls(params, rng)
 
-    def _assign(self, candidates: Sequence[Candidate]) -> Candidate:
+    def _assign(self, candidates: Sequence[Candidate], request: RequestInfo) -> Candidate:
+        if self._delegate is not None and self._mode == "delegate":
+            return self._delegate.select(candidates, request)
         if self._mode == "min_load":
             measure = effective_load
         elif self._mode == "min_group":
@@ -89,7 +93,7 @@ class ManualPolicy(Policy):
         key = routing_key(request.headers, self._key_headers)
         if key is None:
             self.decisions["no_key"] += 1
-            return self._assign(candidates)
+            return self._assign(candidates, request)
         now = self._clock()
         pin = self._pins.get(key)
         if pin is not None:
@@ -100,11 +104,11 @@ class ManualPolicy(Policy):
                     if worker.url == url:
                         self.decisions["hit"] += 1
                         return worker
-            worker = self._assign(candidates)
+            worker = self._assign(candidates, request)
             self._pin(pin, worker.url)
             self.decisions["reassigned"] += 1
             return worker
-        worker = self._assign(candidates)
+        worker = self._assign(candidates, request)
         self._pins[key] = _Pin(worker.url, now)
         self._keys_per_worker[worker.url] += 1
         self.decisions["new_key"] += 1

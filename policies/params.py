@@ -37,6 +37,8 @@ class PolicyParams:
     prefix_hash_balance_abs_threshold: int = 10
     # consistent_hashing, manual: the headers a routing key is read from, the first present wins (SMG's).
     routing_key_headers: tuple[str, ...] = ("X-SMG-Routing-Key",)
+    # SMG's --routing-key-override / --sticky-sessions: a routing key sticks to its worker on any policy (sticky.py).
+    routing_key_override: bool = False
     # manual: how a new routing key is assigned, and how long an unused key stays pinned.
     assignment_mode: str = "random"
     max_idle_secs: float = 14400.0

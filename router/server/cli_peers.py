@@ -2,8 +2,8 @@
 table with each flag's handling: docs/PEERS.md, tests/fixtures/peers/).
 
 - REFUSED: a feature pd-router does not have (tokenizer, parsers, MCP, databases, WASM, multimodal, mesh, pod
-  discovery, EPD, JWT, tenants), or one it has not built yet. Given, the router exits 2 with one line naming the flag and saying what
-  pd-router does instead, where argparse would say "unrecognized arguments" and nothing else. The peer's own
+  discovery, EPD, JWT, tenants). Given, the router exits 2 with one line naming the flag and saying what pd-router
+  does instead, where argparse would say "unrecognized arguments" and nothing else. The peer's own
   default value asks for nothing (`--backend sglang`, `--history-backend memory`): accepted.
 - IGNORED: tunes a part of the peer that pd-router does not have and does not need: accepted (so that the
   peer's command line starts unchanged) and named in one warning line at start-up (`RouterConfig.warnings`).
@@ -57,8 +57,6 @@ REFUSED: tuple[tuple[str, str], ...] = (
      "--priority-scheduler-enabled! --priority-scheduler-default-max-class --priority-scheduler-config "
      "--priority-scheduler-tenant-metric-top-n --tenant-rate-limit-enabled! --tenant-rate-limit-config"),
     ("the probes (/liveness, /readiness, /health) are answered on --port", "--health-check-port"),
-    # What a PD operator uses that pd-router has not built yet (docs/PEERS.md: "to build").
-    ("not built in pd-router yet (docs/PEERS.md)", "--routing-key-override! --sticky-sessions!"),
 )
 
 # A refused flag given its peer's default value asks for nothing pd-router lacks.

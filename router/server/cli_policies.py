@@ -14,6 +14,9 @@ _POLICY_HELP = {
     "max_tree_size": "cache_aware: prompt characters remembered per worker",
     "eviction_interval_secs": "cache_aware: seconds between evictions down to --max-tree-size",
     "prefix_chunk_chars": "cache_aware: granularity of prefix matching, in characters",
+    "routing_key_override": "sticky sessions on any policy (SMG's): a request naming a routing key "
+                            "(--routing-key-headers) goes where its key went while that worker is routable; new "
+                            "keys and requests without one go where the policy says",
 }
 
 
@@ -52,6 +55,7 @@ _POLICY_ALIASES = {
     "balance_abs_threshold": ("--spill-abs-threshold",),
     "balance_rel_threshold": ("--spill-rel-threshold",),
     "max_idle_secs": ("--sticky-key-idle-secs",),
+    "routing_key_override": ("--sticky-sessions",),
 }
 
 POLICY_FLAGS: list[Flag] = [
