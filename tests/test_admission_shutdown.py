@@ -30,7 +30,7 @@ async def test_close_refuses_new_requests_while_admitted_ones_and_their_retries_
 
 async def test_turn_away_answers_queued_requests_and_retries_waiting_for_a_hold():
     admission = Admission(AdmissionConfig())
-    admission.hold("release_memory_occupation")
+    admission.close_gate("release_memory_occupation")
 
     async def queued() -> None:
         async with admission.slot():

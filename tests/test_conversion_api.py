@@ -358,12 +358,12 @@ async def test_conversions_and_their_aborts_are_counted_in_metrics(fake_fleet, m
 async def test_no_conversion_starts_while_the_fleet_is_held(fake_fleet, make_router):
     p1, p2, d1 = await fake_fleet(2, 1)
     client = await make_router([p1, p2], [d1])
-    client.app[ADMISSION].hold("weight_update")
+    client.app[ADMISSION].close_gate("weight_update")
     resp = await client.post("/pd_role_switch", json={"worker_url": p2.url, "new_role": "decode"})
     body = await resp.json()
     assert resp.status == 409 and "the fleet is held (weight_update)" in body["message"]
     assert p2.switch_calls == [] and worker_of(client, p2).state is WorkerState.ACTIVE
-    client.app[ADMISSION].release("weight_update")
+    client.app[ADMISSION].open_gate("weight_update")
     resp = await client.post("/pd_role_switch", json={"worker_url": p2.url, "new_role": "decode",
                                                       "server_options": {"custom": 1}})
     assert resp.status == 200

@@ -248,7 +248,7 @@ async def test_no_probing_while_the_fleet_is_held(fake_fleet, make_router):
     admission = client.app[ADMISSION]
     d.behaviour.health_hang = True
     await wait_for(lambda: d.health_in_flight == 1, message="a probe is in flight when the hold starts")
-    admission.hold("weight update")
+    admission.close_gate("weight update")
     d.behaviour.health_hang = False
     d.behaviour.health_status = 503
     d.health_release.set()
@@ -259,7 +259,7 @@ async def test_no_probing_while_the_fleet_is_held(fake_fleet, make_router):
     await wait_for(lambda: monitor.rounds >= rounds + 3, message="three probe rounds while held")
     assert (d.health_calls, p.health_calls) == (calls, other), "nobody probed during the hold"
     assert worker.healthy
-    admission.release("weight update")
+    admission.open_gate("weight update")
     await wait_for(lambda: not worker.healthy, message="probing resumed (d answers 503 now)")
 
 

@@ -39,11 +39,11 @@ def test_it_has_everything_the_flows_ask_for():
 
 def test_hold_and_release_close_and_open_admission_per_reason():
     control, admission, _, _ = setup()
-    control.hold("update op1")
-    control.hold("pause_generation")
-    control.release("update op1")
+    control.close_gate("update op1")
+    control.close_gate("pause_generation")
+    control.open_gate("update op1")
     assert not admission.is_open and control.admission_state()["holds"] == ["pause_generation"]
-    control.release("pause_generation")
+    control.open_gate("pause_generation")
     assert admission.is_open and control.admission_state()["open"] is True
     assert control.held_total == admission.held_total == 0
 

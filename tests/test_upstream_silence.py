@@ -84,14 +84,14 @@ async def test_no_cut_while_silence_is_held_and_silence_so_far_does_not_count_af
     d.behaviour.stream_chunks, d.behaviour.stall_after = 3, 1
     client = await make_router([p], [d], health=NO_PROBES, upstream_idle_timeout_secs=IDLE_S)
     legs, traffic = pool(client), client.app[TRAFFIC]
-    traffic.hold_silence("pause_generation")
+    traffic.expect_silence("pause_generation")
     resp = await client.post("/generate", json={"text": "x", "stream": True})
     first = await resp.content.readuntil(b"\n\n")
     assert b"output_ids" in first
     looks = legs.silence_looks_total
     await wait_for(lambda: legs.silence_looks_total >= looks + 12, message="three timeouts' worth of looks")
     assert legs.silence_cuts_total == 0 and d.in_handler == 1
-    traffic.release_silence("pause_generation")
+    traffic.end_silence("pause_generation")
     released = time.monotonic()
     events = await read_events(resp)
     assert "UpstreamSilent" in events[-2]["error"]["message"]

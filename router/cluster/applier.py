@@ -23,7 +23,7 @@ import logging
 from typing import Callable, Iterator
 
 from router.cluster.etcd_types import KeyValue
-from router.cluster.fleet_holds import FleetHolds
+from router.cluster.fleet_gate import FleetGate
 from router.cluster.keys import ClusterKeys, decode
 from router.cluster.mirror import Change
 from router.cluster.publisher import Publisher
@@ -34,11 +34,11 @@ logger = logging.getLogger(__name__)
 
 
 class Applier:
-    def __init__(self, keys: ClusterKeys, registry: Registry, publisher: Publisher, holds: FleetHolds) -> None:
+    def __init__(self, keys: ClusterKeys, registry: Registry, publisher: Publisher, gate: FleetGate) -> None:
         self.keys = keys
         self.registry = registry
         self.publisher = publisher
-        self.holds = holds
+        self.gate = gate
         # The weight flow's shared state (pause mode, released memory), set once the flow exists.
         self.apply_flags: Callable[[dict], None] = lambda flags: None
         self.applied = 0  # changes applied
@@ -172,6 +172,6 @@ class Applier:
     # ---- the fleet -----------------------------------------------------------------------------------
     def _apply_fleet(self, record: dict) -> None:
         holds, silences = record.get("holds"), record.get("silences")
-        self.holds.apply(holds if isinstance(holds, dict) else {},
+        self.gate.apply(holds if isinstance(holds, dict) else {},
                          [str(s) for s in silences] if isinstance(silences, list) else [])
         self.apply_flags(record)

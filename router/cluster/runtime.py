@@ -24,7 +24,7 @@ from router.cluster.coordinator import EtcdCoordinator
 from router.cluster.etcd import EtcdClient
 from router.cluster.etcd_status import EtcdStatus
 from router.cluster.etcd_types import EtcdError
-from router.cluster.fleet_holds import FleetHolds
+from router.cluster.fleet_gate import FleetGate
 from router.cluster.keys import ClusterKeys
 from router.cluster.leadership import Leadership
 from router.cluster.mirror import Mirror
@@ -65,21 +65,21 @@ class Cluster:
         self.membership = Membership(self.client, self.keys, self.identity, ttl)
         self.mirror = Mirror(self.client, self.keys.prefix)
         self.publisher = Publisher(self.client, self.keys, self.mirror, registry, self.status, self.identity.id)
-        self.holds = FleetHolds(traffic, self.identity.id, self.publisher.note_fleet)
-        self.applier = Applier(self.keys, registry, self.publisher, self.holds)
+        self.gate = FleetGate(traffic, self.identity.id, self.publisher.note_fleet)
+        self.applier = Applier(self.keys, registry, self.publisher, self.gate)
         self.leadership = Leadership(self.client, self.keys, self.mirror, self.membership)
         self.coordinator = EtcdCoordinator(self.client, self.keys, self.mirror, self.membership, self.publisher,
                                            self.leadership, self.status, registry, traffic,
                                            ack_timeout_s=max(3.0 * ttl, 5.0), flush_timeout_s=max(2.0 * ttl, 3.0))
         self.barrier = BarrierResponder(self.client, self.keys, registry, traffic, self.membership, spawn)
-        self.takeover = Takeover(self.keys, self.mirror, self.membership, self.coordinator, self.holds, spawn)
+        self.takeover = Takeover(self.keys, self.mirror, self.membership, self.coordinator, self.gate, spawn)
         self.mirror.listeners += [self.coordinator.on_changes, self.applier.on_changes, self.barrier.on_changes,
                                   self.takeover.on_changes]
         self.membership.rejoined.append(self.barrier.rejoined)
         self.publisher.converge = self.applier.converge
         self.publisher.fleet_now = self.fleet_record
         self.applier.apply_flags = self._adopt_flags
-        self.holds.current_op = self.coordinator.fleet_op_id
+        self.gate.current_op = self.coordinator.fleet_op_id
         self._flags: dict = {}
         self._flow: SharedFlags | None = None
         self._tasks: list[asyncio.Task] = []
@@ -87,7 +87,7 @@ class Cluster:
     # ---- the fleet record and the weight flow's share of it --------------------------------------------
     def fleet_record(self) -> dict:
         flags = self._flow.shared_state() if self._flow is not None else self._flags
-        return fleet_record(self.registry.fleet_version, dict(self.holds.holds), self.holds.silences,
+        return fleet_record(self.registry.fleet_version, dict(self.gate.closed), self.gate.silences,
                             {k: flags.get(k) for k in FLAG_FIELDS}, self.identity.id)
 
     def _adopt_flags(self, record: dict) -> None:

@@ -21,7 +21,7 @@ import time
 from typing import Awaitable, Callable
 
 from router.cluster.coordinator import EtcdCoordinator
-from router.cluster.fleet_holds import FleetHolds
+from router.cluster.fleet_gate import FleetGate
 from router.cluster.keys import ClusterKeys, decode
 from router.cluster.mirror import Change, Mirror
 from router.cluster.replica import Membership
@@ -34,12 +34,12 @@ logger = logging.getLogger(__name__)
 
 class Takeover:
     def __init__(self, keys: ClusterKeys, mirror: Mirror, membership: Membership, coordinator: EtcdCoordinator,
-                 holds: FleetHolds, spawn: Callable[[Awaitable], asyncio.Task]) -> None:
+                 gate: FleetGate, spawn: Callable[[Awaitable], asyncio.Task]) -> None:
         self.keys = keys
         self.mirror = mirror
         self.membership = membership
         self.coordinator = coordinator
-        self.holds = holds
+        self.gate = gate
         self.spawn = spawn
         self.recoveries: dict[str, Recovery] | None = None  # by operation kind; None until the flows exist
         self.taken: list[dict] = []  # the last operations this replica took over (for the cluster view)
@@ -102,7 +102,7 @@ class Takeover:
         try:
             if recovery is not None:
                 outcome, message = await while_owned(self.coordinator, ticket, recovery.recover(ticket, record))
-                self._release_holds_of(ticket)  # an update's own hold (a pause's or a memory hold stays)
+                self._open_gate_of(ticket)  # an update's own hold (a pause's or a memory hold stays)
             else:
                 message = (f"its owner {record.get('owner')} died during {ticket.kind}; closed by replica "
                            f"{self.membership.identity.id} (repeat the call if it is still wanted)")
@@ -120,7 +120,7 @@ class Takeover:
             await self.coordinator.release(ticket, outcome, message)
         logger.warning("cluster: %s %s taken over: %s (%s)", ticket.kind, ticket.op_id, outcome, message)
 
-    def _release_holds_of(self, ticket: Ticket) -> None:
-        for reason, info in list(self.holds.holds.items()):
+    def _open_gate_of(self, ticket: Ticket) -> None:
+        for reason, info in list(self.gate.closed.items()):
             if isinstance(info, dict) and info.get("op") == ticket.op_id:
-                self.holds.release(reason)
+                self.gate.open_gate(reason)

@@ -70,7 +70,7 @@ async def describe(cluster: Cluster) -> dict:
                   else round(time.monotonic() - mirror.last_event_at, 3)},
         "lease": {"id": f"{lease:x}" if lease else None, "ttl_s": cluster.membership.ttl,
                   "joins": cluster.membership.joins},
-        "fleet_holds": dict(cluster.holds.holds),
+        "fleet_holds": dict(cluster.gate.closed),
         # workers the cluster removed, newest first: no command line brings them back (POST /workers does)
         "removed": sorted(({k: v for k, v in decode(kv.value).items() if k in ("url", "role", "by", "how", "at")}
                            for kv in mirror.under(keys.removals)), key=lambda r: -float(r.get("at") or 0))[:50],

@@ -1,6 +1,6 @@
 """What the control flows may ask of the request path, and nothing more.
 
-Fleet-wide operations (weight updates, pause, memory release, abort) need to hold new requests and to tell
+Fleet-wide operations (weight updates, pause, memory release, abort) need to close admission's gate (new requests wait) and to tell
 the request path what to do with requests the router is about to abort. They call this interface; the
 request path implements it (`router/dataplane/traffic.py`), so flows never reach into its internals.
 """
@@ -38,12 +38,12 @@ class LiveRequest(Protocol):
 
 
 class RequestPathControl(Protocol):
-    # ---- admission: the fleet-wide hold --------------------------------------------------------------
-    def hold(self, reason: str) -> None:
+    # ---- admission: the fleet-wide gate --------------------------------------------------------------
+    def close_gate(self, reason: str) -> None:
         """Close admission for `reason`: new requests wait in the bounded queue (retries wait too)."""
 
-    def release(self, reason: str) -> None:
-        """End the hold for `reason`; admission opens once no reason is left."""
+    def open_gate(self, reason: str) -> None:
+        """`reason` no longer keeps the gate closed; admission opens once no reason is left."""
 
     @property
     def held_total(self) -> int:
@@ -53,11 +53,11 @@ class RequestPathControl(Protocol):
         """Admission's figures for the admin API (open, holds, active, waiting, bounds, totals)."""
 
     # ---- the legs' silence ---------------------------------------------------------------------------
-    def hold_silence(self, reason: str) -> None:
+    def expect_silence(self, reason: str) -> None:
         """The fleet is paused in place for `reason`: answers go silent on purpose, so the upstream idle
         timeout cuts nothing (and silence so far does not count once every reason is released)."""
 
-    def release_silence(self, reason: str) -> None:
+    def end_silence(self, reason: str) -> None:
         """End the expected silence for `reason`."""
 
     # ---- live requests -------------------------------------------------------------------------------

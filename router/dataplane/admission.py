@@ -1,14 +1,14 @@
-"""Admission: a bound on requests in flight, a bounded wait queue, and the fleet-wide hold.
+"""Admission: a bound on requests in flight, a bounded wait queue, and the fleet-wide gate.
 
 A request enters when the gate is open and a slot is free; otherwise it waits in a bounded queue with a
-deadline. A weight update closes the gate (`hold`): new requests wait instead of failing, and are let
-through in arrival order when the hold ends. Beyond the queue bound, or past the deadline, the client gets
+deadline. A weight update closes the gate (`close_gate(reason)`, shown as the fleet's `holds` in the admin API): new
+requests wait instead of failing, and are let through in arrival order once no reason keeps it closed. Beyond the queue bound, or past the deadline, the client gets
 503 with Retry-After.
 
 `--rate-limit-tokens-per-second R` (sgl-router's, SMG's): new requests also take a token from a bucket refilled
 at R per second and holding at most `--max-concurrent-requests` (at least R, when that is unbounded): a burst
 passes, a sustained rate above R gets 429 with the seconds until the next token in Retry-After (the peers queue
-such requests; here the queue is for capacity and holds, a rate answer is at once).
+such requests; here the queue is for capacity and the gate, a rate answer is at once).
 
 At shutdown, `close` stops admitting (new requests get 503 at once; those admitted go on, retries included),
 and once the grace period is over `turn_away` answers 503 to every request still queued and to every retry.
@@ -39,7 +39,7 @@ class Admission:
         self._refilled_at = clock()
         self.active = 0
         self._waiters: collections.deque[asyncio.Future] = collections.deque()
-        self._holds: set[str] = set()
+        self._gate_reasons: set[str] = set()
         self._open = asyncio.Event()
         self._open.set()
         self._closed: str | None = None  # why new requests are refused (shutdown)
@@ -47,34 +47,34 @@ class Admission:
         # Figures for the admin API and the weight-update report.
         self.held_total = 0
         self.rejected_total = 0
-        self.last_hold_wait_max = 0.0
+        self.last_gate_wait_max = 0.0
 
-    # ---- fleet-wide hold -------------------------------------------------------------------------
+    # ---- the fleet-wide gate -------------------------------------------------------------------------
     @property
     def is_open(self) -> bool:
-        return not self._holds
+        return not self._gate_reasons
 
     @property
     def waiting(self) -> int:
         return len(self._waiters)
 
     @property
-    def hold_reasons(self) -> str:
-        """What holds the fleet (a weight update, a pause, released memory), for messages."""
-        return ", ".join(sorted(self._holds)) or "nothing"
+    def gate_reasons(self) -> str:
+        """What keeps the gate closed (a weight update, a pause, released memory), for messages."""
+        return ", ".join(sorted(self._gate_reasons)) or "nothing"
 
-    def hold(self, reason: str) -> None:
-        self._holds.add(reason)
+    def close_gate(self, reason: str) -> None:
+        self._gate_reasons.add(reason)
         self._open.clear()
 
-    def release(self, reason: str) -> None:
-        self._holds.discard(reason)
-        if not self._holds:
+    def open_gate(self, reason: str) -> None:
+        self._gate_reasons.discard(reason)
+        if not self._gate_reasons:
             self._open.set()
             self._wake()
 
     async def wait_open(self, deadline: float) -> None:
-        """For retries of requests already admitted: wait for a hold to end, with the request's deadline."""
+        """For retries of requests already admitted: wait for the gate to open, with the request's deadline."""
         if self.is_open:
             return
         self._check_turned_away()
@@ -82,7 +82,7 @@ class Admission:
         try:
             await asyncio.wait_for(self._open.wait(), max(remaining, 0))
         except asyncio.TimeoutError:
-            raise ServiceUnavailable(f"the fleet is held ({self.hold_reasons}) past the request deadline",
+            raise ServiceUnavailable(f"the fleet is held ({self.gate_reasons}) past the request deadline",
                                      headers={"Retry-After": "5"}) from None
         self._check_turned_away()
 
@@ -96,8 +96,8 @@ class Admission:
         """The end of the grace period: every queued request and every retry gets 503 (none reached a server)."""
         self.close(reason)
         self._turned_away = reason
-        self.hold(reason)  # for good: wait_open leaves its fast path and refuses
-        self._open.set()  # wake the retries waiting for another hold to end: they refuse too
+        self.close_gate(reason)  # for good: wait_open leaves its fast path and refuses
+        self._open.set()  # wake the retries waiting for the gate to open: they refuse too
         while self._waiters:
             waiter = self._waiters.popleft()
             if not waiter.done():
@@ -144,7 +144,7 @@ class Admission:
             if self.is_open:
                 raise TooManyRequests("too many requests in flight and the wait queue is full",
                                       headers={"Retry-After": "1"})
-            raise ServiceUnavailable(f"the fleet is held ({self.hold_reasons}) and the wait queue is full",
+            raise ServiceUnavailable(f"the fleet is held ({self.gate_reasons}) and the wait queue is full",
                                      headers={"Retry-After": "5"})
         waiter = asyncio.get_running_loop().create_future()
         self._waiters.append(waiter)
@@ -170,7 +170,7 @@ class Admission:
                 self._waiters.remove(waiter)
             except ValueError:
                 pass
-            self.last_hold_wait_max = max(self.last_hold_wait_max, self._clock() - started)
+            self.last_gate_wait_max = max(self.last_gate_wait_max, self._clock() - started)
 
     def _leave(self) -> None:
         self.active -= 1
@@ -186,7 +186,7 @@ class Admission:
         return {
             "open": self.is_open,
             "closed": self._closed,
-            "holds": sorted(self._holds),
+            "holds": sorted(self._gate_reasons),
             "active": self.active,
             "waiting": self.waiting,
             "max_concurrent_requests": self._limit or 0,

@@ -292,7 +292,7 @@ class Proxy:
 
     async def _traced_wait_open(self, trace, deadline: float) -> None:
         """`Admission.wait_open`, and an `admission_held` event when the request waited out a fleet-wide hold."""
-        started, holds = time.monotonic(), str(self.admission.hold_reasons)
+        started, holds = time.monotonic(), str(self.admission.gate_reasons)
         await self.admission.wait_open(deadline)
         trace.event("admission_held", {"pd.wait_s": time.monotonic() - started, "pd.holds": holds})
 

@@ -26,11 +26,11 @@ class DataplaneControl:
         self._abort_on = abort_on
 
     # ---- admission ---------------------------------------------------------------------------------
-    def hold(self, reason: str) -> None:
-        self._admission.hold(reason)
+    def close_gate(self, reason: str) -> None:
+        self._admission.close_gate(reason)
 
-    def release(self, reason: str) -> None:
-        self._admission.release(reason)
+    def open_gate(self, reason: str) -> None:
+        self._admission.open_gate(reason)
 
     @property
     def held_total(self) -> int:
@@ -40,13 +40,13 @@ class DataplaneControl:
         return self._admission.state()
 
     # ---- the legs' silence -------------------------------------------------------------------------
-    def hold_silence(self, reason: str) -> None:
+    def expect_silence(self, reason: str) -> None:
         if self._legs is not None:
-            self._legs.hold_silence(reason)
+            self._legs.expect_silence(reason)
 
-    def release_silence(self, reason: str) -> None:
+    def end_silence(self, reason: str) -> None:
         if self._legs is not None:
-            self._legs.release_silence(reason)
+            self._legs.end_silence(reason)
 
     # ---- live requests -----------------------------------------------------------------------------
     def count_on(self, workers: Iterable[Worker]) -> int:

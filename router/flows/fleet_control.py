@@ -49,7 +49,7 @@ class FleetControl:
         self.config = config
         self.registry = registry
         self.upstream = upstream
-        self.traffic = traffic  # the request path: admission's hold and the router's live requests
+        self.traffic = traffic  # the request path: admission's gate and the router's live requests
         # The other router replicas of the fleet (a lone router's does nothing): operations run once across
         # them, and every replica holds, marks and empties before a server changes.
         self.coordinator = coordinator
@@ -120,12 +120,12 @@ class FleetControl:
 
     # ---- the steps operations share ----------------------------------------------------------------------
     @asynccontextmanager
-    async def holding(self, op: Operation, reason: str, *, keep: bool = False):
-        """Hold new requests for the operation; record how long and how many waited. `keep`: the hold
-        outlives the operation (a memory release: the resume ends it)."""
+    async def gate_closed(self, op: Operation, reason: str, *, keep: bool = False):
+        """Close admission's gate to new requests for the operation (its step `hold`); record how long and how
+        many waited. `keep`: the gate stays closed after the operation (a memory release: the resume opens it)."""
         held_before = self.traffic.held_total
         step = op.step("hold")
-        self.traffic.hold(reason)
+        self.traffic.close_gate(reason)
         step.end("ok", f"admission closed ({reason})")
         started = time.monotonic()
         try:
@@ -135,7 +135,7 @@ class FleetControl:
             # An operation this replica lost once it had changed the servers keeps the fleet's hold: they may
             # still be loading, and the replica taking it over releases the hold when they are done.
             if not keep and not (op.lost and op.changed_servers):
-                self.traffic.release(reason)
+                self.traffic.open_gate(reason)
             op.hold_s = time.monotonic() - started
             op.held_requests = self.traffic.held_total - held_before
 

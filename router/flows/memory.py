@@ -16,7 +16,7 @@ from router.flows.fleet_control import FleetControl
 from router.flows.operations import Operation
 
 ALL_MEMORY_TAGS = frozenset({"kv_cache", "weights", "cuda_graph"})  # SGLang's GPU_MEMORY_ALL_TYPES
-MEMORY_HOLD = "release_memory_occupation"
+MEMORY_GATE = "release_memory_occupation"
 
 
 class MemoryOccupation:
@@ -31,11 +31,11 @@ class MemoryOccupation:
     async def _release_memory(self, op: Operation, body: dict, abort: bool, retry: bool) -> tuple[int, dict]:
         fleet, timeout = self.fleet, self.fleet.config.weight_update_timeout_secs
         held_already = bool(fleet.released_tags)
-        async with fleet.holding(op, MEMORY_HOLD, keep=True):
+        async with fleet.gate_closed(op, MEMORY_GATE, keep=True):
             workers = fleet.targets()
             if not await fleet.quiesce(op, workers, abort=abort, retry=retry):
                 if not held_already:
-                    fleet.traffic.release(MEMORY_HOLD)
+                    fleet.traffic.open_gate(MEMORY_GATE)
                 return fleet.quiesce_timeout_answer(op, "release_memory_occupation")
             step = op.step("release", timeout)
             results = await fleet.sent(fan_out(workers, lambda w: fleet.call(w, "/release_memory_occupation", body,
@@ -45,7 +45,7 @@ class MemoryOccupation:
             if any(o.success for o in results):
                 fleet.released_tags |= set(body.get("tags") or ALL_MEMORY_TAGS)
             elif not held_already:
-                fleet.traffic.release(MEMORY_HOLD)  # nothing was released: serve on
+                fleet.traffic.open_gate(MEMORY_GATE)  # nothing was released: serve on
         return fleet.aggregate(op, results, "release_memory_occupation", memory_released=sorted(fleet.released_tags))
 
     async def resume_memory(self, body: dict) -> tuple[int, dict]:
@@ -59,7 +59,7 @@ class MemoryOccupation:
         tags = body.get("tags")
         fleet.released_tags -= set(tags) if tags else set(fleet.released_tags)
         if not fleet.released_tags:
-            fleet.traffic.release(MEMORY_HOLD)
+            fleet.traffic.open_gate(MEMORY_GATE)
             op.step("release").end("ok", "admission open")
         return fleet.aggregate(op, results, "resume_memory_occupation", memory_released=sorted(fleet.released_tags))
 

@@ -23,7 +23,7 @@ from router.flows.fleet import http_status, summary, wait_quiet
 from router.flows.fleet_control import FleetControl
 from router.flows.operations import Operation
 
-PAUSE_HOLD = "pause_generation"
+PAUSE_GATE = "pause_generation"
 
 
 class Pauses:
@@ -37,10 +37,10 @@ class Pauses:
 
     async def _pause(self, op: Operation, body: dict, mode: str, retry: bool) -> tuple[int, dict]:
         fleet, timeout = self.fleet, self.fleet.config.abort_timeout_secs
-        fleet.traffic.hold(PAUSE_HOLD)  # kept until continue_generation
+        fleet.traffic.close_gate(PAUSE_GATE)  # kept until continue_generation
         op.step("hold").end("ok", "admission closed until continue_generation")
         fleet.paused = mode
-        fleet.traffic.hold_silence(PAUSE_HOLD)  # paused answers go silent: the legs' idle timeout waits
+        fleet.traffic.expect_silence(PAUSE_GATE)  # paused answers go silent: the legs' idle timeout waits
         workers = fleet.targets()
         # every replica, this one first, marks its requests (abort mode) and tells what it has on the servers
         action = StopAction.ROUTING if mode != "abort" else StopAction.RETRY if retry else StopAction.ANSWER
@@ -76,8 +76,8 @@ class Pauses:
         for result in results:
             result.extra["routable"] = result.worker.routable
         fleet.paused = None
-        fleet.traffic.release_silence(PAUSE_HOLD)
-        fleet.traffic.release(PAUSE_HOLD)
+        fleet.traffic.end_silence(PAUSE_GATE)
+        fleet.traffic.open_gate(PAUSE_GATE)
         op.step("release").end("ok", "admission open")
         op.workers = [o.to_dict() for o in results]
         status = http_status(results)

@@ -80,7 +80,7 @@ class WeightUpdates:
                       retry: bool) -> tuple[int, dict]:
         fleet, timeout = self.fleet, self.fleet.config.weight_update_timeout_secs
         deadline = op.started + timeout
-        async with fleet.holding(op, f"{kind} {op.id}"):
+        async with fleet.gate_closed(op, f"{kind} {op.id}"):
             workers = fleet.targets()
             if not workers:
                 raise ServiceUnavailable("there is no server to update")

@@ -135,7 +135,7 @@ async def assemble(app: web.Application, stack: contextlib.AsyncExitStack) -> No
 
         cluster = app[view.CLUSTER] = Cluster(config, registry, traffic, spawn,
                                               replica_id=app[REPLICA].id)
-        traffic, coordinator = cluster.holds, cluster.coordinator  # the flows' holds and turns are the fleet's
+        traffic, coordinator = cluster.gate, cluster.coordinator  # the flows' holds and turns are the fleet's
         metrics.prometheus.register(view.ClusterCollector(cluster))
         await cluster.start(config.worker_startup_timeout_secs)
         stack.push_async_callback(cluster.close)

@@ -147,7 +147,7 @@ class UpstreamPool:
         self.silence_timeout = silence_timeout or None
         self.silence_cuts_total = 0
         self.silence_looks_total = 0  # looks taken (tests wait on it instead of on the clock)
-        self._silence_holds: set[str] = set()  # why silence is expected now (the fleet paused in place)
+        self._silence_reasons: set[str] = set()  # why silence is expected now (the fleet paused in place)
         self._silence_look: asyncio.TimerHandle | None = None
         if self.silence_timeout is not None:
             self._look_every = min(self.silence_timeout / SILENCE_LOOKS_PER_TIMEOUT, SILENCE_LOOK_MAX_S)
@@ -295,23 +295,23 @@ class UpstreamPool:
         return base_url in self._endpoints
 
     # ---- silence ---------------------------------------------------------------------------------------
-    def hold_silence(self, reason: str) -> None:
+    def expect_silence(self, reason: str) -> None:
         """Silence is expected for `reason` (the fleet is paused in place): nothing is cut, and silence so
         far does not count once the last reason is released."""
-        self._silence_holds.add(reason)
+        self._silence_reasons.add(reason)
 
-    def release_silence(self, reason: str) -> None:
-        self._silence_holds.discard(reason)
+    def end_silence(self, reason: str) -> None:
+        self._silence_reasons.discard(reason)
 
     def _look_for_silence(self) -> None:
         self.silence_looks_total += 1
         now = time.monotonic()
-        held = bool(self._silence_holds)
+        expected = bool(self._silence_reasons)
         for conn in list(self._connections):
             response = conn.response
             if response is None:
                 continue
-            if held:
+            if expected:
                 response.restart_silence()
             elif response.silent_for(now) >= self.silence_timeout:
                 self.silence_cuts_total += 1
