@@ -193,3 +193,38 @@ def test_weight_update_with_abort_through_the_router(router, fleet):
         status, answer = post_json(router.url + "/update_weights_from_disk", body, timeout=180)
         assert status == 200 and answer["weight_version"] == "default", answer
     assert_fleet_quiet(router, fleet)
+
+
+def test_weight_update_while_paused_in_place_holds_the_unflushed_decode_until_the_router_flushes_it(router, fleet):
+    """0.5.23 changes the weights of a server paused in place with a request in its batch, but refuses to flush
+    its cache (400 '... the cache was not flushed ...'): the router takes the update there, holds that decode out
+    as `cache` (the other decode serves), and flushes it once its request has ended after continue; it rejoins
+    on the new version."""
+    model_path = get_json(f"{fleet.prefill.url}/model_info")["model_path"]
+    running = decoding(router, {"text": PROMPT, "sampling_params": dict(LONG, max_new_tokens=300)})
+    try:
+        status, answer = post_json(router.url + "/pause_generation", {"mode": "in_place"}, timeout=STEP_TIMEOUT_S)
+        assert status == 200, answer
+        body = {"model_path": model_path, "weight_version": "real-tier-cache"}
+        status, answer = post_json(router.url + "/update_weights_from_disk", body, timeout=180)
+        assert status == 200 and answer["success"] is True and answer["weight_version"] == "real-tier-cache", answer
+        stale = [w for w in answer["workers"] if w.get("cache") == "stale"]
+        assert len(stale) == 1 and stale[0]["role"] == "decode" and stale[0]["routable"] is False, answer
+        assert "cache was not flushed" in stale[0]["message"], stale[0]  # the server's own refusal, passed on
+        held = {w["url"]: w for w in router.workers()}[stale[0]["url"]]
+        assert (held.get("hold") or {}).get("kind") == "cache", held
+        status, answer = post_json(router.url + "/continue_generation", {}, timeout=STEP_TIMEOUT_S)
+        assert status == 200, answer
+        last = final_event(running.join(timeout=120))
+        assert last["meta_info"]["finish_reason"]["type"] == "length"
+        wait_until(lambda: {w["url"]: w for w in router.workers()}[stale[0]["url"]]["routable"],
+                   timeout=STEP_TIMEOUT_S, what="the decode flushed and back in routing")
+        for _ in range(3):  # both decodes serve the new version
+            status, answer = post_json(router.url + "/generate", {"text": PROMPT, "sampling_params": SHORT})
+            assert status == 200 and answer["meta_info"]["weight_version"] == "real-tier-cache", answer
+    finally:
+        post_json(router.url + "/continue_generation", {}, timeout=STEP_TIMEOUT_S)
+        body = {"model_path": model_path, "abort_all_requests": True, "weight_version": "default"}
+        status, answer = post_json(router.url + "/update_weights_from_disk", body, timeout=180)
+        assert status == 200 and answer["weight_version"] == "default", answer
+    assert_fleet_quiet(router, fleet)
