@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from router.core.worker_entry import PEER_FIELDS, WorkerEntryError, parse_worker_entry
+from router.core.worker_entry import PEER_FIELDS, SETTINGS, WorkerEntryError, parse_worker_entry
 
 API = json.loads((Path(__file__).resolve().parent / "fixtures" / "peers" / "worker_api.json").read_text())
 PEER_BODY_FIELDS = (set(API["sglang_router-0.3.2"]["POST /workers"]["fields"])
@@ -30,7 +30,8 @@ async def test_a_peer_body_registers_and_its_other_fields_are_named(fake_fleet, 
     resp = await router.post("/workers", json=body)
     answer = await resp.json()
     assert resp.status == 200, answer
-    assert set(answer["ignored_fields"]) == set(PEER_FIELDS)
+    assert set(answer["ignored_fields"]) == set(PEER_FIELDS) - set(SETTINGS)  # those four the worker keeps
+    assert answer["worker"]["labels"] == {"zone": "a"} and answer["worker"]["priority"] == 80
     assert answer["worker"]["role"] == "prefill" and answer["worker"]["bootstrap_port"] == p2.bootstrap_port
     assert "sk-never-shown" not in json.dumps(answer)  # the api_key is not echoed back
     # an SMG body of only what pd-router reads has nothing ignored
@@ -56,7 +57,7 @@ async def test_a_field_no_peer_knows_or_of_the_wrong_type_is_400(fake_fleet, mak
 
 
 def test_other_ways_in_take_the_peer_fields_too_but_register_keeps_its_names():
-    entry = parse_worker_entry({"url": "http://h:1", "labels": {"a": "b"}})
-    assert entry.ignored == ("labels",)
+    entry = parse_worker_entry({"url": "http://h:1", "labels": {"a": "b"}, "model_id": "m"})
+    assert entry.ignored == ("model_id",) and entry.settings == {"labels": {"a": "b"}}
     with pytest.raises(WorkerEntryError, match="unknown field 'ignored'"):
         parse_worker_entry({"url": "http://h:1", "ignored": ["x"]})

@@ -29,7 +29,8 @@ async def test_put_converts_corrects_the_port_and_refuses_what_it_cannot(fleet, 
     assert resp.status == 200, body
     assert body["conversion"]["outcome"] == "converted" and body["worker"]["role"] == "prefill"
     assert decode.role is Role.PREFILL and decode.routable
-    assert set(body["ignored_fields"]) == {"labels", "priority"}
+    assert "ignored_fields" not in body  # labels and priority are kept on the worker
+    assert body["worker"]["labels"] == {"zone": "a"} and body["worker"]["priority"] == 10
     resp = await router.post("/generate", json={"text": "hi", "sampling_params": {"max_new_tokens": 2}})
     assert resp.status == 200  # the fleet serves on, 2P+1D
 
@@ -49,5 +50,6 @@ async def test_put_converts_corrects_the_port_and_refuses_what_it_cannot(fleet, 
     assert resp.status == 400 and "only a prefill" in (await resp.json())["error"]["message"]
     assert (await router.put("/workers/nope", json={})).status == 404
     resp = await router.patch(f"/workers/{prefill.id}", json={"cost": 2.0, "health": {"timeout_secs": 3}})
-    assert resp.status == 200 and set((await resp.json())["ignored_fields"]) == {"cost", "health"}
+    answer = await resp.json()
+    assert resp.status == 200 and answer["ignored_fields"] == ["health"] and answer["worker"]["cost"] == 2.0
     assert prefill.bootstrap_port == port and only.role is Role.DECODE

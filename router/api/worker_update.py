@@ -7,6 +7,8 @@ optional (given, it must name the same worker). What pd-router acts on:
   `POST /admin/workers/{id}/convert` with its defaults; the answer waits for it and carries its record);
 - `bootstrap_port` on a prefill: the port the router sends to decode from now on (SGLang cannot change the
   port a running server listens on: this corrects what the router was told or read);
+- `labels`, `priority`, `cost`, `api_key` (SMG's PATCH fields): kept on the worker, as `POST /workers` keeps
+  them (its api_key sent to it from the next call on).
 Every other field is accepted with no effect and named in `ignored_fields`, as for `POST /workers`.
 """
 
@@ -17,7 +19,7 @@ from aiohttp import web
 from router.api.bodies import read_json_object
 from router.api.conversion import record_body
 from router.api.conversion_bodies import ConvertWorker
-from router.api.workers import entry_of, find_worker
+from router.api.workers import apply_settings, entry_of, find_worker
 from router.core.config import DISCOVER
 from router.core.errors import BadRequest, json_response
 from router.core.keys import REGISTRY
@@ -41,6 +43,8 @@ async def update_worker(request: web.Request) -> web.Response:
         if worker.role is not Role.PREFILL or entry.given_role is Role.DECODE:
             raise BadRequest("bootstrap_port: only a prefill has one", param="bootstrap_port")
         app[REGISTRY].update_info(worker, bootstrap_port=port)
+    if entry.settings:
+        apply_settings(app, worker, entry.settings)
     role = entry.given_role
     if role is not None and role is not worker.role:
         conversion = await app[CONVERSIONS].begin(worker, ConvertWorker(new_role=role.value).plan())

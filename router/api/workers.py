@@ -78,7 +78,25 @@ async def check_not_a_router(app: web.Application, url: str, *, probe: bool) -> 
 
 
 async def register_worker(app: web.Application, url: str, role: Role | None, port, *, source: str,
-                          settle: float | None = REGISTER_SETTLE_SECS, seed: bool = False) -> Worker:
+                          settle: float | None = REGISTER_SETTLE_SECS, seed: bool = False,
+                          settings: dict | None = None) -> Worker:
+    """`settings`: the peers' worker fields the worker keeps (labels, priority, cost, api_key: its own key, sent
+    from its first reading on)."""
+    key = (settings or {}).get("api_key")
+    if key:
+        app[UPSTREAM].set_worker_key(identity(url), key)
+    try:
+        worker = await _register_worker(app, url, role, port, source=source, settle=settle, seed=seed,
+                                        settings=settings)
+    except BaseException:
+        if key and app[REGISTRY].find(url) is None:
+            app[UPSTREAM].set_worker_key(identity(url), None)
+        raise
+    return worker
+
+
+async def _register_worker(app: web.Application, url: str, role: Role | None, port, *, source: str,
+                           settle: float | None, seed: bool, settings: dict | None) -> Worker:
     """Add a worker, pending until its server has been read (live role, bootstrap port, weights, readiness;
     waited for up to `settle` seconds): a live role other than `role` puts it in its live role's pool.
     `settle=None` leaves it pending for `LiveStateReader.start_up` to read with the others (before the router serves).
@@ -105,6 +123,8 @@ async def register_worker(app: web.Application, url: str, role: Role | None, por
                                     source=source)
     except DuplicateWorker as exc:
         raise Conflict(str(exc)) from None
+    if settings:
+        registry.set_settings(worker, **settings)
     if settle is not None:
         await live_state.settle(worker, settle)
     try:
@@ -160,6 +180,13 @@ async def unregister_worker(app: web.Application, worker: Worker, *, by: str = "
         app[REGISTRY].remove(worker)
 
 
+def apply_settings(app: web.Application, worker: Worker, settings: dict) -> None:
+    """PATCH/PUT /workers/{id}: the peers' fields the worker keeps, changed (its api_key from the next call on)."""
+    if "api_key" in settings:
+        app[UPSTREAM].set_worker_key(worker.url, settings["api_key"])
+    app[REGISTRY].set_settings(worker, **settings)
+
+
 def find_worker(app: web.Application, key: str) -> Worker:
     worker = app[REGISTRY].find(unquote(key))
     if worker is None:
@@ -192,7 +219,8 @@ async def get_worker(request: web.Request) -> web.Response:
 async def add_worker_json(request: web.Request) -> web.Response:
     entry = entry_of(await read_json_object(request))
     worker = await register_worker(request.app, entry.address, entry.given_role,
-                                   entry.bootstrap_port_of(null_means=DISCOVER), source="POST /workers")
+                                   entry.bootstrap_port_of(null_means=DISCOVER), source="POST /workers",
+                                   settings=entry.settings)
     body = {"success": True, "message": f"Successfully added worker: {worker.url}", "worker_id": worker.id,
             "url": worker.url, "worker": worker.to_dict()}
     if entry.ignored:  # the peers' fields that mean nothing to pd-router's pools (README: Worker API)

@@ -127,6 +127,16 @@ class Upstream:
         # Workers registered with `user:pass@` in their URL (their `url` shows none): HTTP Basic on every control
         # call, as aiohttp sent it from the URL before (a --worker-api-key takes precedence).
         self._basic: dict[str, dict] = {}
+        # Workers registered with their own api_key (the peers' worker field): that key, over every other.
+        self._keyed: dict[str, dict] = {}
+
+    def set_worker_key(self, url: str, key: str | None) -> None:
+        """Send `key` (None: no key of its own) to the worker at `url` (canonical) from now on; set before the
+        worker is first read, so that its first reading carries it."""
+        if key:
+            self._keyed[url] = {**self._base, "Authorization": f"Bearer {key}"}
+        else:
+            self._keyed.pop(url, None)
 
     def follow_credentials(self, registry: Registry) -> None:
         def listener(event: str, worker: Worker | None, details: dict) -> None:
@@ -136,6 +146,7 @@ class Upstream:
                 self._basic[worker.url] = {**self._base, "Authorization": basic_header(worker.userinfo)}
             elif event == "removed":
                 self._basic.pop(worker.url, None)
+                self._keyed.pop(worker.url, None)
 
         registry.subscribe(listener)
 
@@ -153,6 +164,8 @@ class Upstream:
                 base = {**base, "Authorization": basic_header(parsed.userinfo)}
         elif self._basic and not self._auth:
             base = self._basic.get(url, base)
+        if self._keyed:
+            base = self._keyed.get(url, base)
         if body is not None:
             kwargs["data"] = orjson.dumps(body)
             kwargs["headers"] = {**JSON_HEADERS, **base, **(headers or {})}

@@ -94,6 +94,14 @@ class Worker:
     # `user:password` of a URL registered with credentials: the control plane still sends them (HTTP Basic);
     # never in `url`, `to_dict`, a log line or a metric label.
     userinfo: str | None = field(default=None, repr=False)
+    # The peers' worker-API fields (POST /workers, PATCH /workers/{id}): labels, priority and cost are kept and
+    # shown (no pd-router policy weighs them, nor do the peers'); api_key is sent to this worker alone, as
+    # `Authorization: Bearer` on its legs (`auth_line`) and its control-plane calls, never shown.
+    labels: dict = field(default_factory=dict)
+    priority: int | None = None
+    cost: float | None = None
+    api_key: str | None = field(default=None, repr=False)
+    auth_line: bytes | None = field(default=None, repr=False)
     _idle: asyncio.Event = field(default_factory=asyncio.Event, repr=False)
 
     def to_dict(self) -> dict:
@@ -122,6 +130,10 @@ class Worker:
             "dp_ranks": self.dp_ranks,
             "attention_dp": self.attention_dp,
             "ranks": rank_rows(self),
+            "labels": self.labels,
+            "priority": self.priority,
+            "cost": self.cost,
+            "api_key_set": self.api_key is not None,
         }
 
 
@@ -330,6 +342,18 @@ class Registry:
             setattr(worker, key, value)
         worker.revision += 1
         self._commit(worker, (worker.role,), "info", **changed)
+
+    def set_settings(self, worker: Worker, **settings) -> None:
+        """The worker API's own fields (labels, priority, cost, api_key); the key is never in an event."""
+        changed = {k: v for k, v in settings.items() if getattr(worker, k) != v}
+        if not changed:
+            return
+        for key, value in changed.items():
+            setattr(worker, key, value)
+        if "api_key" in changed:
+            worker.auth_line = f"Authorization: Bearer {worker.api_key}\r\n".encode() if worker.api_key else None
+            changed["api_key"] = "set" if worker.api_key else None
+        self._emit("info", worker, **changed)
 
     def hold_out(self, worker: Worker, kind: HoldKind | str, reason: str) -> None:
         """Hold a worker out of routing (state `failed`, the hold's kind naming what brings it back)."""

@@ -13,10 +13,11 @@ One difference between the ways in is named by each, not decided by it: what a `
 (the server's own port is read); `/add_worker`'s `none`, `/register`'s null and a listing's null (the file,
 etcd) mean what they mean to mini_lb, decode's default port.
 
-A field a peer sends that pd-router takes is added here, once, for every way in. The other fields of the
-peers' worker bodies (sgl-router 0.3.2's `WorkerConfigRequest`, SMG 1.13's `WorkerSpec`: labels, api_key,
-priority, cost, model_id, health overrides, ...; `PEER_FIELDS`) are accepted, type-checked where the peer
-types them plainly, and named in `ignored` (the answer says which): only a field no peer knows is refused.
+A field a peer sends that pd-router takes is added here, once, for every way in. The fields of the peers'
+worker bodies (sgl-router 0.3.2's `WorkerConfigRequest`, SMG 1.13's `WorkerSpec`: labels, api_key, priority,
+cost, model_id, health overrides, ...; `PEER_FIELDS`) are accepted and type-checked where the peer types them
+plainly; labels, priority, cost and api_key are kept (`settings`: the worker's own, see `Worker`), the others
+named in `ignored` (the answer says which): only a field no peer knows is refused.
 """
 
 from __future__ import annotations
@@ -31,10 +32,10 @@ from router.core.worker_url import BadWorkerUrl, WorkerUrl, parse_worker_url
 
 ROLES = (Role.PREFILL.value, Role.DECODE.value)
 # The peers' worker-body fields pd-router does not act on (tests/fixtures/peers/worker_api.json): field -> the
-# JSON type the peer requires (None: anything). Routing weights (priority, cost), labels and per-worker health
-# or connection settings have no meaning to pd-router's pools; a per-worker api_key is not sent (one
-# --worker-api-key for the fleet); DP fields are issue 24's; the rest (tokenizer, parsers, gRPC, KV connector
-# of vLLM, multimodal) are parts pd-router does not have.
+# JSON type the peer requires (None: anything). SETTINGS are kept on the worker (api_key: sent to it alone;
+# labels, priority, cost: stored and shown, as no policy of the peers' or pd-router's weighs them); per-worker
+# health or connection settings have no meaning to pd-router's pools; DP fields are issue 24's; the rest
+# (tokenizer, parsers, gRPC, KV connector of vLLM, multimodal) are parts pd-router does not have.
 PEER_FIELDS: dict[str, type | tuple[type, ...] | None] = {
     "api_key": str, "model_id": str, "models": list, "priority": int, "cost": (int, float), "labels": dict,
     "runtime": str, "runtime_type": str, "provider": str, "connection_mode": str, "tokenizer_path": str,
@@ -46,6 +47,7 @@ PEER_FIELDS: dict[str, type | tuple[type, ...] | None] = {
     "resilience": dict, "load_monitor_interval_secs": int, "multimodal_tensor_transport": str,
     "multimodal_shm_min_bytes": int, "zmq_handshake_address": str,
 }
+SETTINGS = ("labels", "priority", "cost", "api_key")
 # mini_lb's /register names: its field -> the model's
 REGISTER_FIELDS = {"mode": "worker_type", "registry_url": "url", "bootstrap_port": "bootstrap_port"}
 
@@ -69,6 +71,7 @@ class WorkerEntry(BaseModel):
     role: Role | None = None  # mini_lb's and pd-router's name; absent both: the server's live role
     bootstrap_port: int | None = None  # absent (not in model_fields_set): the server's own
     ignored: tuple[str, ...] = ()  # the peers' fields given, accepted with no effect (never a body field)
+    settings: dict[str, Any] = {}  # the peers' SETTINGS given (never a body field): the worker keeps them
 
     @field_validator("url", mode="before")
     @classmethod
@@ -131,14 +134,15 @@ def parse_worker_entry(data: Mapping[str, Any], *, where: str = "", names: Mappi
     `names`: the way in's own field names (e.g. REGISTER_FIELDS), each mapped to the model's; a field outside
     them is unknown, and problems say the way in's names."""
     peer = PEER_FIELDS if names is None else {}
-    names = names if names is not None else {field: field for field in WorkerEntry.model_fields if field != "ignored"}
+    names = names if names is not None else {field: field for field in WorkerEntry.model_fields
+                                             if field not in ("ignored", "settings")}
     shown = {model: own for own, model in names.items()}
     problems: list[str] = [f"unknown field {key!r} (known: {', '.join(sorted(names))}, and the peers' worker "
                            f"fields)" if peer else f"unknown field {key!r} (known: {', '.join(sorted(names))})"
                            for key in data if key not in names and key not in peer]
     param = next((key for key in data if key not in names and key not in peer), None)
-    ignored = tuple(key for key in data if key in peer)
-    for key in ignored:
+    given = tuple(key for key in data if key in peer)
+    for key in given:
         wanted, value = peer[key], data[key]
         if value is not None and wanted is not None and (not isinstance(value, wanted) or (
                 isinstance(value, bool) and wanted is not bool)):
@@ -165,7 +169,11 @@ def parse_worker_entry(data: Mapping[str, Any], *, where: str = "", names: Mappi
             param = param or name or None
     if problems or entry is None:
         raise WorkerEntryError([f"{where}: {p}" if where else p for p in problems], param)
-    return entry.model_copy(update={"ignored": ignored}) if ignored else entry
+    ignored = tuple(key for key in given if key not in SETTINGS)
+    settings = {key: data[key] for key in given if key in SETTINGS and data[key] is not None}
+    if "cost" in settings:
+        settings["cost"] = float(settings["cost"])
+    return entry.model_copy(update={"ignored": ignored, "settings": settings}) if given else entry
 
 
 def _json_type(wanted: type | tuple[type, ...]) -> str:

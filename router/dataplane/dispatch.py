@@ -52,6 +52,12 @@ LINGER_LOOK_MAX_S = 5.0
 LegObserver = Callable[[Worker, "bool | None"], None]
 
 
+def with_authorization(headers: bytes, line: bytes) -> bytes:
+    """Header lines (`header_lines`' bytes) with their Authorization line replaced by `line`."""
+    kept = b"".join(h + b"\r\n" for h in headers.split(b"\r\n") if h and h[:14].lower() != b"authorization:")
+    return kept + line
+
+
 class Dispatcher:
     """Runs attempts on their pairs: `unary` and `stream` return the client's response or raise LegFailed."""
 
@@ -118,7 +124,8 @@ class Dispatcher:
             try:
                 async with asyncio.timeout(ABORT_TIMEOUT_S):
                     resp = await self.upstream.post(worker.url, "/abort_request", orjson.dumps({"rid": rid}),
-                                                    self._abort_headers)
+                                                    self._abort_headers if worker.auth_line is None else
+                                                    with_authorization(self._abort_headers, worker.auth_line))
                     try:
                         await resp.read()
                     finally:
@@ -220,6 +227,8 @@ class Dispatcher:
         payload = attempt.payload
         if attempt.decode_payload is not None and worker is attempt.decode:
             payload = attempt.decode_payload
+        if worker.auth_line is not None:  # the worker's own api_key (worker API), over the request's
+            headers = with_authorization(headers, worker.auth_line)
         return self.upstream.post(worker.url, path, payload, headers)
 
     # ---- non-streaming -----------------------------------------------------------------------------
