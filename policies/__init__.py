@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 from typing import Callable
 
-from .base import Outcome, Policy, RequestInfo, ServerLoad, effective_load
+from .base import LegOutcome, Policy, RequestInfo, ServerLoad, effective_load
 from .bucket import BucketPolicy
 from .cache_aware import CacheAwarePolicy
 from .consistent_hashing import ConsistentHashingPolicy
@@ -47,5 +47,5 @@ def make_policy(name: str, params: PolicyParams | None = None, *, rng: random.Ra
     return policy
 
 
-__all__ = ["Outcome", "Policy", "PolicyParams", "RequestInfo", "ServerLoad", "available_policies",
+__all__ = ["LegOutcome", "Policy", "PolicyParams", "RequestInfo", "ServerLoad", "available_policies",
            "effective_load", "make_policy", "register_policy"]

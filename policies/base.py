@@ -15,7 +15,10 @@ if TYPE_CHECKING:
     from .load_report import LoadReport
 
 
-class Outcome(str, enum.Enum):
+class LegOutcome(str, enum.Enum):
+    """How one leg (a prefill's or a decode's half of a request) ended, as its policy learns it. Not a
+    request's outcome (`router.core.records.RequestOutcome`), a conversion's, a step's or an operation's."""
+
     SUCCESS = "success"
     ERROR = "error"  # the worker failed the request
     CANCELLED = "cancelled"  # the client went away, or the other leg failed
@@ -97,7 +100,7 @@ class Policy:
     def select(self, candidates: Sequence[Candidate], request: RequestInfo) -> Candidate:
         raise NotImplementedError
 
-    def on_complete(self, worker: Candidate, outcome: Outcome) -> None:
+    def on_complete(self, worker: Candidate, outcome: LegOutcome) -> None:
         """Called once per leg when it ends."""
 
     def on_worker_removed(self, worker: Candidate) -> None:

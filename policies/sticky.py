@@ -16,7 +16,7 @@ import random
 import time
 from typing import Sequence
 
-from .base import Candidate, Outcome, Policy, RequestInfo
+from .base import Candidate, LegOutcome, Policy, RequestInfo
 from .manual import ManualPolicy
 from .params import PolicyParams
 
@@ -37,7 +37,7 @@ class RoutingKeyOverride(Policy):
     def select(self, candidates: Sequence[Candidate], request: RequestInfo) -> Candidate:
         return self.sticky.select(candidates, request)
 
-    def on_complete(self, worker: Candidate, outcome: Outcome) -> None:
+    def on_complete(self, worker: Candidate, outcome: LegOutcome) -> None:
         self.inner.on_complete(worker, outcome)
 
     def on_worker_removed(self, worker: Candidate) -> None:

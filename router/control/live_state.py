@@ -260,7 +260,7 @@ class LiveStateReader:
                                    f"is {router_description(live.router)}, not a SGLang server: never routed")
             return
         registry.update_info(worker, **live.facts())
-        held = worker.state is WorkerState.FAILED and worker.hold is not None
+        held = worker.held_out  # as it is before this reading applies
         if worker.state not in OWN_STATES and not held:
             return  # a flow owns it (converting, draining), or an operator must act (failed, unsafe)
         if registry.fleet_version is None and live.weight_version is not None:

@@ -104,6 +104,18 @@ class Worker:
     auth_line: bytes | None = field(default=None, repr=False)
     _idle: asyncio.Event = field(default_factory=asyncio.Event, repr=False)
 
+    @property
+    def held_out(self) -> bool:
+        """Kept out of routing by an operation until what its hold's kind names brings it back (state `failed`
+        on the wire, with `hold` set)."""
+        return self.hold is not None
+
+    @property
+    def unsafe(self) -> bool:
+        """Left unsafe by a failed operation: an operator reinstates or removes it (state `failed` on the wire,
+        no hold). The one other meaning of that state is `held_out`."""
+        return self.state is WorkerState.FAILED and self.hold is None
+
     def to_dict(self) -> dict:
         return {
             "id": self.id,

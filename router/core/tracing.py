@@ -49,7 +49,7 @@ class LegTrace(Protocol):
     header_line: bytes
 
     def end(self, outcome: str) -> None:
-        """The leg is over (`policies.Outcome` value: success, error, cancelled); called exactly once."""
+        """The leg is over (`policies.LegOutcome` value: success, error, cancelled); called exactly once."""
 
 
 class RequestTrace(Protocol):

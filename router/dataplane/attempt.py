@@ -15,7 +15,7 @@ from typing import Protocol
 import orjson
 from aiohttp import web
 
-from policies import Outcome
+from policies import LegOutcome
 from router.core.registry import Role, Worker
 from router.core.traffic import AbortAction
 
@@ -151,7 +151,7 @@ class Attempt:
 class LegOwner(Protocol):
     """What a leg reports to (the dispatcher): its end, and the aborts it needs sent."""
 
-    def leg_done(self, worker: Worker, role: Role, outcome: Outcome, fault: bool = True) -> None: ...
+    def leg_done(self, worker: Worker, role: Role, outcome: LegOutcome, fault: bool = True) -> None: ...
 
     def abort_on(self, worker: Worker, rids: list[str]) -> None: ...
 
@@ -167,7 +167,7 @@ class Leg:
         self.detached = False
         self.trace = trace  # its span (core/tracing.py LegTrace), ended with it
 
-    def finish(self, outcome: Outcome, fault: bool = True) -> None:
+    def finish(self, outcome: LegOutcome, fault: bool = True) -> None:
         """`fault`: whether an ERROR outcome counts against the worker (passive health)."""
         if self.is_open:
             self.is_open = False
@@ -187,7 +187,7 @@ class Leg:
         if self.is_open:
             self.stop()
             self.owner.abort_on(self.worker, rids)
-            self.finish(Outcome.CANCELLED)
+            self.finish(LegOutcome.CANCELLED)
 
     def detach(self) -> None:
         """Ownership moved to a background task that will finish the leg."""
@@ -197,7 +197,7 @@ class Leg:
         """Last resort on unexpected errors: never leak a count or a task."""
         if self.is_open and not self.detached:
             self.stop()
-            self.finish(Outcome.ERROR, fault=False)
+            self.finish(LegOutcome.ERROR, fault=False)
 
 
 async def first_done(tasks) -> None:

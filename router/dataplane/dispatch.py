@@ -18,7 +18,7 @@ from typing import Awaitable, Callable
 import orjson
 from aiohttp import web
 
-from policies import Outcome, Policy
+from policies import LegOutcome, Policy
 from router.core.records import RequestRecord
 from router.core.registry import Registry, Role, Worker
 from router.core.request_shape import RequestShape
@@ -99,15 +99,15 @@ class Dispatcher:
         trace = None if attempt.traces is None else attempt.traces[role is Role.DECODE]
         return Leg(self, worker, role, asyncio.get_running_loop().create_task(coro), trace)
 
-    def leg_done(self, worker: Worker, role: Role, outcome: Outcome, fault: bool = True) -> None:
+    def leg_done(self, worker: Worker, role: Role, outcome: LegOutcome, fault: bool = True) -> None:
         self.registry.release(worker)
         if self._leg_ended is not None:
             self._leg_ended(role)
-        if outcome is Outcome.SUCCESS:
+        if outcome is LegOutcome.SUCCESS:
             verdict: bool | None = True
         else:
-            verdict = False if outcome is Outcome.ERROR and fault else None
-            if outcome is Outcome.ERROR:
+            verdict = False if outcome is LegOutcome.ERROR and fault else None
+            if outcome is LegOutcome.ERROR:
                 worker.failures_total += 1
         for observe in self.leg_observers:
             observe(worker, verdict)
@@ -166,9 +166,9 @@ class Dispatcher:
         """Close a finished leg, counting its outcome; return its failure if any."""
         failure = self._failure(leg, attempt)
         if failure is None:
-            leg.finish(Outcome.SUCCESS)
+            leg.finish(LegOutcome.SUCCESS)
         else:
-            leg.finish(Outcome.ERROR, fault=failure.blame_now)
+            leg.finish(LegOutcome.ERROR, fault=failure.blame_now)
         return failure
 
     def blame(self, worker: Worker) -> None:
@@ -214,7 +214,7 @@ class Dispatcher:
             leg.cancel(attempt.rids)
             raise
         except Exception:
-            leg.finish(Outcome.ERROR, fault=False)
+            leg.finish(LegOutcome.ERROR, fault=False)
         finally:
             self._lingering.pop(leg, None)
             attempt.lingering = False
@@ -343,13 +343,13 @@ class Dispatcher:
                         raise failure
             failure = self._failure(d, attempt)
             if failure is not None:
-                d.finish(Outcome.ERROR, fault=failure.blame_now)
+                d.finish(LegOutcome.ERROR, fault=failure.blame_now)
                 p.cancel(attempt.rids)
                 raise failure
             d_resp, events, splitter = d.task.result()[3]
             if self.router_abort(attempt) is AbortAction.RETRY \
                     and aborted_before_first_token(sse.parse_event(events[0])):
-                d.finish(Outcome.CANCELLED)
+                d.finish(LegOutcome.CANCELLED)
                 p.cancel(attempt.rids)
                 raise LegFailed(d.worker, 200, b"", "", retryable=False, abort=AbortAction.RETRY,
                                 reason="aborted by the router before the first token")
@@ -379,7 +379,7 @@ class Dispatcher:
             ok = await relay(response, d_resp, events, splitter, prefill_first, record, first_at, self._sse_keepalive)
             if not ok:  # cut mid-stream (silent, closed early): the server may still hold the request
                 self.abort_on(d.worker, attempt.rids)
-            d.finish(Outcome.SUCCESS if ok else Outcome.ERROR)
+            d.finish(LegOutcome.SUCCESS if ok else LegOutcome.ERROR)
             return response
         except (asyncio.CancelledError, ClientGone):  # the client left: both legs stop, here and on the servers
             p.cancel(attempt.rids)

@@ -115,8 +115,7 @@ class FleetControl:
         """Servers a fleet-wide call goes to: every known server but pending ones (not reachable yet) and
         failed ones that another flow left unsafe (ours come back through these calls)."""
         return [w for w in self.registry.workers()
-                if w.state is not WorkerState.PENDING
-                and (w.state is not WorkerState.FAILED or w.hold is not None)]
+                if w.state is not WorkerState.PENDING and not w.unsafe]
 
     # ---- the steps operations share ----------------------------------------------------------------------
     @asynccontextmanager
