@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import os
+import sys
 
 import aiohttp
 import pytest
@@ -30,6 +31,21 @@ def pytest_addoption(parser):
 
 def real_tier_enabled(config) -> bool:
     return bool(config.getoption("--real", default=False)) or os.environ.get("PDR_REAL") == "1"
+
+
+# What this session's own collection imported, when it collected the whole tests/ tree (tests/test_no_gevent_in_pytest
+# reads it instead of collecting the tree again in a child process); None when it collected less.
+COLLECTION_IMPORTS: dict | None = None
+TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
+
+
+def pytest_collection_finish(session):
+    global COLLECTION_IMPORTS
+    config = session.config
+    args = [os.path.abspath(str(a).split("::")[0]) for a in config.args]
+    whole = (args and all(a in (TESTS_DIR, os.path.dirname(TESTS_DIR)) for a in args)
+             and not config.getoption("ignore") and not config.getoption("ignore_glob"))
+    COLLECTION_IMPORTS = {"patched": [m for m in ("gevent", "locust") if m in sys.modules]} if whole else None
 
 
 def pytest_collection_modifyitems(config, items):

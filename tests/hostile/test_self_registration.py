@@ -45,8 +45,17 @@ async def two_routers(fake_fleet, tmp_path):
     a = RouterProcess(fleet, "--discovery-file", str(listing), "--discovery-file-interval-secs", "0.1",
                       log_path=tmp_path / "a.log")
     b = RouterProcess(fleet, log_path=tmp_path / "b.log")
-    async with a, b, aiohttp.ClientSession(timeout=TIMEOUT) as session:
-        yield SimpleNamespace(a=a, b=b, p=p, d=d, listing=listing, session=session)
+    started = await asyncio.gather(a.start(), b.start(), return_exceptions=True)  # both at once
+    try:
+        for outcome in started:
+            if isinstance(outcome, BaseException):
+                raise outcome
+        async with aiohttp.ClientSession(timeout=TIMEOUT) as session:
+            yield SimpleNamespace(a=a, b=b, p=p, d=d, listing=listing, session=session)
+    finally:
+        for router, outcome in zip((a, b), started):
+            if not isinstance(outcome, BaseException):
+                await router.__aexit__(None, None, None)
     assert "Traceback" not in a.log() and "Traceback" not in b.log()
 
 
