@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 
 import aiohttp
@@ -231,20 +232,28 @@ async def test_request_timeout_gives_504_and_aborts(fake_fleet, make_router):
 
 
 
+@contextlib.asynccontextmanager
+async def without_handler_cancellation(p, d):
+    """A router app on a port of its own that never cancels a handler whose client left (the window between a
+    connection closing and aiohttp's cancellation, held open): its URL and registry."""
+    config = RouterConfig(prefill=(WorkerSpec(p.url, p.bootstrap_port),), decode=(WorkerSpec(d.url),)).validated()
+    runner = web.AppRunner(create_app(config), handler_cancellation=False, **RUNNER_KWARGS)
+    await runner.setup()
+    try:
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        yield f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}", runner.app[REGISTRY]
+    finally:
+        await runner.cleanup()
+
+
 async def test_a_stream_whose_client_left_ends_as_a_disconnect_not_an_error(fake_fleet, caplog):
     """Writing the stream fails once the client has gone, before anything cancelled the handler (here: no
     handler cancellation at all): the request ends as the client's disconnect (both legs stopped and aborted,
     counted once), never as an unhandled error."""
     p, d = await fake_fleet(1, 1)
     d.behaviour.stream_chunks, d.behaviour.stall_after = 40, 1
-    config = RouterConfig(prefill=(WorkerSpec(p.url, p.bootstrap_port),), decode=(WorkerSpec(d.url),)).validated()
-    runner = web.AppRunner(create_app(config), handler_cancellation=False, **RUNNER_KWARGS)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
-    registry = runner.app[REGISTRY]
-    try:
+    async with without_handler_cancellation(p, d) as (url, registry):
         async with aiohttp.ClientSession() as session:
             resp = await session.post(url + "/generate", json={"text": "x", "stream": True})
             assert resp.status == 200
@@ -261,8 +270,6 @@ async def test_a_stream_whose_client_left_ends_as_a_disconnect_not_an_error(fake
             [line for line in metrics.splitlines() if "outcomes" in line]
         errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
         assert not errors, errors
-    finally:
-        await runner.cleanup()
 
 
 async def test_a_client_gone_before_the_streams_head_ends_as_a_disconnect_not_an_error(fake_fleet, caplog):
@@ -272,14 +279,7 @@ async def test_a_client_gone_before_the_streams_head_ends_as_a_disconnect_not_an
     unhandled error (the hostile fuzz saw one under load)."""
     p, d = await fake_fleet(1, 1)
     d.behaviour.hang = True
-    config = RouterConfig(prefill=(WorkerSpec(p.url, p.bootstrap_port),), decode=(WorkerSpec(d.url),)).validated()
-    runner = web.AppRunner(create_app(config), handler_cancellation=False, **RUNNER_KWARGS)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
-    registry = runner.app[REGISTRY]
-    try:
+    async with without_handler_cancellation(p, d) as (url, registry):
         async with aiohttp.ClientSession() as session:
             request = asyncio.ensure_future(session.post(url + "/generate", json={"text": "x", "stream": True}))
             await wait_for(lambda: d.in_handler == 1, message="decode has the request")
@@ -297,5 +297,3 @@ async def test_a_client_gone_before_the_streams_head_ends_as_a_disconnect_not_an
             [line for line in metrics.splitlines() if "outcomes" in line]
         errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
         assert not errors, errors
-    finally:
-        await runner.cleanup()
