@@ -19,9 +19,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import random
-import subprocess
 import sys
 import tempfile
 import time
@@ -33,9 +31,10 @@ import aiohttp
 import orjson
 
 from bench import procs
+from harness import processes
 from harness.processes import rss_kib
 from simulator.config import Timing
-from simulator.fleet import Fleet, WorkerHandle, config_to_argv
+from simulator.fleet import Fleet, WorkerHandle
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -118,22 +117,6 @@ async def set_faults(session: aiohttp.ClientSession, handle: WorkerHandle, **fau
             raise RuntimeError(f"faults on {handle.url}: {resp.status} {await resp.text()}")
 
 
-async def restart_decode(fleet: Fleet, index: int) -> WorkerHandle:
-    """Start a killed decode again on its old port, as its supervisor would."""
-    old = fleet.decode[index]
-    if old.process is not None and old.process.stdout is not None:
-        old.process.stdout.close()
-    cfg = fleet.config.with_(role="decode", port=old.port, bootstrap_port=0)
-    cmd = [sys.executable, "-m", "simulator", *config_to_argv(cfg), "--announce"]
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, env=env, cwd=str(REPO))
-    line = await asyncio.get_running_loop().run_in_executor(None, proc.stdout.readline)
-    ready = json.loads(line)
-    handle = WorkerHandle("decode", ready["url"], ready["port"], ready["bootstrap_port"], process=proc)
-    fleet.decode[index] = handle
-    return handle
-
-
 async def workers(session: aiohttp.ClientSession, router: str) -> list[dict]:
     async with session.get(router + "/workers") as resp:
         return (await resp.json())["workers"]
@@ -175,7 +158,7 @@ async def schedule(fleet: Fleet, router: str, duration: float, run: Run, facts: 
         facts["killed"] = {"url": d1.url, "at": round(time.monotonic() - run.t0, 2)}
         run.mark(f"decode {d1.url}: SIGKILL")
         await until(0.70)
-        await restart_decode(fleet, 1)
+        await fleet.restart(d1)  # on its ports, as launched (the fleet's one way to start a worker again)
         facts["killed"]["restarted_at"] = round(time.monotonic() - run.t0, 2)
         run.mark("decode 1 restarted on its port")
         facts["killed_decode_rejoined_s"] = await wait_healthy(session, router, d1.url, 30)
@@ -276,7 +259,7 @@ async def soak(duration: float, concurrency: int, workdir: Path) -> dict:
         argv += ["--prefill", handle.url, str(handle.bootstrap_port)]
     for handle in fleet.decode:
         argv += ["--decode", handle.url]
-    child = procs.start("router", argv, workdir, cwd=str(REPO), env={**os.environ, "PYTHONPATH": str(REPO)})
+    child = procs.start("router", argv, workdir, cwd=str(REPO), env=processes.child_env())
     run, facts = Run(), {"duration_s": duration, "concurrency": concurrency}
     try:
         procs.wait_until(lambda: procs.http_status(router + "/health") == 200, timeout=30, what="router",
