@@ -109,3 +109,21 @@ def test_the_queue_flags_need_the_per_worker_bound():
         config_from_args(["--pd-admission-wait-secs", "-1"], env={})
     off = config_from_args(["--prefill-max-inflight-requests-per-worker", "-1"], env={})  # SMG's default
     assert not off.pd_admission.prefill_bounded
+
+
+async def test_queued_requests_end_at_once_when_the_prefill_is_killed(tmp_path):
+    async with Fleet(1, 1, processes=True, **FAST) as fleet:
+        async with _router(fleet, "--prefill-max-inflight-requests-per-worker", "1", "--prefill-queue-timeout-secs",
+                           "60", "--health-check-interval-secs", "0.05", "--health-failure-threshold", "1",
+                           "--retry-max-retries", "1") as router:
+            queue = router.app[PROXY].pd_admission.prefill
+            prefill = router.app[REGISTRY].find(fleet.prefill[0].url)
+            await fleet.set_faults(fleet.prefill[0], hang=True)
+            held = asyncio.ensure_future(_post(router))
+            await wait_for(lambda: prefill.inflight == 1, message="a request on the prefill")
+            queued = [asyncio.ensure_future(_post(router)) for _ in range(3)]
+            await wait_for(lambda: queue.waiting == 3, message="three requests queued")
+            fleet.kill(fleet.prefill[0])  # SIGKILL: its request fails, the queue must not wait out its 60 s
+            answers = await asyncio.wait_for(asyncio.gather(held, *queued), 20)
+            assert all(status in (502, 503) and "error" in body for status, body in answers), answers
+            assert queue.waiting == 0 and router.app[ADMISSION].active == 0 and prefill.inflight == 0
