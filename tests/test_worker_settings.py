@@ -89,3 +89,22 @@ async def test_readiness_while_draining(fleet, make_router):
     assert body["error"]["code"] == 503 and body["healthy_workers"] == 2  # the workers are fine: the router goes
     resp = await router.get("/liveness")
     assert resp.status == 200 and await resp.text() == "OK"  # the process still runs
+
+
+async def test_a_discovery_file_entry_carries_its_workers_key_and_labels(keyed_fleet, make_router, tmp_path):
+    from router.core.config import WorkerSourcesConfig
+
+    prefill, decode = keyed_fleet.prefill[0], keyed_fleet.decode[0]
+    listing = tmp_path / "workers.json"
+    listing.write_text(json.dumps({"workers": [
+        {"url": prefill.url, "worker_type": "prefill", "bootstrap_port": prefill.bootstrap_port,
+         "api_key": KEYS["prefill"]},
+        {"url": decode.url, "api_key": KEYS["decode"], "labels": {"zone": "b"}}]}))  # its role read with its key
+    router = await make_router(worker_sources=WorkerSourcesConfig(file=str(listing), file_interval_secs=0.05))
+    registry = router.app[REGISTRY]
+    await wait_for(lambda: len(registry.workers()) == 2 and all(w.routable for w in registry.workers()),
+                   timeout=10, message="both listed keyed workers routable")
+    assert registry.find(decode.url).labels == {"zone": "b"}
+    assert (await router.post("/generate", json={"text": "hi"})).status == 200
+    shown = await (await router.get("/admin/discovery")).json()
+    assert KEYS["decode"] not in json.dumps(shown) and KEYS["prefill"] not in json.dumps(shown)

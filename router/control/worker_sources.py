@@ -50,6 +50,9 @@ class Listing:
     role: Role | None = None  # None: the server's live role
     bootstrap_port: int | None | str = DISCOVER  # absent: the server's own; None: decode's default (mini_lb)
     userinfo: str | None = field(default=None, repr=False)  # `user:pass` of the URL as listed: never shown
+    # the peers' fields the worker keeps (labels, priority, cost, api_key: core/worker_entry.SETTINGS), as a
+    # tuple of pairs so that a listing stays comparable; the key never shown
+    settings: tuple = field(default=(), repr=False)
 
     @property
     def address(self) -> str:
@@ -58,6 +61,9 @@ class Listing:
             return self.url
         scheme, rest = self.url.split("://", 1)
         return f"{scheme}://{self.userinfo}@{rest}"
+
+    def settings_dict(self) -> dict:
+        return {k: dict(v) if k == "labels" else v for k, v in self.settings}
 
     def describe(self) -> str:
         role = f"role {self.role}" if self.role else "the server's role"
@@ -83,7 +89,10 @@ def parse_listing(entry: object, where: str) -> Listing:
     except WorkerEntryError as exc:
         raise ListingError(exc.problems) from None
     address = parsed.parsed_url
-    return Listing(address.url, parsed.given_role, parsed.bootstrap_port_of(null_means=None), address.userinfo)
+    settings = tuple(sorted((k, tuple(sorted(v.items())) if isinstance(v, dict) else v)
+                            for k, v in parsed.settings.items()))
+    return Listing(address.url, parsed.given_role, parsed.bootstrap_port_of(null_means=None), address.userinfo,
+                   settings)
 
 
 def listing_of(entries: list, where: str) -> dict[str, Listing]:

@@ -281,10 +281,11 @@ def _worker_api(app: web.Application):
     """The worker API's own calls, for the worker sources: a listed worker is registered and removed exactly
     as `POST /workers` and `DELETE /workers/{id}` would."""
 
-    async def register(url: str, role: Role | None, bootstrap_port, source: str, read: bool, seed: bool):
+    async def register(url: str, role: Role | None, bootstrap_port, source: str, read: bool, seed: bool,
+                       settings: dict):
         # read in the background (a source does not wait for a server), or at start-up with the others
         return await api_workers.register_worker(app, url, role, bootstrap_port, source=source,
-                                                 settle=0.0 if read else None, seed=seed)
+                                                 settle=0.0 if read else None, seed=seed, settings=settings)
 
     async def unregister(worker, by: str) -> None:
         await api_workers.unregister_worker(app, worker, by=by)

@@ -12,15 +12,16 @@ from router.core.config import RouterConfig
 from router.core.registry import Registry, Role, Worker
 
 # (url with its credentials, role or None for the live one, bootstrap port or DISCOVER, source, read now, seed:
-# a source's first listing, which seeds a cluster as a command line does)
-RegisterWorker = Callable[[str, "Role | None", object, str, bool, bool], Awaitable[Worker]]
+# a source's first listing, which seeds a cluster as a command line does, the peers' fields the worker keeps)
+RegisterWorker = Callable[[str, "Role | None", object, str, bool, bool, dict], Awaitable[Worker]]
 UnregisterWorker = Callable[[Worker, str], Awaitable[None]]  # (worker, by: how it goes)
 
 
 def build(config: RouterConfig, registry: Registry, register_worker: RegisterWorker,
           unregister_worker: UnregisterWorker) -> WorkerSources:
     async def register(item: Listing, source: str, read: bool, seed: bool) -> Worker:
-        return await register_worker(item.address, item.role, item.bootstrap_port, source, read, seed)
+        return await register_worker(item.address, item.role, item.bootstrap_port, source, read, seed,
+                                     item.settings_dict())
 
     def unregister_from(source: str):
         async def unregister(worker: Worker) -> None:
