@@ -153,3 +153,40 @@ async def test_a_late_request_head_and_an_idle_keep_alive_connection_are_closed(
             for router in (heads, idle):
                 async with session.post(router.url + "/generate", json={"text": "hi"}) as resp:
                     assert resp.status == 200
+
+
+def _blocks(raw: bytes) -> tuple[list[bytes], list[bytes]]:
+    blocks = [b for b in raw.split(b"\n\n") if b]
+    return blocks, [b for b in blocks if not b.startswith(b":")]
+
+
+async def test_keep_alive_comments_cover_a_long_prefill_before_the_first_token(make_router):
+    from simulator.fleet import Fleet
+
+    from .sim_support import FAST
+
+    async with Fleet(1, 1, prefill_overrides={"prefill_overhead_s": 0.6}, **FAST) as slow:
+        router = await make_router(slow.prefill, slow.decode, connections=ConnectionTimeouts(sse_keepalive_secs=0.1))
+        resp = await router.post("/generate", json={"text": "hi", "stream": True,
+                                                    "sampling_params": {"max_new_tokens": 3}})
+        raw = await resp.read()
+        blocks, data = _blocks(raw)
+        assert resp.status == 200 and blocks[0] == b": keep-alive"  # the head and a comment before any token
+        assert all(b.startswith(b"data: ") for b in data) and data[-1] == b"data: [DONE]"
+        assert not any(b'"error"' in b for b in data)
+        assert sum(orjson.loads(b[6:])["meta_info"]["completion_tokens"] == 3 for b in data[:-1]) == 1
+
+
+async def test_a_kept_alive_stream_whose_prefill_never_answers_ends_with_an_error_event(fleet, make_router):
+    from router.core.config import RetryConfig
+
+    router = await make_router(fleet.prefill, fleet.decode, upstream_idle_timeout_secs=1.0,
+                               retry=RetryConfig(max_retries=0),
+                               connections=ConnectionTimeouts(sse_keepalive_secs=0.1))
+    await fleet.set_faults(fleet.prefill[0], hang=True)
+    resp = await router.post("/generate", json={"text": "hi", "stream": True})
+    raw = await resp.read()  # the silent decode leg is cut at the idle timeout: an error event, not a hang
+    blocks, data = _blocks(raw)
+    assert resp.status == 200 and blocks[0] == b": keep-alive"
+    assert data[-1] == b"data: [DONE]" and len(data) == 2 and b'"error"' in data[0], blocks
+    assert router.app[PROXY].admission.active == 0

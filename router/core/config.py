@@ -196,8 +196,8 @@ class ConnectionTimeouts:
     idle_connection_timeout_secs: float = 90.0
     # A request body that stops arriving for this long: 408.
     stream_body_stall_timeout_secs: float = 300.0
-    # An SSE comment on a client's stream after this much silence from its decode server (0: none: SGLang's
-    # own bench_serving, and mini_lb-style clients, parse every non-empty line as a data event).
+    # An SSE comment on a client's stream after this much silence, before decode's first event too (0: none:
+    # SGLang's own bench_serving, and mini_lb-style clients, parse every non-empty line as a data event).
     sse_keepalive_secs: float = 0.0
 
     def problems(self) -> list[str]:

@@ -28,7 +28,7 @@ from router.dataplane.aborts import aborted_before_first_token, some_sequence_ab
 from router.dataplane.attempt import Attempt, Leg, LegFailed, answer_signature, first_done
 from router.dataplane.live import LiveRequests
 from router.dataplane.logprobs import index_prefill_events, merge_answer
-from router.dataplane.relay import ClientGone, relay
+from router.dataplane.relay import KEEPALIVE_COMMENT, ClientGone, relay
 from router.dataplane.sse import RESPONSE_HEADERS
 from router.dataplane.upstream_http import (UpstreamError, UpstreamPool, UpstreamProtocolError, UpstreamResponse,
                                             UpstreamSilent)
@@ -50,6 +50,18 @@ LINGER_LOOK_MAX_S = 5.0
 # (worker, verdict) for passive health: True served, False failed by the worker's fault (unreachable, 5xx,
 # stream cut), None no verdict (cancelled, client error, router abort).
 LegObserver = Callable[[Worker, "bool | None"], None]
+
+
+async def open_stream(request: web.Request, record: RequestRecord) -> web.StreamResponse:
+    """The request's stream, its head sent (once: an attempt after a kept-alive one writes on the same stream)."""
+    if record.response is None:
+        response = web.StreamResponse(status=200, headers=RESPONSE_HEADERS)
+        record.response = response
+        try:
+            await response.prepare(request)
+        except ConnectionError as exc:  # the client left before the stream's head went out (its connection
+            raise ClientGone(str(exc)) from None  # closing, the handler's cancellation not run yet)
+    return record.response
 
 
 def with_authorization(headers: bytes, line: bytes) -> bytes:
@@ -231,6 +243,22 @@ class Dispatcher:
             headers = with_authorization(headers, worker.auth_line)
         return self.upstream.post(worker.url, path, payload, headers)
 
+    async def _first_done_kept_alive(self, tasks, request: web.Request, record: RequestRecord) -> None:
+        """`first_done`, and with --sse-keepalive-secs a comment each silent interval before decode's first event
+        (a long prefill): the stream's head goes out with the first one, so from then on a failure ends the stream
+        with an error event (the proxy's retries still run, on the same stream)."""
+        try:
+            async with asyncio.timeout(self._sse_keepalive):
+                await first_done(tasks)
+            return
+        except TimeoutError:
+            pass
+        response = await open_stream(request, record)
+        try:
+            await response.write(KEEPALIVE_COMMENT)
+        except ConnectionError as exc:
+            raise ClientGone(str(exc)) from None
+
     # ---- non-streaming -----------------------------------------------------------------------------
     async def _unary_leg(self, worker: Worker, path: str, attempt: Attempt, headers) -> tuple[int, bytes, str]:
         resp = await self._post(worker, path, attempt, headers)
@@ -335,7 +363,11 @@ class Dispatcher:
         try:
             # Phase 1: until decode's first event, any failure is answered (or retried) as plain HTTP.
             while not d.task.done():
-                await first_done([leg.task for leg in (p, d) if leg.is_open and not leg.task.done()])
+                waiting = [leg.task for leg in (p, d) if leg.is_open and not leg.task.done()]
+                if self._sse_keepalive is None:
+                    await first_done(waiting)
+                else:
+                    await self._first_done_kept_alive(waiting, request, record)
                 if p.is_open and p.task.done():
                     failure = self._conclude(p, attempt)
                     if failure is not None:
@@ -367,12 +399,7 @@ class Dispatcher:
                 # Decode has its KV: the prefill leg holds its worker until its own answer ends, not until
                 # decode's stream does (that would count it as prefill load, and stretch prefill drains).
                 self.linger(p, attempt)
-            response = web.StreamResponse(status=200, headers=RESPONSE_HEADERS)
-            record.response = response
-            try:
-                await response.prepare(request)
-            except ConnectionError as exc:  # the client left before the stream's head went out (its connection
-                raise ClientGone(str(exc)) from None  # closing, the handler's cancellation not run yet)
+            response = await open_stream(request, record)
             first_at = time.monotonic()
             record.ttft_s = first_at - record.started
             attempt.relaying = d_resp

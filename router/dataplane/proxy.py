@@ -125,11 +125,16 @@ class Proxy:
                     record.error = message
                     await end_stream_with_error(record.response, message, 504)
                     response = record.response
+                if record.response is not None and response is not record.response:
+                    response = await self._end_kept_alive_stream(record, response)
             record.status = response.status
             return response
         except RouterError as error:
             record.status = error.status
             record.error = error.message
+            if record.response is not None and record.response.prepared:  # a kept-alive stream: end it so
+                await end_stream_with_error(record.response, error.message, error.status, type_=error.type)
+                return record.response
             raise
         except web.HTTPException as exc:  # aiohttp's own, e.g. 413 while reading the body
             record.status = exc.status
@@ -149,6 +154,26 @@ class Proxy:
                 observe(record)
             if record.trace is not None:
                 record.trace.end(record)
+
+    @staticmethod
+    async def _end_kept_alive_stream(record: RequestRecord, answer: web.StreamResponse) -> web.StreamResponse:
+        """--sse-keepalive-secs sent the stream's head before the attempts ended with a plain answer (an error,
+        SGLang's abort answer): the answer goes on the stream instead, as its events or as an error event."""
+        body = getattr(answer, "body", None)
+        raw = bytes(body) if isinstance(body, (bytes, bytearray)) else b""
+        if answer.content_type == "text/event-stream" and raw:
+            try:
+                await record.response.write(raw)
+                await record.response.write_eof()
+            except (ConnectionError, RuntimeError):
+                pass
+        else:
+            try:
+                message = orjson.loads(raw)["error"]["message"]
+            except Exception:
+                message = record.error or f"the request failed ({answer.status})"
+            await end_stream_with_error(record.response, message, answer.status, type_="upstream_error")
+        return record.response
 
     async def _read_body(self, request: web.Request) -> dict:
         """The client's JSON object: a declared size over --max-payload-size is 413 before a byte is read, the

@@ -147,10 +147,12 @@ async def relay(response: web.StreamResponse, d_resp: UpstreamResponse, events: 
     return True
 
 
-async def end_stream_with_error(response: web.StreamResponse, message: str, code: int) -> None:
-    """The deadline passed after the stream began: a timeout error event and [DONE], if the client is there."""
+async def end_stream_with_error(response: web.StreamResponse, message: str, code: int,
+                                type_: str = "timeout") -> None:
+    """The stream began and the request failed (its deadline passed, or with --sse-keepalive-secs any failure
+    once the head went out): an error event and [DONE], if the client is there."""
     try:
-        await response.write(sse.error_event(message, code=code, type_="timeout") + sse.DONE)
+        await response.write(sse.error_event(message, code=code, type_=type_) + sse.DONE)
         await response.write_eof()
     except (ConnectionResetError, ConnectionError, RuntimeError):
         pass

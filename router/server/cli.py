@@ -112,8 +112,8 @@ SETTING_FLAGS: list[Flag] = [
     flag("--stream-body-stall-timeout-secs", path="connections.stream_body_stall_timeout_secs",
          help="a request body that stops arriving for this long: 408"),
     flag("--sse-keepalive-secs", path="connections.sse_keepalive_secs",
-         help="write an SSE comment (': keep-alive') on a stream after this much silence from its decode server; "
-              "0: none (SGLang's bench_serving parses every line as an event)"),
+         help="write an SSE comment (': keep-alive') on a stream after this much silence, a long prefill before "
+              "the first token included; 0: none (SGLang's bench_serving parses every line as an event)"),
     # workers listed outside the command line (README: Worker discovery)
     flag("--discovery-file", path="worker_sources.file",
          help="a YAML or JSON file listing workers (url, worker_type, bootstrap_port), watched: workers added to "
