@@ -267,6 +267,8 @@ def measure(args) -> dict:
             load_after = procs.load_average()[0]
             rebalancer = next(v for v in variants if v.mode == "enabled")
             snapshot = _get_json(rebalancer.url + "/admin/rebalancer?limit=2000")
+            snapshot["records"] = {c["id"]: c for c in
+                                   _get_json(rebalancer.url + "/admin/conversions?limit=100")["conversions"]}
     finally:
         for hog in hogs:
             hog.kill()
@@ -293,6 +295,8 @@ def report(variants: list[Variant], phases: list[Phase], targets: list[int], tim
                             "ok": c.get("ok"), "phase": next((i for i, b in enumerate(bounds) if at < b),
                                                               len(phases) - 1),
                             "secs": round(c["ended_at"] - c["started_at"], 2) if c.get("ended_at") else None,
+                            "steps": rg._steps(snapshot.get("records", {}).get(c.get("conversion_id"))),
+                            "first_proposed_s": _first_proposed(snapshot, c, timing["t0"]),
                             "reason": c.get("reason"), "signals": _signals_at(snapshot, c["started_at"])})
     good = {name: r["overall"]["goodput"] or 0.0 for name, r in results.items()}
     return {
@@ -307,8 +311,55 @@ def report(variants: list[Variant], phases: list[Phase], targets: list[int], tim
         "ratio_vs_oracle": round(good["rebalancer"] / good["oracle"], 3) if good["oracle"] else None,
         "conversions": conversions, "flaps": rg.flaps(conversions),
         "oracle_conversions": timing["oracle_conversions"],
+        "decisions": [_compact(d, timing["t0"]) for d in snapshot.get("decisions", [])],
         "rebalancer_counters": snapshot.get("counters", {}), "targets": TARGETS,
     }
+
+
+def _compact(decision: dict, t0: float) -> dict:
+    """One decision of the run, small enough to keep them all (the terms each pool's pressure came from)."""
+    pressures = decision.get("pressures") or {}
+    return {"at_s": round(decision["at"] - t0, 1), "action": decision["action"], "guards": decision["guards"],
+            "direction": decision.get("direction"), "streak": decision.get("streak"),
+            "prefill": {k: v for k, v in (pressures.get("prefill") or {}).items()},
+            "decode": {k: v for k, v in (pressures.get("decode") or {}).items()},
+            "waiting": {k: (pressures.get("signals") or {}).get(k)
+                        for k in ("waiting_on_prefill", "waiting_on_decode", "ttft_charged_to")}}
+
+
+def _first_proposed(snapshot: dict, conversion: dict, t0: float) -> float | None:
+    """When (s from the start) the rebalancer first proposed this conversion's direction without a break since
+    the conversion before it ended: the decision latency is at_s minus this."""
+    direction = f"to_{conversion['to_role']}"
+    earlier = [c["ended_at"] for c in snapshot.get("conversions", [])
+               if c.get("ended_at") and c["ended_at"] <= conversion["started_at"]]
+    after = max(earlier) if earlier else float("-inf")
+    first = None
+    for d in snapshot.get("decisions", []):
+        if d["at"] <= after or d["at"] > conversion["started_at"]:
+            continue
+        if d.get("direction") == direction:
+            first = d["at"] if first is None else first
+        else:
+            first = None  # the proposal broke off (deadband, the other way, no signal)
+    return None if first is None else round(first - t0, 1)
+
+
+def timeline(result: dict) -> list[str]:
+    """Per conversion: phase boundary -> first proposal -> decision -> done, and where the conversion's time
+    went (its steps)."""
+    bounds = [0.0]
+    for p in result["phases"]:
+        bounds.append(bounds[-1] + p["secs"])
+    lines = []
+    for c in result["conversions"]:
+        start = bounds[c["phase"]]
+        steps = ", ".join(f"{k} {v}" for k, v in (c.get("steps") or {}).items())
+        first = c.get("first_proposed_s")
+        lines.append(f"  phase {c['phase'] + 1} +{c['at_s'] - start:6.1f} s: proposed at +"
+                     f"{'?' if first is None else f'{first - start:.1f}'} s, decided +{c['at_s'] - start:.1f} s, "
+                     f"done +{c['at_s'] - start + (c['secs'] or 0):.1f} s ({steps})")
+    return lines
 
 
 def _signals_at(snapshot: dict, at: float) -> dict | None:
@@ -345,6 +396,7 @@ def render(result: dict) -> str:
     for c in result["conversions"]:
         lines.append(f"  t={c['at_s']:>7}s  {c['worker']} -> {c['to_role']:<8} ok={c['ok']}  took {c['secs']} s"
                      f"  (phase {c['phase'] + 1})")
+    lines.extend(timeline(result))
     return "\n".join(lines)
 
 

@@ -56,6 +56,10 @@ class ServerLoad:
     prefill_busy: float | None = None  # share of the time spent in prefill forwards
     decode_step_s: float | None = None  # mean decode step (the inter-token latency it gave)
     decode_batch: float | None = None  # mean batch size of those steps
+    decode_publish_steps: float | None = None  # decode steps between two published rows (the load monitor's)
+    # a decode step = fixed + per_request x batch, fitted on the server's steps (None: not known yet)
+    decode_step_fixed_s: float | None = None
+    decode_step_per_request_s: float | None = None
     # The router's in-flight count on each data-parallel rank when the snapshot was taken (`--dp-aware`).
     rank_inflight_at: tuple[int, ...] = ()
 

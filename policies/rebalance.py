@@ -26,15 +26,23 @@ returned inside the decision. Every decision, a refusal included, names the guar
   draining       the hot pool's backlog shrank by a quarter or more since the last look: what it has copes
                  (after a conversion, the backlog it left is draining); the streak is kept, not counted
   warmup         less than `warmup_secs` since the rebalancer started
-  busy           a conversion is in progress (ours or an operator's): one at a time
+  busy           a conversion is in progress (an operator's, one the other way, or ours while the servers on
+                 their way are predicted to bring the hot pool under `min_pressure`): one at a time, except
+                 that a hot pool still over `min_pressure` once ours in progress have arrived gets the
+                 next server at once, its drain beside theirs (a decode converted to prefill drains requests
+                 that wait on the very prefill backlog it is to relieve: one after the other, the drains added
+                 up to most of a phase)
   cooldown       less than `cooldown_secs` since a conversion the other way ended (no flapping)
   step_cooldown  less than `step_cooldown_secs` (default: a quarter of `cooldown_secs`) since a conversion the
-                 same way ended (let it act first)
+                 same way ended (let it act first); not when that conversion was predicted to leave the hot pool
+                 over `min_pressure` (one server was not enough: the next follows as soon as the pressure,
+                 read again after it, still says so), nor beside ours still on their way
   failure_cooldown  less than `failure_cooldown_secs` since a conversion failed
   floor          the donor pool would fall below its minimum size (refill: the donor has one server)
   confirmations  the proposal has not yet held for `confirmations` intervals (those that passed the margin); one
                  is enough when the hot pool's pressure is at least `urgent_pressure` (3.0): an overload that
-                 large grows while it is being confirmed. Not to undo the last conversion within twice the
+                 large grows while it is being confirmed; one too for the next step of a move that was predicted
+                 to need more than one server (confirmed already, for more than it did). Not to undo the last conversion within twice the
                  cooldown, though: the moments after one (the server converted admits a backlog at once, the
                  other pool's queues settle) look urgent for a poll or two, and undoing on one sighting of that
                  is a flap
@@ -50,7 +58,8 @@ it does not count).
 
 The prediction takes a pool's pressure to be proportional to its load per server: moving one server from a
 pool of n_cold to a pool of n_hot scales the hot pressure by n_hot / (n_hot + 1) and the cold one by
-n_cold / (n_cold - 1). The server moved is the cheapest of the donor pool (`WorkerView.cost`: fewest requests
+n_cold / (n_cold - 1); with k of ours on their way into the hot pool (out of the cold pool already), by
+n_hot / (n_hot + k + 1), against n_hot / (n_hot + k) without the move. The server moved is the cheapest of the donor pool (`WorkerView.cost`: fewest requests
 in flight or queued, then the least KV held, i.e. the quickest drain), never one that is doubted.
 """
 
@@ -104,6 +113,8 @@ class RebalanceState:
     conversions: int = 0
     refills: int = 0
     last_waits: tuple[float | None, float | None] | None = None  # (on prefill, on decode) at the last look
+    # The last conversion was predicted to leave its hot pool still over min_pressure: one server was not enough.
+    more_needed: bool = False
 
 
 def initial_state(now: float) -> RebalanceState:
@@ -115,7 +126,7 @@ def conversion_ended(state: RebalanceState, now: float, ok: bool) -> RebalanceSt
     transition does not count towards the next proposal."""
     if ok:
         return replace(state, last_conversion_at=now, streak=0, streak_direction=None)
-    return replace(state, last_failure_at=now, streak=0, streak_direction=None)
+    return replace(state, last_failure_at=now, streak=0, streak_direction=None, more_needed=False)
 
 
 @dataclass(frozen=True, slots=True)
@@ -203,7 +214,7 @@ def refill(obs: Observation, state: RebalanceState) -> Decision | None:
     mode = "drain" if worker.busy == 0 else "abort"
     why = "nothing in flight on it" if mode == "drain" else f"{worker.busy} request(s) on it are aborted and re-sent"
     done = replace(state, streak=0, streak_direction=None, last_conversion_at=obs.now, last_direction=direction,
-                   conversions=state.conversions + 1, refills=state.refills + 1)
+                   conversions=state.conversions + 1, refills=state.refills + 1, more_needed=False)
     reason = (f"{head}: refill it at once from {donor_role} {worker.id}, the cheapest of "
               f"{len(donors)} ({mode} mode: {why})")
     return Decision(at=obs.now, action="convert", reason=reason, worker_id=worker.id, state=done,
@@ -242,20 +253,26 @@ def decide(obs: Observation, state: RebalanceState, config: RebalanceConfig) -> 
     summary = f"{hot} pressure {_fmt(hot_p)} vs {cold} {_fmt(cold_p)}"
     if hot_p < config.min_pressure:
         return hold(f"{summary}: below {config.min_pressure:g}, nothing to relieve", (DEADBAND,),
-                    replace(seen, streak=0, streak_direction=None))
+                    replace(seen, streak=0, streak_direction=None, more_needed=False))
 
     n_hot, n_cold = len(hot_pool), len(cold_pool)
     prediction: dict = {"direction": direction, "from_role": cold, "to_role": hot}
     fired: list[str] = []
     notes_out: list[str] = []
+    # Ours on their way into the hot pool, when nothing else is converting: the hot pool as they will leave it.
+    arriving = len(obs.joining) if obs.joining and set(obs.joining) == {hot} and not obs.others_busy else 0
+    hot_after = hot_p * n_hot / (n_hot + arriving) if arriving and n_hot else hot_p
     margin_ok = True
     if n_cold > 1:  # with one server the floor guard holds anyway, and the cold pool would be empty
-        predicted = predicted_after_move(hot_p, cold_p, n_hot, n_cold)
+        # against the pressure now: while those on their way drain, the hot pool's backlog grows
+        predicted = predicted_after_move(hot_after, cold_p, n_hot + arriving, n_cold)
         improvement = 1 - predicted / hot_p
         prediction.update(predicted_worst=round(predicted, 4), improvement=round(improvement, 4))
         margin_ok = improvement >= config.min_improvement - 1e-9  # "at least": n -> n+1 can gain exactly it
         proposal = (f"convert a {cold} server to {hot} (predicted worst pressure {_fmt(predicted)}, "
-                    f"{improvement * 100:.0f}% better)")
+                    f"{improvement * 100:.0f}% better"
+                    + (f"; {_fmt(hot_after)} once the {arriving} on their way arrive" if arriving else "")
+                    + ")")
         if not margin_ok:
             fired.append(MARGIN)
             notes_out.append(f"it would leave the worst pressure at {_fmt(predicted)} (only "
@@ -277,7 +294,11 @@ def decide(obs: Observation, state: RebalanceState, config: RebalanceConfig) -> 
     if now - state.started_at < config.warmup_secs:
         fired.append(WARMUP)
         notes_out.append(f"warming up ({config.warmup_secs - (now - state.started_at):.0f} s left)")
-    if obs.busy:
+    alongside = bool(arriving and hot_after >= config.min_pressure)
+    # the same way as the last conversion, which was predicted not to be enough: no new wait to see it act
+    # (advice changes nothing: it would repeat the same advice at every interval)
+    follow_up = state.more_needed and state.last_direction == direction and config.mode is RebalanceMode.ENABLED
+    if obs.busy and not alongside:
         fired.append(BUSY)
         notes_out.append(f"a conversion is in progress ({obs.busy})")
     if state.last_conversion_at is not None:
@@ -286,7 +307,8 @@ def decide(obs: Observation, state: RebalanceState, config: RebalanceConfig) -> 
             fired.append(COOLDOWN)
             notes_out.append(f"the last conversion went the other way ({config.cooldown_secs - since:.0f} s of "
                              f"cooldown left)")
-        elif state.last_direction in (None, direction) and since < config.step_cooldown:
+        elif state.last_direction in (None, direction) and since < config.step_cooldown and not (
+                alongside or follow_up):
             fired.append(STEP_COOLDOWN)
             notes_out.append(f"the last conversion went this way ({config.step_cooldown - since:.0f} s "
                              f"left to see it act)")
@@ -300,7 +322,7 @@ def decide(obs: Observation, state: RebalanceState, config: RebalanceConfig) -> 
     urgent = config.urgent_pressure and hot_p >= config.urgent_pressure
     undoing = (state.last_conversion_at is not None and state.last_direction not in (None, direction)
                and now - state.last_conversion_at < REVERSAL_WINDOW * config.cooldown_secs)
-    needed = 1 if urgent and not undoing else config.confirmations
+    needed = 1 if (urgent or follow_up) and not undoing else config.confirmations
     if streak < needed:
         fired.append(CONFIRMATIONS)
         notes_out.append(f"signal seen {streak}/{needed} intervals"
@@ -314,8 +336,9 @@ def decide(obs: Observation, state: RebalanceState, config: RebalanceConfig) -> 
                     **prediction)
 
     worker = min(candidates, key=lambda w: w.cost)
+    more = hot_p * n_hot / (n_hot + arriving + 1) >= config.min_pressure if n_hot + arriving else True
     done = replace(new_state, streak=0, streak_direction=None, last_conversion_at=now, last_direction=direction,
-                   conversions=state.conversions + 1)
+                   conversions=state.conversions + 1, more_needed=more)
     reason = f"{summary}: {proposal.replace(f'a {cold} server', f'{cold} {worker.id}', 1)}"
     return Decision(at=now, action="convert", reason=reason, worker_id=worker.id, pressures=pressures,
                     streak=streak, state=done, **prediction)

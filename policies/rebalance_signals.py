@@ -34,10 +34,14 @@ Decode pool: its capacity is decode KV room and decode compute (a continuously b
   request waits for their room.
 - `kv`: the decode servers' KV in use for their own work (`num_active_tokens`: without the room reserved for
   KV still to come from a prefill, which is the prefill's doing) / `kv_target`.
-- `itl`: the time between tokens / `itl_target_secs`: the servers' own mean decode step since the last poll
-  (`decode_moments`) when they report it, current by construction; else the router's p90 inter-token latency,
-  and only while the decode pool has requests (a latency left from an earlier phase is not charged to a pool
-  that is idle now).
+- `itl`: the time between tokens / `itl_target_secs`: the servers' own mean decode step over the steps they
+  last published (`decode_moments`; a 0.5.23 decode publishes every 15 steps, and a row that has aged since
+  bounds the step from below: the load monitor), else the router's p90 inter-token latency, and only while
+  the decode pool has requests (a latency left from an earlier phase is not charged to a pool that is idle
+  now); or, when larger, the step predicted for the batches open now: the decode legs the router has open
+  less its prefill legs, per decode server, through each server's step line fitted on its moments
+  (`step_now`). The rows lag most when it matters most: an overloaded decode's batch grows, its steps grow
+  longer, and 15 of them took 15 s on the benchmark's fleet; the router's counts are current.
 - `ttft`: as above, when decode is where requests wait.
 
 TTFT has two causes in PD (waiting for a prefill forward, or for decode KV room or a batch slot), so it is
@@ -84,6 +88,8 @@ class WorkerView:
     prefill_busy: float | None = None  # share of time in prefill forwards since the last poll
     decode_step_s: float | None = None  # mean decode step since the last poll
     decode_batch: float | None = None
+    decode_step_fixed_s: float | None = None  # a decode step = fixed + per_request x batch (fitted)
+    decode_step_per_request_s: float | None = None
     row_age_s: float | None = None  # how old the row it reported was when it answered
 
     @property
@@ -110,6 +116,8 @@ class Observation:
     busy: str | None = None  # what conversion is in progress, if any
     converting_into: tuple[str, ...] = ()  # roles that conversions in progress move servers into
     pending: tuple[str, ...] = ()  # roles with servers not read yet (they may still join their pool)
+    joining: tuple[str, ...] = ()  # the role each of the rebalancer's own conversions in progress moves into
+    others_busy: str | None = None  # the conversions in progress that are not the rebalancer's (an operator's)
 
     def pool(self, role: str) -> tuple[WorkerView, ...]:
         return self.prefill if role == PREFILL else self.decode
@@ -194,6 +202,25 @@ def _mean(values) -> float | None:
     return sum(known) / len(known) if known else None
 
 
+def decoding_now(obs: Observation) -> int:
+    """Requests decoding (or waiting for a batch slot) now, by the router's own counts: the decode legs it has
+    open less the prefill legs (a request whose prefill leg is open waits for its KV, not for decode)."""
+    return max(0, sum(w.inflight for w in obs.decode) - sum(w.inflight for w in obs.prefill))
+
+
+def step_now(obs: Observation) -> float | None:
+    """The decode step the batches the router has open now take, by the servers' fitted step line (None: no fit
+    yet). Current where the reported step is not: a decode republishes its row every 15 steps, and a batch
+    that grew takes longer steps, so its row is the older the more it is overloaded."""
+    fits = [(w.decode_step_fixed_s, w.decode_step_per_request_s) for w in obs.decode
+            if w.decode_step_fixed_s is not None and w.decode_step_per_request_s is not None]
+    if not fits or not obs.decode:
+        return None
+    fixed = sum(f for f, _ in fits) / len(fits)
+    per_request = sum(p for _, p in fits) / len(fits)
+    return fixed + per_request * decoding_now(obs) / len(obs.decode)
+
+
 def ttft_charged_to(wp: float | None, wd: float | None) -> str | None:
     """The pool a slow first token is charged to: the one whose waiting requests clearly dominate."""
     wp, wd = wp or 0, wd or 0
@@ -226,6 +253,9 @@ def pool_terms(obs: Observation, config: "RebalanceConfig") -> tuple[dict[str, f
         decode["itl"] = sum(s * b for s, b in steps) / weight / config.itl_target_secs
     elif obs.itl_s is not None and decoding:
         decode["itl"] = obs.itl_s / config.itl_target_secs
+    now = step_now(obs)
+    if now is not None and now / config.itl_target_secs > decode.get("itl", 0.0):
+        decode["itl"] = now / config.itl_target_secs
     charged = ttft_charged_to(wp, wd)
     if obs.ttft_s is not None and charged is not None:
         (prefill if charged == PREFILL else decode)["ttft"] = obs.ttft_s / config.ttft_target_secs

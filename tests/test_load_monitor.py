@@ -187,6 +187,60 @@ def test_rates_need_the_same_role_on_both_polls():
     assert rates(None, before.report, 1.0) == {}
 
 
+def test_the_last_published_decode_step_stands_until_the_row_is_republished():
+    """A 0.5.23 decode running batches republishes its row every 15 steps: polls in between see the same
+    moments. The rate of the steps last published stands while the row shows a running batch (at least the
+    row's age over the publish interval: fewer steps were made since), and goes when the server reports an
+    idle row (or its counters move again)."""
+    from policies import ServerLoad
+    from policies.load_report import parse_loads
+    from router.control.load_monitor import rates
+
+    first = parse_loads([decode_rank([10, 40, 1e6, 160, 4e6, 40], running=4)])
+    second = parse_loads([decode_rank([25, 100, 4e6, 400, 16e6, 100], running=4)])  # 15 steps of 0.2 s, batch 4
+    got = rates(ServerLoad(4, 0, taken_at=0.0, report=first), second, 1.0)
+    got = {k: got[k] for k in ("decode_step_s", "decode_batch")}
+    assert got == {"decode_step_s": pytest.approx(0.2), "decode_batch": pytest.approx(4.0)}
+    held = ServerLoad(4, 0, taken_at=1.0, report=second, **got)
+    again = rates(held, second, 2.0)
+    assert (again["decode_step_s"], again["decode_batch"]) == (0.2, 4.0)  # the same row: its rate stands
+    idle = parse_loads([decode_rank([25, 100, 4e6, 400, 16e6, 100], running=0)])
+    assert "decode_step_s" not in rates(held, idle, 2.0)  # nothing running: no latency to report
+    unknown = ServerLoad(4, 0, taken_at=1.0, report=second)
+    assert "decode_step_s" not in rates(unknown, second, 2.0)  # nothing to carry
+    # the same row 6 s old, still running: fewer than 15 steps in 6 s, so a step now takes at least 0.4 s
+    stale = parse_loads({"timestamp": "2026-01-01T00:00:06+00:00", "loads": [
+        {**decode_rank([25, 100, 4e6, 400, 16e6, 100], running=4), "timestamp": 1767225600.0}]})
+    assert stale.age_s == pytest.approx(6.0)
+    assert rates(held, stale, 7.0)["decode_step_s"] == pytest.approx(6.0 / 15)
+    # a server seen publishing every 30 steps: the floor is age / 30, never under 15 steps
+    third = parse_loads([decode_rank([55, 220, 10e6, 880, 40e6, 220], running=4)])
+    every30 = rates(held, third, 3.0)
+    assert every30["decode_publish_steps"] == 30 and every30["decode_step_s"] == pytest.approx(0.2)
+    held30 = ServerLoad(4, 0, taken_at=3.0, report=third, **every30)
+    stale30 = parse_loads({"timestamp": "2026-01-01T00:00:09+00:00", "loads": [
+        {**decode_rank([55, 220, 10e6, 880, 40e6, 220], running=4), "timestamp": 1767225600.0}]})
+    assert rates(held30, stale30, 9.0)["decode_step_s"] == pytest.approx(9.0 / 30)
+    first_seen = rates(ServerLoad(4, 0, taken_at=0.0, report=parse_loads([decode_rank(None)])), third, 1.0)
+    assert first_seen["decode_publish_steps"] == 15  # steps since the server started say nothing of it
+
+
+def test_the_step_line_is_fitted_on_the_moments_and_only_when_they_can_tell():
+    from router.control.load_monitor import step_fit
+
+    def moments(batches, fixed=0.04, per_request=0.008):
+        times = [(fixed + per_request * b) * 1e6 for b in batches]
+        return (len(batches), sum(batches), sum(times), sum(b * b for b in batches),
+                sum(b * t for b, t in zip(batches, times)), sum(batches))
+
+    fit = step_fit(moments([1, 5, 10, 20, 40] * 20))
+    assert fit["decode_step_fixed_s"] == pytest.approx(0.04) and fit["decode_step_per_request_s"] == pytest.approx(0.008)
+    assert step_fit(moments([8] * 200)) == {}  # one batch size: what one more request costs is unknown
+    assert step_fit(moments([1, 20] * 10)) == {}  # too few steps
+    assert step_fit(moments([1, 20] * 50, per_request=-0.001)) == {}  # steps shorter with more: no line
+    assert step_fit(None) == {}
+
+
 def test_a_report_without_breakdown_leaves_the_queues_unknown():
     from policies.load_report import parse_loads
 

@@ -10,8 +10,9 @@ from dataclasses import replace
 import pytest
 
 from policies.rebalance import (
-    CONFIRMATIONS, FLOOR, MARGIN, NO_CANDIDATE, PENDING, REFILLING, Observation, RebalanceConfig, WorkerView, decide,
-    initial_state, pool_pressures, ttft_charged_to, waits_on_decode, waits_on_prefill,
+    BUSY, CONFIRMATIONS, FLOOR, MARGIN, NO_CANDIDATE, PENDING, REFILLING, STEP_COOLDOWN, Observation,
+    RebalanceConfig, WorkerView, conversion_ended, decide, initial_state, pool_pressures, ttft_charged_to, waits_on_decode,
+    waits_on_prefill,
 )
 from router.core.records import RequestRecord
 from router.core.registry import Registry, Role
@@ -43,7 +44,7 @@ def decode(n: int, running: int = 0, transfer: int = 0, prealloc_ready: int = 0,
 
 
 def obs(p, d, **kw) -> Observation:
-    return Observation(now=NOW, prefill=p, decode=d, **kw)
+    return Observation(**{"now": NOW, **kw}, prefill=p, decode=d)
 
 
 # ---- which pool a queue waits on -----------------------------------------------------------------------
@@ -82,6 +83,27 @@ def test_kv_reserved_for_a_prefill_to_fill_is_not_decode_pressure():
 def test_servers_without_the_breakdown_count_their_waiting_for_their_own_pool():
     o = obs((WorkerView("p0", waiting=3),), (WorkerView("d0", waiting=5),))
     assert (waits_on_prefill(o), waits_on_decode(o)) == (3, 5)
+
+
+def test_a_decode_row_left_behind_by_its_growing_batch_is_read_with_the_routers_counts():
+    """One decode whose last row (15 steps ago) showed 0.06 s steps; the router has 60 decode legs open on it
+    now (2 of them still in prefill): by its fitted line (0.04 s + 8 ms a request) a step takes 0.504 s now."""
+    p = prefill(3, waiting_queue=0, forward=1)  # each prefill has one leg open (a request in its forward)
+    d = (WorkerView("d0", inflight=63, running=3, decode_step_s=0.06, decode_batch=3.0, decode_step_fixed_s=0.04,
+                    decode_step_per_request_s=0.008),)
+    _, d_terms = pool_pressures(obs(p, d), BASE)
+    assert d_terms["itl"] == pytest.approx((0.04 + 0.008 * 60) / 0.05)
+    decision = decide(obs(p, d + (WorkerView("d1", inflight=0, running=0),)), STARTED, BASE)
+    assert decision.to_role == "decode"
+    # the reported step stands when it is the larger, and nothing is predicted without a fit
+    idle = (replace(d[0], inflight=0, decode_step_s=0.2),)
+    assert pool_pressures(obs(prefill(3), idle), BASE)[1]["itl"] == pytest.approx(0.2 / 0.05)
+    unfitted = (replace(d[0], decode_step_fixed_s=None, decode_step_per_request_s=None),)
+    assert pool_pressures(obs(p, unfitted), BASE)[1]["itl"] == pytest.approx(0.06 / 0.05)
+    # decode legs whose prefill leg is still open wait for their KV, not for decode
+    waiting = (replace(d[0], inflight=10),)
+    busy_prefills = prefill(2, waiting_queue=5)  # 5 legs open on each
+    assert pool_pressures(obs(busy_prefills, waiting), BASE)[1]["itl"] == pytest.approx(0.06 / 0.05)
 
 
 def test_the_servers_own_decode_step_is_the_current_latency():
@@ -304,3 +326,51 @@ def test_waiting_for_decode_room_is_read_from_the_side_whose_row_is_less_out_of_
                     transfer=2, retracted=0),)
     o = obs(p, d)
     assert (waits_on_prefill(o), waits_on_decode(o)) == (2 + 6, 0)
+
+
+# ---- the next server beside ours in progress, or right after it, when one is not enough ------------------
+def test_an_overload_one_server_cannot_relieve_gets_the_next_while_ours_is_still_on_its_way():
+    """1P3D, a decode on its way to prefill (out of the decode pool already): 40 wait on the one prefill
+    (pressure 10; 5 once the server on its way arrives, still over min_pressure). The next decode is
+    converted now, its drain beside the first one's, rather than after it."""
+    config = replace(BASE, urgent_pressure=3.0, confirmations=3, step_cooldown_secs=600)
+    moving = dict(busy="d2 converting to prefill", converting_into=("prefill",), joining=("prefill",))
+    state = replace(STARTED, last_conversion_at=NOW - 1, last_direction="to_prefill")
+    decision = decide(obs(prefill(1, waiting_queue=40), decode(2), **moving), state, config)
+    assert decision.convert and decision.to_role == "prefill", decision.reason
+    assert "once the 1 on their way arrive" in decision.reason
+    # relieved enough once it arrives (6 waiting: pressure 1.5, 0.75 with it): one at a time
+    held = decide(obs(prefill(1, waiting_queue=6), decode(2), **moving), state, config)
+    assert BUSY in held.guards and STEP_COOLDOWN in held.guards, held.reason
+    # an operator's conversion, or ours going the other way: one at a time, however urgent
+    operator = dict(moving, others_busy="d1 draining", busy="d2 converting to prefill, d1 draining")
+    assert BUSY in decide(obs(prefill(1, waiting_queue=40), decode(2), **operator), state, config).guards
+    other_way = dict(busy="p1 converting to decode", converting_into=("decode",), joining=("decode",))
+    assert BUSY in decide(obs(prefill(1, waiting_queue=40), decode(2), **other_way), state, config).guards
+    # the donor pool's floor still holds: the last decode is never taken
+    assert FLOOR in decide(obs(prefill(1, waiting_queue=40), decode(1), **moving), state, config).guards
+
+
+def test_a_move_predicted_not_to_be_enough_is_followed_at_once_by_the_next():
+    """1P3D under a decode overload (pressure 4 at one decode: 2 predicted with one more). The first move is
+    decided; once it ended, the next needs no step cooldown and one sighting, as long as the pressure,
+    read again on the new split, still asks for it. A move predicted to be enough gets the usual waits."""
+    config = replace(BASE, mode="enabled", confirmations=3, urgent_pressure=0, step_cooldown_secs=600)
+    hot = obs(prefill(3), decode(1, running=20, decode_step_s=0.2, decode_batch=20.0))
+    state = replace(STARTED, streak=2, streak_direction="to_decode")
+    first = decide(hot, state, config)
+    assert first.convert and first.state.more_needed
+    ended = conversion_ended(first.state, NOW + 1, ok=True)
+    again = obs(prefill(2), decode(2, running=12, decode_step_s=0.1, decode_batch=12.0), now=NOW + 2)
+    second = decide(again, ended, config)
+    assert second.convert and second.to_role == "decode", second.reason
+    # enough predicted (pressure 1.5 at one decode: 0.75 with one more): the step cooldown and streak hold
+    mild = obs(prefill(3), decode(1, running=20, decode_step_s=0.075, decode_batch=20.0))
+    first = decide(mild, state, config)
+    assert first.convert and not first.state.more_needed
+    held = decide(again, conversion_ended(first.state, NOW + 1, ok=True), config)
+    assert STEP_COOLDOWN in held.guards and CONFIRMATIONS in held.guards
+    # advice changes nothing: it is not repeated at once
+    advisory = replace(config, mode="advisory")
+    advised = decide(hot, state, advisory)
+    assert STEP_COOLDOWN in decide(again, advised.state, advisory).guards

@@ -1,5 +1,5 @@
 """The rebalancer's outer loop with a fake clock: observation from the registry, advisory vs enabled,
-one conversion at a time, failures, the latency window."""
+one conversion at a time (a second beside it only for an urgent overload), failures, the latency window."""
 
 from __future__ import annotations
 
@@ -93,7 +93,7 @@ def test_advisory_mode_records_would_convert_and_changes_nothing():
 
 
 async def test_enabled_mode_converts_through_the_flow_one_at_a_time():
-    registry = fleet()
+    registry = fleet(prefill_waiting=(5, 5))  # one more prefill is enough: the next waits for it
     converter = FakeConverter(registry)
     rebalancer, clock = make(registry, replace(CONFIG, mode=RebalanceMode.ENABLED, confirmations=1), converter)
     decision = rebalancer.tick()
@@ -110,8 +110,29 @@ async def test_enabled_mode_converts_through_the_flow_one_at_a_time():
     assert rebalancer.counters["conversions_succeeded"] == 1
     (done,) = rebalancer.conversions
     assert done["ok"] is True and done["to_role"] == "prefill"
-    # the cooldown runs from the end of the conversion
+    # the cooldown runs from the end of the conversion (pressure again, on the new split)
+    registry.get(worker_id).server_load = ServerLoad(running=1, waiting=8)
     assert STEP_COOLDOWN in rebalancer.tick().guards
+
+
+async def test_an_urgent_overload_converts_a_second_server_beside_the_first():
+    """1P3D with 40 waiting on the prefill: the first decode goes, and while it is still on its way the
+    overload left for it (5x) is still urgent: a second one goes beside it; the last decode stays (floor)."""
+    registry = fleet(prefill_waiting=(40,), decode_waiting=(0, 0, 0))
+    converter = FakeConverter(registry)
+    rebalancer, clock = make(registry, replace(CONFIG, mode=RebalanceMode.ENABLED), converter)
+    assert rebalancer.tick().convert
+    clock.now += 1
+    second = rebalancer.tick()
+    assert second.convert and rebalancer.decisions[-1]["applied"] == "started", second.reason
+    await wait_for(lambda: len(converter.calls) == 2)
+    assert len(rebalancer.snapshot()["applying_all"]) == 2 and rebalancer.observe().joining == ("prefill",) * 2
+    clock.now += 1
+    assert "floor" in rebalancer.tick().guards
+    converter.gate.set()
+    await wait_for(lambda: rebalancer.applying is None)
+    assert [w.role for w in registry.workers()].count(Role.PREFILL) == 3
+    assert rebalancer.counters["conversions_succeeded"] == 2 and len(rebalancer.conversions) == 2
 
 
 async def test_a_failed_conversion_starts_the_failure_cooldown():

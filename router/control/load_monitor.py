@@ -6,9 +6,19 @@ the report itself, two polls in a row give rates the report only holds as runnin
 - `prefill_busy`: the share of the time between the polls that the server spent in prefill forwards
   (`total_prefill_busy_us`): how close its prefill compute is to saturation;
 - `decode_step_s` and `decode_batch`: the mean decode step (what each running request waited per token) and
-  the mean batch size over the steps made between the polls (`decode_moments`).
+  the mean batch size over the steps made between the polls (`decode_moments`);
+- `decode_step_fixed_s` and `decode_step_per_request_s`: the step as a line of the batch size, fitted on every
+  step since the server started (`step_fit`), so that the step a batch of any size takes can be predicted.
 A rate is kept only when both polls described the same server in the same role (counters that went back
-mean a restart or a role switch: no rate this time).
+mean a restart or a role switch: no rate this time). A decode running batches republishes its row only every
+`load_snapshot_publish_interval` steps (15): polls in between see the same moments, and the rate of the last
+steps published stands while that row still shows a running batch (without it, the decode latency vanished from
+two polls in three under load, and the rebalancer read a saturated decode pool as idle). It stands as a floor:
+a row `age_s` old that still shows a running batch has seen fewer steps than the interval since, so the
+steps now take at least `age_s / interval` (a decode whose batch grew to 60 republished every 15 s on the
+benchmark's fleet; its last published step was half of what it had become). The interval is the largest count
+of steps seen between two published rows (decaying, never under 0.5.23's default of 15: a smaller estimate
+would overstate the step).
 
 A poll that fails or times out clears the snapshot (a stale figure is worse than none: policies then fall
 back to the router's own counts). A result that comes back after the worker changed (its revision moved:
@@ -36,8 +46,13 @@ logger = logging.getLogger(__name__)
 _SKIPPED_STATES = frozenset({WorkerState.PENDING, WorkerState.FAILED})
 
 
+PUBLISH_INTERVAL_STEPS = 15  # 0.5.23's default --load-snapshot-publish-interval
+_INTERVAL_DECAY = 0.9  # per published row: one late poll (two intervals seen as one) is forgotten in a few rows
+
+
 def rates(previous: ServerLoad | None, report: LoadReport | None, now: float) -> dict[str, float]:
-    """`prefill_busy`, `decode_step_s`, `decode_batch` from two consecutive reports of one server."""
+    """`prefill_busy`, `decode_step_s`, `decode_batch` (and `decode_publish_steps`, the publish interval seen)
+    from two consecutive reports of one server."""
     if previous is None or previous.report is None or report is None or previous.report.mode != report.mode:
         return {}
     elapsed = now - previous.taken_at
@@ -46,13 +61,45 @@ def rates(previous: ServerLoad | None, report: LoadReport | None, now: float) ->
     if before is not None and after is not None and after >= before and elapsed > 0:
         out["prefill_busy"] = min(1.0, (after - before) / 1e6 / elapsed)
     m0, m1 = previous.report.decode_moments, report.decode_moments
+    out.update(step_fit(m1))
     if m1 is not None:
-        m0 = m0 or (0.0,) * 6
-        steps = m1[0] - m0[0]
-        if steps > 0 and all(b >= a for a, b in zip(m0, m1)):
+        seen = previous.decode_publish_steps or PUBLISH_INTERVAL_STEPS
+        steps = m1[0] - (m0 or (0.0,) * 6)[0]
+        if steps > 0 and all(b >= a for a, b in zip(m0 or (0.0,) * 6, m1)):
+            m0 = m0 or (0.0,) * 6
             out["decode_step_s"] = (m1[2] - m0[2]) / steps / 1e6
             out["decode_batch"] = (m1[1] - m0[1]) / steps
+            # steps since the row before (not since the server started: the first row says nothing of it)
+            counted = steps if previous.report.decode_moments is not None else 0
+            out["decode_publish_steps"] = max(PUBLISH_INTERVAL_STEPS, counted, seen * _INTERVAL_DECAY)
+        elif m1 == m0 and report.running > 0 and previous.decode_step_s is not None:
+            step = previous.decode_step_s
+            if report.age_s is not None:
+                step = max(step, report.age_s / seen)
+            out["decode_step_s"], out["decode_batch"] = step, previous.decode_batch
+            out["decode_publish_steps"] = seen
     return out
+
+
+FIT_MIN_STEPS = 50
+FIT_MIN_BATCH_STD = 1.0  # requests: a batch that hardly varied says nothing of what one more request costs
+
+
+def step_fit(moments: tuple[float, ...] | None) -> dict[str, float]:
+    """A decode step's fixed part and its part per running request (`decode_step_fixed_s`,
+    `decode_step_per_request_s`): the least-squares line through every step since the server started, from
+    0.5.23's `decode_moments` (steps, sum of batch sizes, of step times, of squared batch sizes, of batch x
+    time: what they are published for). Empty while too few steps, or too little spread of batch sizes, say."""
+    if moments is None or len(moments) < 5 or moments[0] < FIT_MIN_STEPS:
+        return {}
+    n, sx, sy, sxx, sxy = moments[0], moments[1], moments[2] / 1e6, moments[3], moments[4] / 1e6
+    spread = n * sxx - sx * sx
+    if spread <= (FIT_MIN_BATCH_STD * n) ** 2:
+        return {}
+    per_request = (n * sxy - sx * sy) / spread
+    if per_request <= 0:
+        return {}
+    return {"decode_step_fixed_s": max(0.0, (sy - per_request * sx) / n), "decode_step_per_request_s": per_request}
 
 
 class LoadMonitor:

@@ -5,7 +5,9 @@ counts, the servers' last load reports with their PD queues and rates) and from 
 measured (`latency_window.py`: TTFT and inter-token latency of the requests that ended in the window, failed
 and abandoned ones included), and calls the pure decision core. In advisory mode (the default) a proposal is
 only recorded and logged as "would convert X"; in enabled mode it is handed to the conversion flow through the
-`Converter` interface, one at a time. Every decision, refusals included, is kept (the last `history`) with its
+`Converter` interface, one at a time, or beside ours in progress when the decision core says the hot pool
+needs more than those on their way (`busy` in policies/rebalance.py); a server of ours in progress is out of
+its pool for the decision from the moment it is handed over. Every decision, refusals included, is kept (the last `history`) with its
 reason and the guards that fired, for `GET /admin/rebalancer`.
 
 Refilling an empty pool (`decide`'s first rule) is on whenever the rebalancer is enabled, and alone with
@@ -115,8 +117,7 @@ class Rebalancer:
         self.counters: Counter[str] = Counter()
         self.last_observation: dict | None = None
         self.last_refill: dict | None = None
-        self.applying: dict | None = None
-        self._task: asyncio.Task | None = None
+        self._applying: dict[str, dict] = {}  # worker id -> our conversion in progress (in the order started)
         self._failed_at: dict[str, float] = {}  # worker id -> when a conversion of it failed
         self._refill_pending = False
         # Called with (event, details) for every decision and conversion outcome (metrics, audit).
@@ -148,36 +149,47 @@ class Rebalancer:
             own_kv_usage=r.own_kv_usage if r is not None and r.active_tokens is not None else None,
             used_tokens=r.used_tokens if r else None, prefill_busy=load.prefill_busy,
             row_age_s=r.age_s if r else None,
-            decode_step_s=load.decode_step_s, decode_batch=load.decode_batch)
+            decode_step_s=load.decode_step_s, decode_batch=load.decode_batch,
+            decode_step_fixed_s=load.decode_step_fixed_s, decode_step_per_request_s=load.decode_step_per_request_s)
 
-    def _moving(self) -> tuple[str | None, tuple[str, ...]]:
-        """What conversions are under way, and into which roles."""
+    @property
+    def applying(self) -> dict | None:
+        """The oldest of our conversions in progress (None: none runs)."""
+        return next(iter(self._applying.values()), None)
+
+    def _moving(self) -> tuple[str | None, tuple[str, ...], tuple[str, ...], str | None]:
+        """What conversions are under way, into which roles, the roles ours move servers into (one per
+        conversion), and the ones that are not ours (an operator's)."""
         into: set[str] = set()
-        described = []
-        if self.applying is not None:
-            into.add(self.applying["to_role"])
-            described.append(f"{self.applying['worker_id']} converting to {self.applying['to_role']}")
+        described, others = [], []
+        for record in self._applying.values():
+            into.add(record["to_role"])
+            described.append(f"{record['worker_id']} converting to {record['to_role']}")
         target_of = getattr(self.converter, "target_of", None)
         for worker in self.registry.workers():
             if worker.state in CONVERTING_STATES:
                 target = target_of(worker) if target_of is not None else None
                 into.add((target or worker.role.opposite).value)
-                if self.applying is None or worker.id != self.applying["worker_id"]:
+                if worker.id not in self._applying:
                     described.append(f"{worker.id} {worker.state}")
-        return (", ".join(described) or None), tuple(sorted(into))
+                    others.append(f"{worker.id} {worker.state}")
+        joining = tuple(record["to_role"] for record in self._applying.values())
+        return (", ".join(described) or None), tuple(sorted(into)), joining, (", ".join(others) or None)
 
     def observe(self) -> Observation:
         now = self.clock()
         # Latency of requests started since the last conversion ended (when none runs now): the new split's.
-        since = self.state.last_conversion_at if self.applying is None else None
+        since = self.state.last_conversion_at if not self._applying else None
         latency = self.window.summary(now, self.config.min_samples, since=since)
-        busy, converting_into = self._moving()
+        busy, converting_into, joining, others = self._moving()
         pending = tuple(sorted({w.role.value for w in self.registry.workers() if w.state is WorkerState.PENDING}))
-        return Observation(now=now,
-                           prefill=tuple(self._view(w) for w in self.registry.routable(Role.PREFILL)),
-                           decode=tuple(self._view(w) for w in self.registry.routable(Role.DECODE)),
+        # ours in progress have left their pool, even before the flow took them out of routing
+        pools = {role: tuple(self._view(w) for w in self.registry.routable(role) if w.id not in self._applying)
+                 for role in (Role.PREFILL, Role.DECODE)}
+        return Observation(now=now, prefill=pools[Role.PREFILL], decode=pools[Role.DECODE],
                            ttft_s=latency["ttft_s"], itl_s=latency["itl_s"], samples=latency["samples"],
-                           busy=busy, converting_into=converting_into, pending=pending)
+                           busy=busy, converting_into=converting_into, pending=pending, joining=joining,
+                           others_busy=others)
 
     # ---- decide ----------------------------------------------------------------------------------------
     def tick(self) -> Decision | None:
@@ -268,22 +280,24 @@ class Rebalancer:
             self.counters["conversions_failed"] += 1
             self.state = conversion_ended(self.state, self.clock(), ok=False)
             return f"not applied: {why}"
-        if self.applying is not None:  # a refill while one of ours runs: tried again the moment it ends
+        if decision.refill and self._applying:  # a refill while one of ours runs: tried again once it ends
             return f"not applied: {self.applying['worker_id']} is being converted by the rebalancer"
+        if worker.id in self._applying:
+            return f"not applied: {worker.id} is being converted by the rebalancer"
         mode = decision.conversion_mode or self.config.conversion_mode
         self.counters["conversions_started"] += 1
         if decision.refill:
             self.counters["refills_started"] += 1
-        self.applying = {"worker_id": worker.id, "url": worker.url, "from_role": decision.from_role,
-                         "to_role": decision.to_role, "started_at": self.clock(), "reason": decision.reason,
-                         "mode": mode, "refill": decision.refill}
+        self._applying[worker.id] = {"worker_id": worker.id, "url": worker.url, "from_role": decision.from_role,
+                                     "to_role": decision.to_role, "started_at": self.clock(),
+                                     "reason": decision.reason, "mode": mode, "refill": decision.refill}
         logger.warning("rebalancer %s %s %s -> %s (%s mode): %s", "refills with" if decision.refill else "converts",
                        worker.id, decision.from_role, decision.to_role, mode, decision.reason)
-        self._task = self.spawn(self._apply(worker, Role(decision.to_role), decision.reason, mode))
+        self.spawn(self._apply(worker, Role(decision.to_role), decision.reason, mode))
         return "started"
 
     async def _apply(self, worker: Worker, to_role: Role, reason: str, mode: str) -> None:
-        record = dict(self.applying or {})
+        record = dict(self._applying.get(worker.id) or {})
         try:
             result = await self.converter.convert(worker, to_role, reason=f"rebalancer: {reason}", mode=mode)
         except asyncio.CancelledError:
@@ -294,7 +308,7 @@ class Rebalancer:
             result = ConversionResult(False, f"{type(exc).__name__}: {exc}")
         finally:
             now = self.clock()
-            self.applying = None
+            self._applying.pop(worker.id, None)
             self.state = conversion_ended(self.state, now, ok=result.ok)
             if not result.ok:
                 self._failed_at[worker.id] = now
@@ -367,6 +381,7 @@ class Rebalancer:
                        "last": self.last_refill},
             "counters": dict(self.counters),
             "applying": self.applying,
+            "applying_all": list(self._applying.values()),
             "last_observation": self.last_observation,
             "decisions": list(self.decisions)[-limit:] if limit else [],
             "conversions": list(self.conversions)[-limit:] if limit else [],
