@@ -34,15 +34,12 @@ returned inside the decision. Every decision, a refusal included, names the guar
                  up to most of a phase)
   cooldown       less than `cooldown_secs` since a conversion the other way ended (no flapping)
   step_cooldown  less than `step_cooldown_secs` (default: a quarter of `cooldown_secs`) since a conversion the
-                 same way ended (let it act first); not when that conversion was predicted to leave the hot pool
-                 over `min_pressure` (one server was not enough: the next follows as soon as the pressure,
-                 read again after it, still says so), nor beside ours still on their way
+                 same way ended (let it act first); not beside ours still on their way (busy)
   failure_cooldown  less than `failure_cooldown_secs` since a conversion failed
   floor          the donor pool would fall below its minimum size (refill: the donor has one server)
   confirmations  the proposal has not yet held for `confirmations` intervals (those that passed the margin); one
                  is enough when the hot pool's pressure is at least `urgent_pressure` (3.0): an overload that
-                 large grows while it is being confirmed; one too for the next step of a move that was predicted
-                 to need more than one server (confirmed already, for more than it did). Not to undo the last conversion within twice the
+                 large grows while it is being confirmed. Not to undo the last conversion within twice the
                  cooldown, though: the moments after one (the server converted admits a backlog at once, the
                  other pool's queues settle) look urgent for a poll or two, and undoing on one sighting of that
                  is a flap
@@ -56,10 +53,13 @@ resetting its streak, so once they pass, a proposal that kept holding converts a
 direction or the end of the pressure (deadband) restarts it, and a finished conversion (what was seen during
 it does not count).
 
-The prediction takes a pool's pressure to be proportional to its load per server: moving one server from a
-pool of n_cold to a pool of n_hot scales the hot pressure by n_hot / (n_hot + 1) and the cold one by
+The prediction takes a pool's terms to be proportional to its load per server: moving one server from a
+pool of n_cold to a pool of n_hot scales the hot terms by n_hot / (n_hot + 1) and the cold ones by
 n_cold / (n_cold - 1); with k of ours on their way into the hot pool (out of the cold pool already), by
-n_hot / (n_hot + k + 1), against n_hot / (n_hot + k) without the move. The server moved is the cheapest of the donor pool (`WorkerView.cost`: fewest requests
+n_hot / (n_hot + k + 1), against n_hot / (n_hot + k) without the move. Decode latency is not proportional
+near saturation: with the decodes' fitted step line (fixed + per request x batch), the share of a step that
+is per request is the utilisation, it scales with the load, and the step is fixed / (1 - utilisation)
+(`rebalance_signals.step_after`). The server moved is the cheapest of the donor pool (`WorkerView.cost`: fewest requests
 in flight or queued, then the least KV held, i.e. the quickest drain), never one that is doubted.
 """
 
@@ -69,7 +69,7 @@ from dataclasses import dataclass, field, fields, replace
 
 from .rebalance_config import RebalanceConfig, RebalanceMode, UnknownFields
 from .rebalance_signals import (
-    DECODE, PREFILL, Observation, WorkerView, pool_terms, predicted_after_move, ttft_charged_to, waits_on_decode,
+    DECODE, PREFILL, Observation, WorkerView, pool_after, pool_terms, ttft_charged_to, waits_on_decode,
     waits_on_prefill,
 )
 
@@ -113,8 +113,6 @@ class RebalanceState:
     conversions: int = 0
     refills: int = 0
     last_waits: tuple[float | None, float | None] | None = None  # (on prefill, on decode) at the last look
-    # The last conversion was predicted to leave its hot pool still over min_pressure: one server was not enough.
-    more_needed: bool = False
 
 
 def initial_state(now: float) -> RebalanceState:
@@ -126,7 +124,7 @@ def conversion_ended(state: RebalanceState, now: float, ok: bool) -> RebalanceSt
     transition does not count towards the next proposal."""
     if ok:
         return replace(state, last_conversion_at=now, streak=0, streak_direction=None)
-    return replace(state, last_failure_at=now, streak=0, streak_direction=None, more_needed=False)
+    return replace(state, last_failure_at=now, streak=0, streak_direction=None)
 
 
 @dataclass(frozen=True, slots=True)
@@ -214,7 +212,7 @@ def refill(obs: Observation, state: RebalanceState) -> Decision | None:
     mode = "drain" if worker.busy == 0 else "abort"
     why = "nothing in flight on it" if mode == "drain" else f"{worker.busy} request(s) on it are aborted and re-sent"
     done = replace(state, streak=0, streak_direction=None, last_conversion_at=obs.now, last_direction=direction,
-                   conversions=state.conversions + 1, refills=state.refills + 1, more_needed=False)
+                   conversions=state.conversions + 1, refills=state.refills + 1)
     reason = (f"{head}: refill it at once from {donor_role} {worker.id}, the cheapest of "
               f"{len(donors)} ({mode} mode: {why})")
     return Decision(at=obs.now, action="convert", reason=reason, worker_id=worker.id, state=done,
@@ -253,7 +251,7 @@ def decide(obs: Observation, state: RebalanceState, config: RebalanceConfig) -> 
     summary = f"{hot} pressure {_fmt(hot_p)} vs {cold} {_fmt(cold_p)}"
     if hot_p < config.min_pressure:
         return hold(f"{summary}: below {config.min_pressure:g}, nothing to relieve", (DEADBAND,),
-                    replace(seen, streak=0, streak_direction=None, more_needed=False))
+                    replace(seen, streak=0, streak_direction=None))
 
     n_hot, n_cold = len(hot_pool), len(cold_pool)
     prediction: dict = {"direction": direction, "from_role": cold, "to_role": hot}
@@ -261,11 +259,18 @@ def decide(obs: Observation, state: RebalanceState, config: RebalanceConfig) -> 
     notes_out: list[str] = []
     # Ours on their way into the hot pool, when nothing else is converting: the hot pool as they will leave it.
     arriving = len(obs.joining) if obs.joining and set(obs.joining) == {hot} and not obs.others_busy else 0
-    hot_after = hot_p * n_hot / (n_hot + arriving) if arriving and n_hot else hot_p
+    hot_terms, cold_terms = (p_terms, d_terms) if hot == PREFILL else (d_terms, p_terms)
+    fixed = notes["decode_step_fixed_s"]
+
+    def after(terms: dict, role: str, n: int, n_new: int) -> float:
+        return pool_after(terms, n, n_new, fixed if role == DECODE else None, config.itl_target_secs)
+
+    hot_after = after(hot_terms, hot, n_hot, n_hot + arriving) if arriving and n_hot else hot_p
     margin_ok = True
     if n_cold > 1:  # with one server the floor guard holds anyway, and the cold pool would be empty
         # against the pressure now: while those on their way drain, the hot pool's backlog grows
-        predicted = predicted_after_move(hot_after, cold_p, n_hot + arriving, n_cold)
+        predicted = max(after(hot_terms, hot, n_hot, n_hot + arriving + 1) if n_hot else 0.0,
+                        after(cold_terms, cold, n_cold, n_cold - 1))
         improvement = 1 - predicted / hot_p
         prediction.update(predicted_worst=round(predicted, 4), improvement=round(improvement, 4))
         margin_ok = improvement >= config.min_improvement - 1e-9  # "at least": n -> n+1 can gain exactly it
@@ -295,9 +300,6 @@ def decide(obs: Observation, state: RebalanceState, config: RebalanceConfig) -> 
         fired.append(WARMUP)
         notes_out.append(f"warming up ({config.warmup_secs - (now - state.started_at):.0f} s left)")
     alongside = bool(arriving and hot_after >= config.min_pressure)
-    # the same way as the last conversion, which was predicted not to be enough: no new wait to see it act
-    # (advice changes nothing: it would repeat the same advice at every interval)
-    follow_up = state.more_needed and state.last_direction == direction and config.mode is RebalanceMode.ENABLED
     if obs.busy and not alongside:
         fired.append(BUSY)
         notes_out.append(f"a conversion is in progress ({obs.busy})")
@@ -307,8 +309,7 @@ def decide(obs: Observation, state: RebalanceState, config: RebalanceConfig) -> 
             fired.append(COOLDOWN)
             notes_out.append(f"the last conversion went the other way ({config.cooldown_secs - since:.0f} s of "
                              f"cooldown left)")
-        elif state.last_direction in (None, direction) and since < config.step_cooldown and not (
-                alongside or follow_up):
+        elif state.last_direction in (None, direction) and since < config.step_cooldown and not alongside:
             fired.append(STEP_COOLDOWN)
             notes_out.append(f"the last conversion went this way ({config.step_cooldown - since:.0f} s "
                              f"left to see it act)")
@@ -322,7 +323,7 @@ def decide(obs: Observation, state: RebalanceState, config: RebalanceConfig) -> 
     urgent = config.urgent_pressure and hot_p >= config.urgent_pressure
     undoing = (state.last_conversion_at is not None and state.last_direction not in (None, direction)
                and now - state.last_conversion_at < REVERSAL_WINDOW * config.cooldown_secs)
-    needed = 1 if (urgent or follow_up) and not undoing else config.confirmations
+    needed = 1 if urgent and not undoing else config.confirmations
     if streak < needed:
         fired.append(CONFIRMATIONS)
         notes_out.append(f"signal seen {streak}/{needed} intervals"
@@ -336,9 +337,8 @@ def decide(obs: Observation, state: RebalanceState, config: RebalanceConfig) -> 
                     **prediction)
 
     worker = min(candidates, key=lambda w: w.cost)
-    more = hot_p * n_hot / (n_hot + arriving + 1) >= config.min_pressure if n_hot + arriving else True
     done = replace(new_state, streak=0, streak_direction=None, last_conversion_at=now, last_direction=direction,
-                   conversions=state.conversions + 1, more_needed=more)
+                   conversions=state.conversions + 1)
     reason = f"{summary}: {proposal.replace(f'a {cold} server', f'{cold} {worker.id}', 1)}"
     return Decision(at=now, action="convert", reason=reason, worker_id=worker.id, pressures=pressures,
                     streak=streak, state=done, **prediction)

@@ -259,14 +259,41 @@ def pool_terms(obs: Observation, config: "RebalanceConfig") -> tuple[dict[str, f
     charged = ttft_charged_to(wp, wd)
     if obs.ttft_s is not None and charged is not None:
         (prefill if charged == PREFILL else decode)["ttft"] = obs.ttft_s / config.ttft_target_secs
+    fixed = [w.decode_step_fixed_s for w in obs.decode
+             if w.decode_step_fixed_s is not None and w.decode_step_per_request_s is not None]
     notes = {"waiting_on_prefill": wp, "waiting_on_decode": wd, "ttft_charged_to": charged,
+             "decode_step_fixed_s": sum(fixed) / len(fixed) if fixed else None,
              "prefill_parts": {k: None if v is None else round(v, 3) for k, v in waiting_parts(obs).items()}}
     return prefill, decode, notes
 
 
-def predicted_after_move(hot_p: float, cold_p: float, n_hot: int, n_cold: int) -> float:
-    """The worst pressure once one server moved from the cold pool to the hot one, taking pressure to be
-    proportional to load per server: the hot pool's scales by n_hot / (n_hot + 1), the cold's by
-    n_cold / (n_cold - 1). For decode latency (a step costs a fixed part plus a part per request) this
-    overstates both the gain and the loss: it is cautious about taking a server from a latency-bound pool."""
-    return max(hot_p * n_hot / (n_hot + 1), cold_p * n_cold / (n_cold - 1))
+SATURATED = 0.95  # a decode this busy (the per-request part of its steps) is read as saturated
+
+
+def step_after(step_s: float, fixed_s: float, scale: float) -> float:
+    """A decode step once each server's load is `scale` times what it is, by the step line (fixed + per
+    request x batch): the steps' per-request share is the utilisation u = 1 - fixed / step, which scales with
+    the load, and a step is fixed / (1 - u) in a steady state. Past saturation, longer in proportion."""
+    util = max(0.0, 1.0 - fixed_s / step_s) if step_s > 0 else 0.0
+    scaled = util * scale
+    if scaled <= 0:
+        return step_s  # nothing of it is per request
+    if scaled < SATURATED:
+        return fixed_s / (1.0 - scaled)
+    return fixed_s / (1.0 - SATURATED) * scaled / SATURATED
+
+
+def pool_after(terms: dict[str, float], n: int, n_new: int, fixed_s: float | None = None,
+               itl_target_s: float | None = None) -> float:
+    """A pool's pressure with n_new servers instead of n: each term proportional to the load per server,
+    except decode latency with a fitted step line (`step_after`). Proportional, a latency near saturation
+    looked nearly linear: a 2P2D fleet serving a steady mix at half its decodes' capacity read 1D as 1.03,
+    and moved a decode to prefill that 1D could not serve (it saturated, and the rebalancer flapped)."""
+    worst = 0.0
+    for name, value in terms.items():
+        if name == "itl" and fixed_s and itl_target_s and value > 0:
+            value = step_after(value * itl_target_s, fixed_s, n / n_new) / itl_target_s
+        else:
+            value = value * n / n_new
+        worst = max(worst, value)
+    return worst

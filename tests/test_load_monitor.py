@@ -234,7 +234,7 @@ def test_the_step_line_is_fitted_on_the_moments_and_only_when_they_can_tell():
                 sum(b * t for b, t in zip(batches, times)), sum(batches))
 
     fit = step_fit(moments([1, 5, 10, 20, 40] * 20))
-    assert fit["decode_step_fixed_s"] == pytest.approx(0.04) and fit["decode_step_per_request_s"] == pytest.approx(0.008)
+    assert fit == {"decode_step_fixed_s": pytest.approx(0.04), "decode_step_per_request_s": pytest.approx(0.008)}
     assert step_fit(moments([8] * 200)) == {}  # one batch size: what one more request costs is unknown
     assert step_fit(moments([1, 20] * 10)) == {}  # too few steps
     assert step_fit(moments([1, 20] * 50, per_request=-0.001)) == {}  # steps shorter with more: no line
