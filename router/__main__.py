@@ -28,6 +28,7 @@ def _event_loop():
 
 def serve(argv: list[str] | None = None) -> int:
     from router.core.config import ConfigError
+    from router.core.errors import ListenError
     from router.obs.logs import setup_logging
     from router.server import serving, shutdown, supervisor
     from router.server.app import create_app
@@ -81,12 +82,16 @@ def serve(argv: list[str] | None = None) -> int:
                 len(config.prefill), len(config.decode), config.prefill_policy, config.decode_policy)
     for warning in config.warnings():
         logger.warning("%s", warning)
-    serving.run(app, host=config.host, port=config.port, loop=_event_loop(), backlog=BACKLOG,
-                shutdown_timeout=shutdown.close_timeout(config.shutdown_grace_secs),
-                announce=lambda message: logger.info("%s", message), wind_down=shutdown.wind_down(app),
-                reuse_port=place is not None, on_listening=lambda site: setattr(replica, "site", site),
-                ssl_context=ssl_context, header_read_timeout=config.connections.header_read_timeout_secs,
-                idle_connection_timeout=config.connections.idle_connection_timeout_secs)
+    try:
+        serving.run(app, host=config.host, port=config.port, loop=_event_loop(), backlog=BACKLOG,
+                    shutdown_timeout=shutdown.close_timeout(config.shutdown_grace_secs),
+                    announce=lambda message: logger.info("%s", message), wind_down=shutdown.wind_down(app),
+                    reuse_port=place is not None, on_listening=lambda site: setattr(replica, "site", site),
+                    ssl_context=ssl_context, header_read_timeout=config.connections.header_read_timeout_secs,
+                    idle_connection_timeout=config.connections.idle_connection_timeout_secs)
+    except ListenError as exc:
+        logger.error("%s", exc)
+        return 1
     logger.info("pd-router stopped")
     return 0
 

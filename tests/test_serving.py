@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import sys
 
 import pytest
 from aiohttp import web
@@ -114,3 +115,36 @@ async def test_reuse_port_lets_sites_share_a_port_and_only_then():
     finally:
         for runner in runners:
             await runner.cleanup()
+
+
+@pytest.mark.parametrize("flag", ["--port", "--prometheus-port"])
+async def test_a_port_taken_is_one_error_line_and_exit_1_not_a_traceback(flag):
+    """An operator starting a second router on a port in use: `pd-router` says where it cannot listen and why,
+    in one line, and exits 1."""
+    from simulator.fleet import Fleet
+
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    port = taken.getsockname()[1]
+    free = socket.socket()
+    free.bind(("127.0.0.1", 0))
+    free_port = free.getsockname()[1]
+    free.close()
+    try:
+        async with Fleet(1, 1) as fleet:
+            ports = {"--port": port, "--prometheus-port": free_port}
+            if flag == "--prometheus-port":
+                ports = {"--port": free_port, "--prometheus-port": port}
+            proc = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "router", "--host", "127.0.0.1", "--prefill", fleet.prefill[0].url,
+                str(fleet.prefill[0].bootstrap_port), "--decode", fleet.decode[0].url,
+                *(str(v) for kv in ports.items() for v in kv), stderr=asyncio.subprocess.PIPE,
+                stdout=asyncio.subprocess.PIPE)
+            _, err = await asyncio.wait_for(proc.communicate(), timeout=60)
+    finally:
+        taken.close()
+    text = err.decode()
+    assert proc.returncode == 1, text
+    assert "Traceback" not in text, text
+    assert f"cannot listen on 127.0.0.1:{port} ({'--host/--port' if flag == '--port' else flag})" in text, text

@@ -11,6 +11,14 @@ from aiohttp.http_exceptions import HttpProcessingError
 logger = logging.getLogger(__name__)
 
 
+class ListenError(Exception):
+    """The router cannot listen where it was told (the port taken, an address not this host's): one line for the
+    operator and exit status 1, not a traceback."""
+
+    def __init__(self, what: str, host: str, port: int, exc: OSError) -> None:
+        super().__init__(f"cannot listen on {host}:{port} ({what}): {exc.strerror or exc}")
+
+
 class RouterError(Exception):
     status = 500
     type = "internal_error"

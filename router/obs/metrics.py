@@ -26,6 +26,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.utils import floatToGoString
 
 from router.core.config import RouterConfig
+from router.core.errors import ListenError
 from router.core.registry import Registry, Role, Worker, WorkerState, rank_rows
 from router.dataplane.admission import Admission
 
@@ -310,7 +311,11 @@ async def metrics_port(metrics: RouterMetrics, config: RouterConfig):
     await runner.setup()
     host = config.prometheus_host or config.host
     site = web.TCPSite(runner, host, config.prometheus_port)
-    await site.start()
+    try:
+        await site.start()
+    except OSError as exc:
+        await runner.cleanup()
+        raise ListenError("--prometheus-port", host, config.prometheus_port, exc) from None
     logger.info("metrics on http://%s:%d/metrics", host, config.prometheus_port)
     try:
         yield

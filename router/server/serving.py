@@ -26,6 +26,7 @@ from typing import Awaitable, Callable
 
 from aiohttp import web
 
+from router.core.errors import ListenError
 from router.server.http_errors import HeadWatch, RouterRunner
 
 logger = logging.getLogger(__name__)
@@ -211,7 +212,10 @@ def run(app: web.Application, *, host: str, port: int, loop: asyncio.AbstractEve
         heads = HeadWatch(runner.server, header_read_timeout) if header_read_timeout else None
         try:
             site = EagerAcceptSite(runner, host, port, backlog=backlog, reuse_port=reuse_port, ssl_context=ssl_context)
-            await site.start()
+            try:
+                await site.start()
+            except OSError as exc:
+                raise ListenError("--host/--port", host, port, exc) from None
             if on_listening is not None:
                 on_listening(site)
             announce(f"serving on {site.name}")
