@@ -40,7 +40,18 @@ Texts = list[str]
 TokenIds = list[int]
 
 
-class GenerateRequest(_Forwarded):
+_RANK = "a DP rank of the servers (docs/DP_RANKS.md): 400 when out of their range, before any server is called"
+
+
+class _Ranked(_Forwarded):
+    """The DP rank fields a client may send (0.5.23's), judged by the router."""
+
+    routed_dp_rank: int | None = Field(None, ge=0, description=_RANK + "; both legs")
+    data_parallel_rank: int | None = Field(None, ge=0, description="routed_dp_rank's older name")
+    disagg_prefill_dp_rank: int | None = Field(None, ge=0, description=_RANK + "; the prefill's rank")
+
+
+class GenerateRequest(_Ranked):
     """SGLang's native /generate: one of text, input_ids (or input_embeds)."""
 
     text: str | Texts | None = Field(None, description="a prompt, or a non-empty list of prompts")
@@ -54,7 +65,7 @@ class GenerateRequest(_Forwarded):
     return_logprob: bool | list[bool] | None = None
 
 
-class CompletionRequest(_Forwarded):
+class CompletionRequest(_Ranked):
     """OpenAI's completions."""
 
     prompt: str | Texts | TokenIds | list[TokenIds] = Field(..., description="a prompt, prompts, or token ids")
@@ -69,7 +80,7 @@ class ChatMessage(_Forwarded):
     content: str | list[dict[str, Any]] | None = None
 
 
-class ChatCompletionRequest(_Forwarded):
+class ChatCompletionRequest(_Ranked):
     """OpenAI's chat completions."""
 
     messages: list[ChatMessage]
@@ -93,6 +104,11 @@ class WorkerRegistration(_WorkerEntry):
     worker_type: Literal["prefill", "decode"] | None = Field(None, description="absent: the server's live role")
     role: Literal["prefill", "decode"] | None = Field(None, description="worker_type's other name (both: agreeing)")
     bootstrap_port: int | None = Field(None, ge=1, le=65535, description="absent or null: the server's own")
+    api_key: str | None = Field(None, description="sent to this worker alone (never shown: GET /workers says "
+                                                  "api_key_set)")
+    labels: dict[str, str] | None = Field(None, description="stored and shown in GET /workers")
+    priority: int | None = Field(None, description="stored and shown (no policy weighs it)")
+    cost: float | None = Field(None, description="stored and shown (no policy weighs it)")
 
 
 class MiniLbRegistration(_WorkerEntry):

@@ -183,6 +183,10 @@ def test_the_document_covers_every_route_and_names_what_they_need(live):
     assert generate["requestBody"]["content"]["application/json"]["schema"]["$ref"].endswith("GenerateRequest")
     pause = document["components"]["schemas"]["PauseGeneration"]
     assert pause.get("additionalProperties") is False  # the admin models' own strictness
+    schemas = document["components"]["schemas"]
+    for body in ("GenerateRequest", "CompletionRequest", "ChatCompletionRequest"):  # the rank fields it judges
+        assert {"routed_dp_rank", "data_parallel_rank", "disagg_prefill_dp_rank"} <= set(schemas[body]["properties"])
+    assert {"api_key", "labels", "priority", "cost"} <= set(schemas["WorkerRegistration"]["properties"])
     assert document["paths"]["/add_worker"]["post"]["parameters"][0]["name"] == "url"
     assert json_error_of(*live.request("GET", "/no/such/route"))["code"] == 404
 
