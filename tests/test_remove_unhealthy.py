@@ -52,6 +52,21 @@ async def _entry(router, url: str) -> dict:
     return next(e for e in source["workers"] if e["url"] == url)
 
 
+async def _source_retried_twice(router) -> None:
+    """Wait until the worker source has applied its listing twice more (its retries: applied_at moves)."""
+    async def applied_at() -> float:
+        return (await (await router.get("/admin/discovery")).json())["sources"][0]["applied_at"]
+
+    seen = [await applied_at()]
+
+    async def moved_twice() -> bool:
+        if (now := await applied_at()) != seen[-1]:
+            seen.append(now)
+        return len(seen) >= 3
+
+    await wait_for(moved_twice, timeout=10, interval=0.02, message="the worker source to retry twice")
+
+
 async def test_a_killed_worker_is_removed_and_registered_again_once_it_answers(tmp_path):
     async with Fleet(1, 1, processes=True, **FAST) as fleet:
         decode = fleet.decode[0]
@@ -61,8 +76,12 @@ async def test_a_killed_worker_is_removed_and_registered_again_once_it_answers(t
             assert await _serves(router)
             fleet.kill(decode)  # SIGKILL: probes find nothing listening
             await wait_for(lambda: registry.find(decode.url) is None, timeout=10, message="the dead decode removed")
+            # the source tries its entry again every interval, but registers it only once its server answers
+            await _source_retried_twice(router)
+            assert registry.find(decode.url) is None
             entry = await _entry(router, decode.url)
             assert entry["status"] == "removed as unhealthy" and "once its server answers" in entry["problem"]
+            assert "not yet: " in entry["problem"]
             assert (await router.get("/readiness")).status == 503
             await fleet.restart(decode)
             await wait_for(lambda: (w := registry.find(decode.url)) is not None and w.routable, timeout=20,

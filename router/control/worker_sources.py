@@ -117,14 +117,19 @@ def listing_of(entries: list, where: str) -> dict[str, Listing]:
 # cluster removed); unregister(worker) (raises Conflict while an operation owns it).
 Register = Callable[[Listing, str, bool, bool], Awaitable[Worker]]
 Unregister = Callable[[Worker], Awaitable[None]]
+# answers(listing) -> None when its server answers a health probe, else why not (a worker removed as unhealthy is
+# registered again only then: registered at once, it would be back, pending, before its server is)
+Answers = Callable[[Listing], Awaitable["str | None"]]
 
 
 class SourceReconciler:
-    def __init__(self, name: str, registry: Registry, register: Register, unregister: Unregister) -> None:
+    def __init__(self, name: str, registry: Registry, register: Register, unregister: Unregister,
+                 answers: Answers | None = None) -> None:
         self.name = name  # e.g. "file /etc/pd-router/workers.yaml": each worker's `source`
         self.registry = registry
         self._register = register
         self._unregister = unregister
+        self._answers = answers
         self.listed: dict[str, Listing] = {}  # the source's last good listing
         self._owned: dict[str, tuple[Listing, Worker]] = {}  # what this source registered, as it was listed
         self._dismissed: dict[str, Listing] = {}  # removed by an operator: left out until the entry changes
@@ -229,6 +234,12 @@ class SourceReconciler:
             self._problem(item.url, f"already registered ({existing.source or 'through the API'}): "
                                     f"left as it is while it stays registered")
             return
+        if item.url in self._recovering and self._answers is not None:
+            silent = await self._answers(item)
+            if silent is not None:
+                self.problems[item.url] = (f"removed as unhealthy: registered again once its server answers "
+                                           f"(not yet: {silent[:200]})")
+                return
         # a worker removed as unhealthy comes back on purpose (its removal is on the cluster's record too)
         seed = self._seeds is not None and self._seeds.get(item.url) == item and item.url not in self._recovering
         try:

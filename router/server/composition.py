@@ -290,7 +290,12 @@ def _worker_api(app: web.Application):
     async def unregister(worker, by: str) -> None:
         await api_workers.unregister_worker(app, worker, by=by)
 
-    return register, unregister
+    async def answers(url: str) -> str | None:
+        health = app[CONFIG].health
+        reply = await app[UPSTREAM].health(url, health.endpoint, timeout=health.timeout_secs)
+        return None if reply.ok else reply.message() or f"HTTP {reply.status}"
+
+    return register, unregister, answers
 
 
 def _remove_unhealthy(app: web.Application, sources, spawn):

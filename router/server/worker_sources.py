@@ -15,10 +15,11 @@ from router.core.registry import Registry, Role, Worker
 # a source's first listing, which seeds a cluster as a command line does, the peers' fields the worker keeps)
 RegisterWorker = Callable[[str, "Role | None", object, str, bool, bool, dict], Awaitable[Worker]]
 UnregisterWorker = Callable[[Worker, str], Awaitable[None]]  # (worker, by: how it goes)
+ServerAnswers = Callable[[str], Awaitable["str | None"]]  # (url with its credentials) -> None, or why it does not
 
 
 def build(config: RouterConfig, registry: Registry, register_worker: RegisterWorker,
-          unregister_worker: UnregisterWorker) -> WorkerSources:
+          unregister_worker: UnregisterWorker, server_answers: ServerAnswers) -> WorkerSources:
     async def register(item: Listing, source: str, read: bool, seed: bool) -> Worker:
         return await register_worker(item.address, item.role, item.bootstrap_port, source, read, seed,
                                      item.settings_dict())
@@ -28,8 +29,11 @@ def build(config: RouterConfig, registry: Registry, register_worker: RegisterWor
             await unregister_worker(worker, f"{source}: its entry gone or changed")
         return unregister
 
+    async def answers(item: Listing) -> str | None:
+        return await server_answers(item.address)
+
     def reconciler(name: str) -> SourceReconciler:
-        return SourceReconciler(name, registry, register, unregister_from(name))
+        return SourceReconciler(name, registry, register, unregister_from(name), answers)
 
     sources: list[WorkerSource] = []
     settings = config.worker_sources
