@@ -17,6 +17,7 @@ from router.core.keys import COORDINATOR
 from router.flows.rebalancer import REBALANCER
 from router.flows.fleet_control import FLEET_CONTROL
 from router.core.registry import Role, WorkerState
+from router.dataplane.proxy import PROXY
 from simulator.fleet import Fleet
 
 from ..helpers import wait_for
@@ -238,8 +239,11 @@ async def test_abort_all_at_one_replica_ends_every_replicas_requests(replicas, f
                    timeout=5, message="two requests on each replica")
     status, answer = await a.call("POST", "/abort_request", {"abort_all": True})
     assert (status, answer) == (200, None)
-    # the answer came once every replica's requests had ended: each with SGLang's abort answer
-    assert all(task.done() for task in tasks)
+    # the answer came once every replica's requests had ended there (their answers, SGLang's abort answer, are
+    # the router's to write; each client reads its own after)
+    assert [len(r.app[PROXY].live) for r in (a, b)] == [0, 0]
+    done, pending = await asyncio.wait(tasks, timeout=10)
+    assert not pending, "an aborted request's client got no answer"
     answers = [task.result() for task in tasks]
     assert [(status, body["meta_info"]["finish_reason"]["type"]) for status, body in answers] == [(200, "abort")] * 4
     assert sum(w.inflight for r in (a, b) for w in r.registry.workers()) == 0
