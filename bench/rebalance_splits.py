@@ -23,7 +23,9 @@ second, so that what is measured is the policy, not how busy the machine's CPUs 
 A request meets the SLO when it completes with TTFT <= --ttft-slo and TPOT (mean gap between its tokens) <=
 --tpot-slo; the goodput is the share that does. Printed: goodput per phase and overall for every variant, the
 rebalancer's ratio to the best static split and to the oracle, its conversions and flaps (a conversion undone
-within a phase). The JSON result lands under out/bench/.
+within a phase), and for each conversion where its time went: seconds (wall clock) from its phase's start to
+the first proposal of its direction, to the decision, to the end, and the conversion's steps (drain, switch,
+verify). The JSON result lands under out/bench/, with every decision of the run (guards, each pool's terms).
 """
 
 from __future__ import annotations
