@@ -211,7 +211,8 @@ def decoding_now(obs: Observation) -> int:
 def step_now(obs: Observation) -> float | None:
     """The decode step the batches the router has open now take, by the servers' fitted step line (None: no fit
     yet). Current where the reported step is not: a decode republishes its row every 15 steps, and a batch
-    that grew takes longer steps, so its row is the older the more it is overloaded."""
+    that grew takes longer steps, so its row is the older the more it is overloaded. (With router replicas
+    the leader counts only its own legs: the prediction then falls short, and the rows' step stands.)"""
     fits = [(w.decode_step_fixed_s, w.decode_step_per_request_s) for w in obs.decode
             if w.decode_step_fixed_s is not None and w.decode_step_per_request_s is not None]
     if not fits or not obs.decode:
