@@ -19,13 +19,17 @@ import time
 import pytest
 
 from .load import Load
-from .real_client import get_json, live_role, wait_until
+from .real_client import live_role, wait_until
 from .rebalancing import expected_outputs, rebalancer_decisions, roles, start_router
 
 SAMPLING = {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True}
 PROMPTS = ("Hello world, this is", "The quick brown fox", "Numbers 0 1 2 3 and", "SGLang router routes")
 REFILL_STARTS_WITHIN_S = 30.0
 SERVES_WITHIN_S = 90.0  # the donor's deferred KV release (30 s) and its switch
+
+
+def started_refills(router) -> list[dict]:
+    return [d for d in rebalancer_decisions(router) if d["refill"] and d.get("applied") == "started"]
 
 
 def test_the_lone_prefill_killed_under_load_is_replaced_by_a_decode_server(fleet, tmp_path):
@@ -39,9 +43,10 @@ def test_the_lone_prefill_killed_under_load_is_replaced_by_a_decode_server(fleet
             assert not load.failures(), load.failures()[:3]
             killed_at = time.monotonic()
             os.killpg(fleet.prefill.info.pid, signal.SIGKILL)
-            wait_until(lambda: any(d["refill"] and d.get("applied") == "started" for d in rebalancer_decisions(router)),
-                       timeout=REFILL_STARTS_WITHIN_S, what=lambda: f"a refill decision ({roles(router)})")
-            refill = get_json(f"{router.url}/admin/rebalancer")["refill"]["last"]
+            wait_until(lambda: started_refills(router), timeout=REFILL_STARTS_WITHIN_S,
+                       what=lambda: f"a refill decision ({roles(router)})")
+            # the decision that started it (refill.last may already be a later one: held while it runs)
+            refill = started_refills(router)[0]
             donor = next(w["url"] for w in router.workers() if w["id"] == refill["worker_id"])
             assert donor in (fleet.decode.url, fleet.spare.url) and refill["to_role"] == "prefill"
             assert "the prefill pool has no routable server" in refill["reason"]
