@@ -149,9 +149,11 @@ class Control:
         return await engine.write_locked(fn, paused=engine.is_pause)
 
     async def _delay(self) -> None:
-        delay = self.worker.faults.faults.update_delay_s
-        if delay:
-            await asyncio.sleep(delay)
+        """`update_delay_s` from the moment the update holds the lock, read again while it waits: a test holds
+        an update with a long delay and releases it by setting a short one (no race against the clock)."""
+        started = time.monotonic()
+        while (left := started + self.worker.faults.faults.update_delay_s - time.monotonic()) > 0:
+            await asyncio.sleep(min(left, 0.05))
 
     def _after_update(self, body: dict, success: bool, message: str) -> tuple[bool, str]:
         """Scheduler side: record the version, flush; tokenizer side: the version /model_info shows."""

@@ -26,7 +26,7 @@ class Faults:
     unhealthy: bool = False  # /health and /health_generate answer 503
     conversion_failure: str | None = None  # role switch fails: "safe" (unchanged) or "unsafe" (broken)
     update_failure: bool = False  # weight updates answer 400 and change nothing
-    update_delay_s: float = 0.0  # weight updates take this long once they hold the lock
+    update_delay_s: float = 0.0  # weight updates take this long once they hold the lock (read again meanwhile)
     # the next /pd_role_switch call (one) waits this long before the server looks at it (a slow network, a
     # busy HTTP front); dropped if its client leaves meanwhile: it never reached the scheduler
     switch_arrival_delay_s: float = 0.0
