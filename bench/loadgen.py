@@ -35,6 +35,7 @@ class Tally:
     latencies: list[float] = field(default_factory=list)
     ttfts: list[float] = field(default_factory=list)
     errors: Counter = field(default_factory=Counter)
+    answered: int = 0  # good answers over the whole run, warm-up and answers after the window included
 
 
 def percentile(sorted_values: list[float], q: float) -> float | None:
@@ -57,6 +58,7 @@ def summarize(tally: Tally, seconds: float) -> dict:
         "requests": len(lat) + errors,
         "errors": errors,
         "error_kinds": dict(tally.errors),
+        "answered": tally.answered,
         "seconds": round(seconds, 3),
         "rps": len(lat) / seconds if seconds > 0 else 0.0,
         "p50_ms": ms(percentile(lat, 50)),
@@ -150,6 +152,8 @@ async def _client(session, url, body, stream, direct, window, tally: Tally | Non
                 tally.errors[str(err) if isinstance(err, _BadAnswer) else type(err).__name__] += 1
             continue
         finished = time.perf_counter()
+        if tally is not None:
+            tally.answered += 1
         # Count requests that started inside the window and finished before its end.
         if tally is not None and window[0] <= started and finished <= window[1]:
             tally.latencies.append(finished - started)

@@ -36,6 +36,7 @@ async def test_non_streaming_load_counts_every_answer(aiohttp_server):
     assert result["p50_ms"] <= result["p99_ms"] <= result["max_ms"]
     assert "ttft_p50_ms" not in result
     assert len(seen) >= result["requests"]  # warm-up and in-flight requests are sent but not counted
+    assert len(seen) >= result["answered"] >= result["requests"] > 0  # answered: all of them, whenever
     assert seen[0]["sampling_params"]["max_new_tokens"] == 16
 
 

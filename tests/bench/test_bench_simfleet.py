@@ -14,5 +14,7 @@ async def test_simulated_fleet_serves_pd_requests_without_a_router(tmp_path):
         result = await run_load(url="", concurrency=4, duration=0.5, warmup=0.1, stream=True,
                                 direct=DirectPD(fleet.prefill, fleet.decode))
     assert not sim.child.alive()
-    assert result["errors"] == 0 and result["requests"] > 0
-    assert result["ttft_p50_ms"] <= result["p50_ms"]
+    # every request the clients sent was answered (a loaded machine may fit none inside the 0.5 s window:
+    # those in it are the figures', and then the first token came before the last)
+    assert result["errors"] == 0 and result["answered"] >= 4
+    assert result["requests"] == 0 or result["ttft_p50_ms"] <= result["p50_ms"]
