@@ -349,7 +349,9 @@ def _first_proposed(snapshot: dict, conversion: dict, t0: float) -> float | None
 
 def timeline(result: dict) -> list[str]:
     """Per conversion: phase boundary -> first proposal -> decision -> done, and where the conversion's time
-    went (its steps)."""
+    went (its steps). Nothing for a result without conversions (or written before phases carried their length)."""
+    if not result["conversions"] or any("secs" not in p for p in result["phases"]):
+        return []
     bounds = [0.0]
     for p in result["phases"]:
         bounds.append(bounds[-1] + p["secs"])
