@@ -98,24 +98,9 @@ class HeldOut:
             return worker.hold is None
         if not await self.flush(worker):
             return False
-        version, ready = await asyncio.gather(read_weight_version(self.upstream, worker.url),
-                                              self.upstream.ready(worker.url, timeout=INFO_TIMEOUT))
-        held = worker.hold
-        if held is None or held.kind not in (HoldKind.CACHE, HoldKind.WEIGHTS) \
-                or self.registry.find(worker.id) is not worker:
-            return held is None
         fleet = self.fleet_version
-        if version is not None and version != worker.weight_version:
-            self.registry.update_info(worker, weight_version=version)
-        if fleet is not None and version != fleet:
-            self.registry.hold_out(worker, HoldKind.WEIGHTS, f"serves weight_version {version!r}, the fleet "
-                                                             f"serves {fleet!r}")
-            return False
-        if ready is False:
-            self.registry.hold_out(worker, HoldKind.PAUSED, "cache flushed, but /ready answers 503")
-            return False
-        return self.rejoin(worker, f"cache flushed; serves the fleet's version {fleet!r}",
-                           kinds=(HoldKind.CACHE, HoldKind.WEIGHTS))
+        return await self._judge(worker, (HoldKind.CACHE, HoldKind.WEIGHTS),
+                                 f"cache flushed; serves the fleet's version {fleet!r}", HoldKind.PAUSED)
 
     async def flush_until(self, workers: list[Worker], deadline: float) -> list[Worker]:
         """Flush each of `workers` held out as `cache` until it rejoins or `deadline` passes; the ones still
@@ -139,18 +124,28 @@ class HeldOut:
         (and, after a pause, says it is ready), else still out: for its weights, or as paused."""
         if worker.hold is None or worker.hold.kind is not kind:
             return
+        await self._judge(worker, (kind,), reason, HoldKind.PAUSED if kind is HoldKind.PAUSED else None)
+
+    async def _judge(self, worker: Worker, kinds: tuple[HoldKind, ...], reason: str,
+                     not_ready: HoldKind | None) -> bool:
+        """Back in routing if it serves the fleet's version (and, `not_ready` given, /ready answers 200); else
+        held out again: for its weights, or as `not_ready`. True once it rejoined."""
         version, ready = await asyncio.gather(read_weight_version(self.upstream, worker.url),
                                               self.upstream.ready(worker.url, timeout=INFO_TIMEOUT))
-        if worker.hold is None or worker.hold.kind is not kind or self.registry.find(worker.id) is not worker:
-            return
-        if self.fleet_version is not None and version != self.fleet_version:
-            self.registry.hold_out(worker, HoldKind.WEIGHTS,
-                                   f"serves weight_version {version!r}, the fleet serves {self.fleet_version!r}")
-            return
-        if kind is HoldKind.PAUSED and ready is False:
-            self.registry.hold_out(worker, kind, f"{reason}, but /ready still answers 503")
-            return
-        self.rejoin(worker, reason, kinds=(kind,))
+        held = worker.hold
+        if held is None or held.kind not in kinds or self.registry.find(worker.id) is not worker:
+            return held is None
+        fleet = self.fleet_version
+        if version is not None and version != worker.weight_version:
+            self.registry.update_info(worker, weight_version=version)
+        if fleet is not None and version != fleet:
+            self.registry.hold_out(worker, HoldKind.WEIGHTS, f"serves weight_version {version!r}, the fleet "
+                                                             f"serves {fleet!r}")
+            return False
+        if not_ready is not None and ready is False:
+            self.registry.hold_out(worker, not_ready, f"{reason}, but /ready answers 503")
+            return False
+        return self.rejoin(worker, reason, kinds=kinds)
 
     def _on_registry_event(self, event: str, worker: Worker | None, details: dict) -> None:
         if event in ("added", "hold_ended", "fleet_version") \
