@@ -42,7 +42,10 @@ returned inside the decision. Every decision, a refusal included, names the guar
                  large grows while it is being confirmed. Not to undo the last conversion within twice the
                  cooldown, though: the moments after one (the server converted admits a backlog at once, the
                  other pool's queues settle) look urgent for a poll or two, and undoing on one sighting of that
-                 is a flap
+                 is a flap. Nor, for prefill, a queue that appeared since the last look while the prefills
+                 were mostly idle (busy under `BURST_BUSY` of `busy_target`): a burst of arrivals the next
+                 forward clears (a batch of answers finishing together on a decode-heavy fleet, or a server
+                 the machine starved of CPU for a moment) is not short compute; a second look must see it too
   no_candidate   the donor pool has no server that can be converted (each is doubted by a health verdict or a
                  breaker, or failed a conversion lately)
   refilling      a pool is empty and a conversion into it is already under way
@@ -98,6 +101,8 @@ GUARDS = (NO_SIGNAL, DEADBAND, MARGIN, DRAINING, WARMUP, BUSY, COOLDOWN, STEP_CO
           CONFIRMATIONS, NO_CANDIDATE, REFILLING, PENDING)
 
 DRAIN_SHARE = 0.25  # a backlog that shrank by this share since the last look is draining
+# A prefill pool busy under this share of `busy_target` is not short of compute: its queue is a burst.
+BURST_BUSY = 0.5
 # Undoing the last conversion within this many cooldowns of it takes every confirmation, however urgent.
 REVERSAL_WINDOW = 2
 
@@ -113,6 +118,7 @@ class RebalanceState:
     conversions: int = 0
     refills: int = 0
     last_waits: tuple[float | None, float | None] | None = None  # (on prefill, on decode) at the last look
+    last_hot: str | None = None  # the direction whose pool was over min_pressure at the last look
 
 
 def initial_state(now: float) -> RebalanceState:
@@ -232,7 +238,7 @@ def decide(obs: Observation, state: RebalanceState, config: RebalanceConfig) -> 
                           **{k: round(v, 4) for k, v in d_terms.items()}},
                  "signals": notes}
     waits = (notes["waiting_on_prefill"], notes["waiting_on_decode"])
-    seen = replace(state, last_waits=waits)
+    seen = replace(state, last_waits=waits, last_hot=None)
 
     def hold(reason: str, guards: tuple[str, ...], new_state: RebalanceState, **extra) -> Decision:
         return _hold(obs, reason, guards, new_state, pressures=pressures, **extra)
@@ -254,6 +260,7 @@ def decide(obs: Observation, state: RebalanceState, config: RebalanceConfig) -> 
                     replace(seen, streak=0, streak_direction=None))
 
     n_hot, n_cold = len(hot_pool), len(cold_pool)
+    seen = replace(seen, last_hot=direction)
     prediction: dict = {"direction": direction, "from_role": cold, "to_role": hot}
     fired: list[str] = []
     notes_out: list[str] = []
@@ -323,11 +330,18 @@ def decide(obs: Observation, state: RebalanceState, config: RebalanceConfig) -> 
     urgent = config.urgent_pressure and hot_p >= config.urgent_pressure
     undoing = (state.last_conversion_at is not None and state.last_direction not in (None, direction)
                and now - state.last_conversion_at < REVERSAL_WINDOW * config.cooldown_secs)
-    needed = 1 if urgent and not undoing else config.confirmations
+    busy = p_terms.get("busy") if hot == PREFILL else None
+    burst = busy is not None and busy < BURST_BUSY and state.last_hot != direction
+    needed = 1 if urgent and not undoing and not burst else config.confirmations
     if streak < needed:
         fired.append(CONFIRMATIONS)
-        notes_out.append(f"signal seen {streak}/{needed} intervals"
-                         + (" (undoing the last conversion: never on one sighting)" if urgent and undoing else ""))
+        why = ""
+        if urgent and undoing:
+            why = " (undoing the last conversion: never on one sighting)"
+        elif urgent and burst:
+            why = (f" (a burst: new since the last look, the prefills busy {busy * config.busy_target * 100:.0f}% "
+                   f"of the time: never on one sighting)")
+        notes_out.append(f"signal seen {streak}/{needed} intervals" + why)
     candidates = [w for w in cold_pool if w.convertible]
     if not candidates:
         fired.append(NO_CANDIDATE)

@@ -366,3 +366,29 @@ def test_a_decode_pool_at_half_its_capacity_is_not_halved_for_a_burst_of_long_pr
     assert decide(proportional, STARTED, config).convert  # without the line: the move that flapped
     roomy = obs(prefill(2, waiting_queue=9), decode(2, running=1, decode_step_s=0.048, **line))
     assert decide(roomy, STARTED, config).convert  # u 0.17: one decode carries it at 61 ms
+
+
+# ---- an urgent prefill queue the prefills were not busy for: a burst ---------------------------------------
+def test_a_prefill_queue_new_since_the_last_look_with_the_prefills_mostly_idle_needs_a_second_look():
+    """1P2D, decode-heavy: 7 answers finish together on a decode and their successors arrive together at the one
+    prefill (or the prefill's process was starved of CPU for a moment): 4 wait for a forward of milliseconds.
+    Pressure 4 is urgent, but the prefill was busy 10 % of the time: a burst its next forward clears, not short
+    compute. Seen once, it converts nothing; seen again at the next look, it does (a real overload persists)."""
+    config = replace(URGENT_PACE, queue_target=1.0)
+    burst = obs(prefill(1, waiting_queue=4, prefill_busy=0.1), decode(2, running=7))
+    first = decide(burst, STARTED, config)
+    assert first.action == "hold" and first.guards == (CONFIRMATIONS,), first.reason
+    assert "a burst" in first.reason and "busy 10%" in first.reason
+    second = decide(burst, first.state, config)
+    assert second.convert and second.to_role == "prefill", second.reason
+    # the prefills busy (compute really short): one sighting is enough, as for any urgent overload
+    saturated = obs(prefill(1, waiting_queue=4, prefill_busy=0.9), decode(2, running=7))
+    assert decide(saturated, STARTED, config).convert
+    # a look in between that saw nothing hot: the next one is new again
+    calm = obs(prefill(1, prefill_busy=0.1), decode(2, running=1))
+    assert decide(burst, decide(calm, first.state, config).state, config).guards == (CONFIRMATIONS,)
+
+
+def test_a_server_that_reports_no_busy_time_is_read_as_before_one_urgent_sighting_converts():
+    config = replace(URGENT_PACE, queue_target=1.0)
+    assert decide(obs(prefill(1, waiting_queue=4), decode(2, running=7)), STARTED, config).convert
