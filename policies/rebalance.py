@@ -330,8 +330,10 @@ def decide(obs: Observation, state: RebalanceState, config: RebalanceConfig) -> 
     urgent = config.urgent_pressure and hot_p >= config.urgent_pressure
     undoing = (state.last_conversion_at is not None and state.last_direction not in (None, direction)
                and now - state.last_conversion_at < REVERSAL_WINDOW * config.cooldown_secs)
-    busy = p_terms.get("busy") if hot == PREFILL else None
-    burst = busy is not None and busy < BURST_BUSY and state.last_hot != direction
+    # the busy term reads 0 through a forward longer than a poll (0.5.23 adds a forward's time when it ends):
+    # then the second look decides
+    prefill_busy = p_terms.get("busy") if hot == PREFILL else None
+    burst = prefill_busy is not None and prefill_busy < BURST_BUSY and state.last_hot != direction
     needed = 1 if urgent and not undoing and not burst else config.confirmations
     if streak < needed:
         fired.append(CONFIRMATIONS)
@@ -339,7 +341,7 @@ def decide(obs: Observation, state: RebalanceState, config: RebalanceConfig) -> 
         if urgent and undoing:
             why = " (undoing the last conversion: never on one sighting)"
         elif urgent and burst:
-            why = (f" (a burst: new since the last look, the prefills busy {busy * config.busy_target * 100:.0f}% "
+            why = (f" (a burst: new since the last look, the prefills busy {prefill_busy * config.busy_target * 100:.0f}% "
                    f"of the time: never on one sighting)")
         notes_out.append(f"signal seen {streak}/{needed} intervals" + why)
     candidates = [w for w in cold_pool if w.convertible]
