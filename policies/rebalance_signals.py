@@ -208,17 +208,24 @@ def decoding_now(obs: Observation) -> int:
     return max(0, sum(w.inflight for w in obs.decode) - sum(w.inflight for w in obs.prefill))
 
 
+def step_line(obs: Observation) -> tuple[float, float] | None:
+    """The decode pool's step line (fixed, per request): the mean of its servers' fitted lines (None: no fit)."""
+    fits = [(w.decode_step_fixed_s, w.decode_step_per_request_s) for w in obs.decode
+            if w.decode_step_fixed_s is not None and w.decode_step_per_request_s is not None]
+    if not fits:
+        return None
+    return sum(f for f, _ in fits) / len(fits), sum(p for _, p in fits) / len(fits)
+
+
 def step_now(obs: Observation) -> float | None:
     """The decode step the batches the router has open now take, by the servers' fitted step line (None: no fit
     yet). Current where the reported step is not: a decode republishes its row every 15 steps, and a batch
     that grew takes longer steps, so its row is the older the more it is overloaded. (With router replicas
     the leader counts only its own legs: the prediction then falls short, and the rows' step stands.)"""
-    fits = [(w.decode_step_fixed_s, w.decode_step_per_request_s) for w in obs.decode
-            if w.decode_step_fixed_s is not None and w.decode_step_per_request_s is not None]
-    if not fits or not obs.decode:
+    line = step_line(obs)
+    if line is None:
         return None
-    fixed = sum(f for f, _ in fits) / len(fits)
-    per_request = sum(p for _, p in fits) / len(fits)
+    fixed, per_request = line
     return fixed + per_request * decoding_now(obs) / len(obs.decode)
 
 
@@ -260,10 +267,9 @@ def pool_terms(obs: Observation, config: "RebalanceConfig") -> tuple[dict[str, f
     charged = ttft_charged_to(wp, wd)
     if obs.ttft_s is not None and charged is not None:
         (prefill if charged == PREFILL else decode)["ttft"] = obs.ttft_s / config.ttft_target_secs
-    fixed = [w.decode_step_fixed_s for w in obs.decode
-             if w.decode_step_fixed_s is not None and w.decode_step_per_request_s is not None]
+    line = step_line(obs)
     notes = {"waiting_on_prefill": wp, "waiting_on_decode": wd, "ttft_charged_to": charged,
-             "decode_step_fixed_s": sum(fixed) / len(fixed) if fixed else None,
+             "decode_step_fixed_s": line[0] if line else None,
              "prefill_parts": {k: None if v is None else round(v, 3) for k, v in waiting_parts(obs).items()}}
     return prefill, decode, notes
 
