@@ -12,8 +12,8 @@ Prefill pool: its capacity is prefill compute (one forward at a time per server)
   prefills' own count misses the batch of a forward in progress: the row shown is the one published before
   it.) The decode rows' transfers count only up to what the prefills still have: the prefill legs the
   router has open on them (a 0.5.23 prefill answers its leg once the KV went out: a fresh count), less those
-  waiting for decode room (the prefills' bootstrap queues or the decodes' prealloc queues, the smaller: each
-  side's row is up to a batch old). A 0.5.23 decode running batches publishes its row every 15 steps: the
+  waiting for decode room (the prefills' bootstrap queues or the decodes' prealloc queues, whichever side's
+  rows are the fresher: each side's row is up to a batch old; `waiting_for_room`). A 0.5.23 decode running batches publishes its row every 15 steps: the
   requests it admitted in that step sit in that row's transfer queue for 14 more, long after their KV came.
   Read as prefill load, the transfers of a decode-heavy fleet whose requests finish together (and whose
   successors are admitted together) looked prefill-short right after a server moved to decode, and the
@@ -139,11 +139,36 @@ def _ready(w: WorkerView) -> float:
     return w.prealloc_ready if w.prealloc_ready is not None else (w.prealloc or 0)
 
 
+# Rows published this close together are equally current (0.5.23 republishes a stalled scheduler's every 50 ms).
+SAME_AGE_S = 0.05
+
+
+def waiting_for_room(obs: Observation) -> int:
+    """The requests waiting for decode KV room. The prefills' bootstrap queues and the decodes' prealloc queues
+    hold the same requests, each side's row up to a batch old (a prefill's during a long forward, a decode's
+    while it runs batches: 0.5.23 republishes it every 15 steps): the count of the side whose rows are the
+    fresher, by the rows' ages. The smaller count when the ages do not tell: the requests a stale row lists
+    have mostly moved on. Not always: on a decode-heavy fleet a decode row published in the step that admitted
+    its batch lists none waiting for room, while the current prefill row shows the six that do; read as
+    pipeline, they made a decode-short fleet look prefill-short (the simulated fleet's CI failure)."""
+    sides = []
+    for pool, count in ((obs.prefill, lambda w: w.bootstrap), (obs.decode, lambda w: w.prealloc)):
+        reporting = [w for w in pool if count(w) is not None]
+        if reporting:
+            ages = [w.row_age_s for w in reporting]
+            sides.append((sum(count(w) for w in reporting), None if None in ages else max(ages)))
+    if not sides:
+        return 0
+    if len(sides) == 2 and None not in (sides[0][1], sides[1][1]) and abs(sides[0][1] - sides[1][1]) > SAME_AGE_S:
+        return min(sides, key=lambda side: side[1])[0]
+    return min(total for total, _ in sides)
+
+
 def waiting_parts(obs: Observation) -> dict[str, float | None]:
     """The counts waiting on prefill compute, by where they are seen (see the module docstring):
     `prefill_queue` in the prefills' own waiting queues; `pipeline` the requests the prefills still have
-    beyond those waiting for decode room (the prefill legs the router has open on them, less the smaller of
-    their bootstrap queues and the decodes' prealloc queues): waiting, in a forward, or sending their KV;
+    beyond those waiting for decode room (the prefill legs the router has open on them, less
+    `waiting_for_room`): waiting, in a forward, or sending their KV;
     `decode_transfer` the decodes' transfers a prefill still has (up to `pipeline`), less the prefills'
     inflight queues; `behind_transfers` the prealloc requests whose room those transfers hold;
     `uncounted_transfer` the transfers the decode rows show beyond the pipeline (their KV came since the row was
@@ -156,12 +181,7 @@ def waiting_parts(obs: Observation) -> dict[str, float | None]:
             own.append(max(0, w.waiting - (w.bootstrap or 0)))
     shown = _total(w.transfer for w in obs.decode)
     sent = _total(w.inflight_queue for w in obs.prefill) or 0
-    # Waiting for decode room: the prefills' bootstrap queues and the decodes' prealloc queues hold the same
-    # requests, each side's row up to a batch old (a prefill's during a long forward, a decode's while it runs
-    # batches): the smaller count is the one less out of date.
-    room = [n for n in (_total(w.bootstrap for w in obs.prefill), _total(w.prealloc for w in obs.decode))
-            if n is not None]
-    pipeline = max(0, sum(w.inflight for w in obs.prefill) - (min(room) if room else 0))
+    pipeline = max(0, sum(w.inflight for w in obs.prefill) - waiting_for_room(obs))
     real = None if shown is None else min(shown, max(pipeline, sum(own) + sent))
     share = 1.0 if not shown else real / shown
     return {

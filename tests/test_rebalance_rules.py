@@ -14,6 +14,7 @@ from policies.rebalance import (
     RebalanceConfig, WorkerView, decide, initial_state, pool_pressures, ttft_charged_to, waits_on_decode,
     waits_on_prefill,
 )
+from policies.rebalance_signals import waiting_parts
 from router.core.records import RequestRecord
 from router.core.registry import Registry, Role
 from router.flows.latency_window import LatencyWindow
@@ -326,6 +327,35 @@ def test_waiting_for_decode_room_is_read_from_the_side_whose_row_is_less_out_of_
                     transfer=2, retracted=0),)
     o = obs(p, d)
     assert (waits_on_prefill(o), waits_on_decode(o)) == (2 + 6, 0)
+    # with the rows' ages: the same, the prefill's row a forward old and the decode's current
+    aged = obs((replace(p[0], row_age_s=0.8),), (replace(d[0], row_age_s=0.0),))
+    assert (waits_on_prefill(aged), waits_on_decode(aged)) == (2 + 6, 0)
+
+
+def test_a_decode_row_published_when_it_admitted_its_batch_does_not_hide_those_waiting_for_its_room():
+    """The simulated fleet's CI failure (1P2D, decode-heavy, 20 users, room for 7 per decode): d0's row, from the
+    step that admitted its batch, lists 7 transfers and none waiting for room; d1's, 10 steps old, 2. The idle
+    prefill's row is current: its bootstrap queue holds the 6 legs that wait for decode room now. Read with the
+    smaller count (2), 4 of those legs were pipeline, d0's transfers were theirs, and the rebalancer moved a
+    decode to prefill (pressure 3.96 vs 1.02)."""
+    p = (WorkerView("p0", inflight=6, running=0, waiting=6, waiting_queue=0, bootstrap=6, inflight_queue=0,
+                    row_age_s=0.0),)
+    d = (WorkerView("d0", inflight=10, running=0, waiting=7, waiting_queue=0, prealloc=0, prealloc_ready=0,
+                    transfer=7, retracted=0, row_age_s=0.7),
+         WorkerView("d1", inflight=10, running=7, waiting=2, waiting_queue=0, prealloc=2, prealloc_ready=2,
+                    transfer=0, retracted=0, row_age_s=0.5))
+    o = obs(p, d)
+    parts = waiting_parts(o)
+    assert (parts["pipeline"], parts["decode_transfer"], parts["uncounted_transfer"]) == (0, 0, 7)
+    assert waits_on_prefill(o) == 0
+    decision = decide(o, STARTED, replace(BASE, queue_target=1))
+    assert not (decision.convert and decision.to_role == "prefill"), decision.reason
+    # without the ages the smaller count stands (the rule the test above keeps)
+    blind = obs(tuple(replace(w, row_age_s=None) for w in p), tuple(replace(w, row_age_s=None) for w in d))
+    assert waiting_parts(blind)["pipeline"] == 6 - 2
+    # rows within 50 ms of each other are equally current: the smaller count
+    close = obs(p, tuple(replace(w, row_age_s=0.03) for w in d))
+    assert waiting_parts(close)["pipeline"] == 6 - 2
 
 
 # ---- the next server beside ours in progress, when those on their way are not enough --------------------
