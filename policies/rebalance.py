@@ -63,7 +63,10 @@ n_hot / (n_hot + k + 1), against n_hot / (n_hot + k) without the move. Decode la
 near saturation: with the decodes' fitted step line (fixed + per request x batch), the share of a step that
 is per request is the utilisation, it scales with the load, and the step is fixed / (1 - utilisation)
 (`rebalance_signals.step_after`). The server moved is the cheapest of the donor pool (`WorkerView.cost`: fewest requests
-in flight or queued, then the least KV held, i.e. the quickest drain), never one that is doubted.
+in flight or queued, then the least KV held, i.e. the quickest drain), never one that is doubted. A decode
+moved to prefill (with `conversion_mode` drain) is emptied in `shed` mode: its requests that still wait on a
+prefill forward are re-sent elsewhere (their clients have seen nothing of them) instead of waited for, since
+they wait on the very backlog the move is to relieve; those decoding finish where they are.
 """
 
 from __future__ import annotations
@@ -148,7 +151,7 @@ class Decision:
     improvement: float | None = None
     streak: int = 0
     refill: bool = False  # rule 1: a pool was empty
-    conversion_mode: str | None = None  # how to empty the server ("drain" | "abort"); None: the config's
+    conversion_mode: str | None = None  # how to empty the server ("drain" | "shed" | "abort"); None: the config's
     state: RebalanceState | None = None
 
     @property
@@ -356,5 +359,10 @@ def decide(obs: Observation, state: RebalanceState, config: RebalanceConfig) -> 
     done = replace(new_state, streak=0, streak_direction=None, last_conversion_at=now, last_direction=direction,
                    conversions=state.conversions + 1)
     reason = f"{summary}: {proposal.replace(f'a {cold} server', f'{cold} {worker.id}', 1)}"
+    # A decode moving to a short prefill pool: its requests that still wait on a prefill are re-sent, not waited
+    # for (they wait on the very backlog it is to relieve; drains of 30 to 154 s on the eight-server benchmark)
+    mode = "shed" if hot == PREFILL and config.conversion_mode == "drain" else None
+    if mode:
+        reason += "; shed mode: its requests still waiting on a prefill are re-sent, the rest finish"
     return Decision(at=now, action="convert", reason=reason, worker_id=worker.id, pressures=pressures,
-                    streak=streak, state=done, **prediction)
+                    streak=streak, state=done, conversion_mode=mode, **prediction)

@@ -38,7 +38,7 @@ def test_flows_mark_requests_only_through_the_coordinator():
     """One way of marking requests before the router aborts their servers: core's `stop_here`, which
     `Coordinator.stop_routing` runs at every replica, the operation's own first. No flow marks on its own (it
     would read differently with one replica than with five)."""
-    marking = ("mark_on", "mark_all", "mark_aborted")
+    marking = ("mark_on", "mark_all", "mark_waiting_on_prefill", "mark_aborted")
     calls = {path.name: sorted({node.func.attr for node in ast.walk(ast.parse(path.read_text()))
                                 if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
                                 and node.func.attr in marking})

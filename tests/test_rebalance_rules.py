@@ -203,6 +203,11 @@ def test_the_normal_rule_chooses_the_cheapest_undoubted_server():
          WorkerView("d1", waiting=0, running=3, inflight=3), WorkerView("d2", waiting=0, running=1, inflight=1))
     decision = decide(obs(prefill(2, waiting_queue=12), d), STARTED, BASE)
     assert decision.convert and decision.worker_id == "d2"
+    # a decode moving to prefill re-sends what waits on the prefills (shed); the operator's abort mode stands
+    assert decision.conversion_mode == "shed" and "shed mode" in decision.reason
+    assert decide(obs(prefill(2, waiting_queue=12), d), STARTED, replace(BASE, conversion_mode="abort")).conversion_mode is None
+    to_decode = decide(obs(prefill(2), decode(2, running=1, waiting_queue=40)), STARTED, BASE)
+    assert to_decode.convert and to_decode.to_role == "decode" and to_decode.conversion_mode is None
 
 
 # ---- latency: failed and abandoned requests, and too few samples ----------------------------------------

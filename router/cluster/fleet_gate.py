@@ -85,6 +85,9 @@ class FleetGate:
     def mark_on(self, workers: Iterable[Worker], action: AbortAction) -> int:
         return self.local.mark_on(workers, action)
 
+    def mark_waiting_on_prefill(self, workers: Iterable[Worker], action: AbortAction) -> list[LiveRequest]:
+        return self.local.mark_waiting_on_prefill(workers, action)
+
     def mark_all(self, action: AbortAction) -> list[LiveRequest]:
         return self.local.mark_all(action)
 

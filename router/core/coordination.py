@@ -58,6 +58,8 @@ class StopAction(str, enum.Enum):
     RETRY = "retry"  # mark its requests on the servers to be re-sent once the fleet is open (and the epochs)
     ANSWER = "answer"  # mark them to be answered with SGLang's abort answer (and the epochs)
     ALL = "all"  # mark every live request of the replica to be answered with its abort (abort_all)
+    SHED = "shed"  # mark to be re-sent its requests on the servers that still wait on their prefill, and abort
+    # those by rid on both their servers (the rest finish where they are: no epoch is bumped)
 
     def __str__(self) -> str:
         return self.value
@@ -79,7 +81,7 @@ class StopReport:
     replicas: int = 0  # other replicas that confirmed
     marked: int = 0  # requests marked (to be retried or answered with their abort): this replica's and theirs
     inflight: int = 0  # the other replicas' requests still on the servers when they confirmed
-    here: tuple[LiveRequest, ...] = ()  # this replica's requests marked by StopAction.ALL (to wait for them)
+    here: tuple[LiveRequest, ...] = ()  # this replica's requests marked by StopAction.ALL or SHED (to wait for them)
 
 
 def stop_here(registry: Registry, traffic: RequestPathControl, workers: Sequence[Worker] | None,
@@ -87,10 +89,13 @@ def stop_here(registry: Registry, traffic: RequestPathControl, workers: Sequence
     """What one replica does for a `stop_routing`, the operation's own replica and every other alike, at once
     (nothing of it runs in between): per `action`, mark its requests on `workers` (None: every worker) and
     bump the workers' abort epochs, before any server is asked to abort. Returns how many requests it marked
-    (EPOCH: how many it has on them) and, for ALL, the requests marked."""
+    (EPOCH: how many it has on them) and, for ALL and SHED, the requests marked (the caller aborts them)."""
     workers = registry.workers() if workers is None else list(workers)
     if action is StopAction.ALL:
         marked = traffic.mark_all(AbortAction.ANSWER)
+        return len(marked), marked
+    if action is StopAction.SHED:
+        marked = traffic.mark_waiting_on_prefill(workers, AbortAction.RETRY)
         return len(marked), marked
     if action in (StopAction.RETRY, StopAction.ANSWER):
         count = traffic.mark_on(workers, AbortAction(action.value))

@@ -67,6 +67,10 @@ class RequestPathControl(Protocol):
     def mark_on(self, workers: Iterable[Worker], action: AbortAction) -> int:
         """Before the router aborts these workers: mark their requests; return how many there were."""
 
+    def mark_waiting_on_prefill(self, workers: Iterable[Worker], action: AbortAction) -> list[LiveRequest]:
+        """Mark the requests on these workers that still wait on their prefill (its leg still runs, their client
+        has seen nothing): nothing of them is decoded, so they can be re-sent whole. Return them."""
+
     def mark_all(self, action: AbortAction) -> list[LiveRequest]:
         """Before the router aborts every server: mark every live request; return them."""
 

@@ -64,8 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = command("convert", operations.convert, "convert a worker to the other role, showing each step")
     p.add_argument("worker", metavar="WORKER", help="worker URL or id")
     p.add_argument("--to", required=True, choices=("prefill", "decode"), help="the new role")
-    p.add_argument("--mode", default="drain", choices=("drain", "abort"),
-                   help="drain: let its requests finish (default); abort: abort them (re-sent elsewhere)")
+    p.add_argument("--mode", default="drain", choices=("drain", "shed", "abort"),
+                   help="drain: let its requests finish (default); shed: re-send elsewhere those still waiting on "
+                        "their prefill, let the rest finish; abort: abort them (re-sent elsewhere)")
     p.add_argument("--timeout", type=float, metavar="S", help="deadline of the drain/abort step")
     p.add_argument("--switch-timeout", type=float, metavar="S", help="deadline of the server's switch")
     p.add_argument("--verify-timeout", type=float, metavar="S", help="deadline of reading the role back")

@@ -125,6 +125,14 @@ class Attempt:
     decode_payload: bytes | None = None
     ranks: tuple[int, int] | None = None
 
+    @property
+    def waiting_on_prefill(self) -> bool:
+        """Its prefill leg still runs and its client has seen nothing of it: it waits for a prefill forward
+        (or for decode room), nothing of it is decoded yet, and it can be re-sent whole (`StopAction.SHED`)."""
+        if self.streaming or self.lingering or self.ended:
+            return False
+        return any(leg.role is Role.PREFILL and leg.is_open and not leg.task.done() for leg in self.legs)
+
     def give_up_on(self, worker: Worker, reason: str) -> bool:
         """Stop waiting on `worker` for this attempt (`Proxy.evict`): its leg there is stopped and the attempt
         fails as `reason` says, to be retried on another pair. False (nothing done) once the client has seen

@@ -53,6 +53,10 @@ class LiveRequests:
         wanted = set(workers)
         return [a for a in self._attempts if a.prefill in wanted or a.decode in wanted]
 
+    def waiting_on_prefill(self, workers: Iterable["Worker"]) -> list["Attempt"]:
+        """Attempts with a leg on any of these workers that wait on their prefill (`Attempt.waiting_on_prefill`)."""
+        return [a for a in self.on(workers) if a.waiting_on_prefill]
+
     def by_rid(self, rid: str) -> tuple["Attempt", list[str]] | None:
         """The attempt that `rid` names, and the rids to abort on its servers (SGLang 0.5.23 aborts by exact
         rid): the rid itself with its sequences `rid_N` (a batch, n>1), or, for a parent rid the attempt does

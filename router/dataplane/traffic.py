@@ -55,6 +55,11 @@ class DataplaneControl:
     def mark_on(self, workers: Iterable[Worker], action: AbortAction) -> int:
         return self._live.mark(self._live.on(workers), action)
 
+    def mark_waiting_on_prefill(self, workers: Iterable[Worker], action: AbortAction) -> list[LiveRequest]:
+        attempts = self._live.waiting_on_prefill(workers)
+        self._live.mark(attempts, action)
+        return attempts
+
     def mark_all(self, action: AbortAction) -> list[LiveRequest]:
         attempts = list(self._live)
         self._live.mark(attempts, action)

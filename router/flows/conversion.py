@@ -10,9 +10,11 @@ Each step has its own deadline and leaves an audit record (name, start, duration
 worker leaves routing the moment the flow starts (its state is no longer `active`), so the emptying step
 only waits: for the router's in-flight count to reach 0 and the server to report nothing running or
 waiting (`drain`), or after `abort_all` for the same (`abort`; the request path re-sends router-aborted
-requests when `retry_aborted` is on). The worker joins the other pool only after the server's live role has
-been read back and its bootstrap port learnt: a switch that answered success without changing the role is
-a failure.
+requests when `retry_aborted` is on), or, in `shed` mode, for the same once the requests that still wait on
+their prefill (nothing of them decoded, their clients have seen nothing) were aborted on both their servers and
+re-sent elsewhere: a decode moved to a backlogged prefill pool need not wait on the backlog it is to relieve.
+The worker joins the other pool only after the server's live role has been read back and its bootstrap port
+learnt: a switch that answered success without changing the role is a failure.
 
 This module is the state machine; the calls to the server (its two switch APIs, reading its role back) are
 in `role_switch.py`, the plan and the record in `conversion_record.py`.
@@ -31,9 +33,10 @@ from aiohttp import web
 
 from router.control.live_state import rejoin_check
 from router.control.upstream import Upstream
-from router.core.coordination import Coordinator, StopAction, Ticket, while_owned, worker_scope
+from router.core.coordination import Coordinator, StopAction, StopReport, Ticket, while_owned, worker_scope
 from router.core.errors import Conflict, RouterError, ServiceUnavailable
 from router.core.registry import Registry, Role, Worker, WorkerState
+from router.core.traffic import RequestPathControl
 from router.flows.conversion_record import Conversion, ConversionOutcome, DrainMode, Plan
 from router.flows.fleet import Quiet, wait_quiet
 from router.flows.conversion_recovery import recover_conversion
@@ -44,6 +47,11 @@ logger = logging.getLogger(__name__)
 
 VERIFY_TIMEOUT_SECS = 15.0
 HISTORY_SIZE = 100
+
+
+# `shed` mode: its requests re-sent elsewhere are aborted again while they have not ended, after 1 s, then 2, 4...
+SHED_ABORT_AGAIN_S = 1.0
+SHED_ABORT_AGAIN_MAX_S = 5.0
 
 
 def _positive(value: float | None, default: float) -> float:
@@ -57,7 +65,7 @@ class Conversions:
                  drain_timeout_s: float = 300.0, switch_timeout_s: float = 120.0,
                  verify_timeout_s: float = VERIFY_TIMEOUT_SECS, history_size: int = HISTORY_SIZE,
                  fleet_busy: Callable[[], str | None] = lambda: None,
-                 coordinator: Coordinator,
+                 coordinator: Coordinator, traffic: RequestPathControl,
                  observers: list[Callable[[str, Conversion, dict], None]] | None = None) -> None:
         self.registry = registry
         self.upstream = upstream
@@ -71,6 +79,7 @@ class Conversions:
         # The other router replicas of the fleet (a lone router's does nothing): `begin` takes the worker for
         # this conversion across all of them, and every replica stops routing to it before it drains.
         self.coordinator = coordinator
+        self.traffic = traffic  # the request path's live requests: `shed` mode re-sends some of them
         self._tickets: dict[str, Ticket] = {}  # by conversion id
         self._ids = itertools.count(1)
         self._running: dict[str, Conversion] = {}  # by worker id
@@ -152,6 +161,9 @@ class Conversions:
         self._remember(conversion)
         if plan.mode is DrainMode.DRAIN:
             self._set(worker, conversion, WorkerState.DRAINING, "drain", "no new requests; in-flight ones finish")
+        elif plan.mode is DrainMode.SHED:
+            self._set(worker, conversion, WorkerState.DRAINING, "drain", "no new requests; those still waiting on "
+                                                                       "their prefill are re-sent, the rest finish")
         else:
             self._set(worker, conversion, WorkerState.ABORTING, "abort", "aborting its requests")
         logger.info("conversion %s: %s %s -> %s (%s mode) started", conversion.id, worker.url, worker.role,
@@ -225,9 +237,10 @@ class Conversions:
         try:
             try:
                 empty_timeout = _positive(plan.empty_timeout_s, self.drain_timeout_s)
-                if plan.mode is DrainMode.DRAIN:
+                if plan.mode is not DrainMode.ABORT:
+                    shed = plan.mode is DrainMode.SHED
                     await self._step(conversion, "drain", empty_timeout,
-                                     lambda s: self._owned(conversion, self._drain(conversion, worker, s)),
+                                     lambda s: self._owned(conversion, self._drain(conversion, worker, s, shed)),
                                      on_timeout=lambda s: self._empty_timeout(worker, s, "drain"))
                 else:
                     await self._step(conversion, "abort", empty_timeout,
@@ -292,19 +305,41 @@ class Conversions:
                    step.duration_s or 0.0, f" ({step.message})" if step.message else "")
 
     # ---- emptying the worker -----------------------------------------------------------------------
-    async def _drain(self, conversion: Conversion, worker: Worker, step: Step) -> None:
-        await self._stop(conversion, worker, StopAction.ROUTING)
-        await self._wait_quiet(conversion, worker, step, abort=False)
+    async def _drain(self, conversion: Conversion, worker: Worker, step: Step, shed: bool = False) -> None:
+        if not shed:
+            await self._stop(conversion, worker, StopAction.ROUTING)
+            await self._wait_quiet(conversion, worker, step, abort=False)
+            return
+        # Every replica, this one first, marks its requests on the worker that still wait on their prefill to be
+        # re-sent and aborts them on both their servers (the prefill drops them from its queues); this one's are
+        # aborted again while they have not ended (an abort can reach a server before the request does).
+        report = await self._report(conversion, worker, StopAction.SHED)
+        step.details["resent"] = report.marked
+        resending = self.spawn(self._abort_until_ended(list(report.here)))
+        try:
+            await self._wait_quiet(conversion, worker, step, abort=False)
+        finally:
+            resending.cancel()
+
+    async def _abort_until_ended(self, requests: list) -> None:
+        delay = SHED_ABORT_AGAIN_S
+        while requests := self.traffic.still_live(requests):
+            self.traffic.abort(requests)
+            await asyncio.sleep(delay)  # a backoff between abort rounds, not a wait for a state
+            delay = min(delay * 2, SHED_ABORT_AGAIN_MAX_S)
 
     async def _stop(self, conversion: Conversion, worker: Worker, action: StopAction) -> int:
         """Every router replica, this one first, stopped routing to the worker and did `action` (EPOCH: their
         requests on it are router-aborted from here on); how many requests they had on it (EPOCH) or marked
         (`stop_here`'s count, at every replica)."""
+        return (await self._report(conversion, worker, action)).marked
+
+    async def _report(self, conversion: Conversion, worker: Worker, action: StopAction) -> StopReport:
+        """`_stop`, and the whole report (SHED: `here`, this replica's requests marked, for it to abort)."""
         try:
-            report = await self.coordinator.stop_routing(self._tickets.get(conversion.id), [worker], action)
+            return await self.coordinator.stop_routing(self._tickets.get(conversion.id), [worker], action)
         except ServiceUnavailable as exc:
             raise StepFailed(exc.message, safe=True, status=503) from None
-        return report.marked
 
     async def _owned(self, conversion: Conversion, work: Awaitable[None]) -> None:
         """An emptying step's waits, ended the moment this replica stops owning the conversion (its lease

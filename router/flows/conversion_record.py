@@ -16,6 +16,9 @@ from router.flows.steps import Step
 class DrainMode(str, enum.Enum):
     DRAIN = "drain"  # stop routing; wait for in-flight requests to finish
     ABORT = "abort"  # stop routing; abort everything on the worker; wait until it is idle
+    # stop routing; re-send elsewhere the requests that still wait on their prefill (their clients have seen
+    # nothing), let the rest finish: a decode moved to a backlogged prefill pool need not wait on that backlog
+    SHED = "shed"
 
     def __str__(self) -> str:
         return self.value

@@ -160,7 +160,7 @@ async def assemble(app: web.Application, stack: contextlib.AsyncExitStack) -> No
     conversions = app[CONVERSIONS] = Conversions(
         registry, upstream, spawn, drain_timeout_s=config.drain_timeout_secs,
         switch_timeout_s=config.switch_timeout_secs, fleet_busy=_conversion_refusal(lifecycle, admission),
-        coordinator=coordinator, observers=[_observe_conversion(metrics),
+        coordinator=coordinator, traffic=traffic, observers=[_observe_conversion(metrics),
                                          *([tracing.flows.conversion_observer] if tracing is not None else [])])
     stack.push_async_callback(conversions.close)
 

@@ -281,3 +281,29 @@ async def test_while_etcd_is_down_replicas_route_and_control_calls_answer_503(re
     status, record = await a.call("POST", f"/admin/workers/{fleet.decode[0].url}/convert", {})
     assert status == 200, record
     await wait_for(lambda: b.worker(fleet.decode[0]).role is Role.PREFILL, timeout=2)
+
+
+
+async def test_shed_mode_re_sends_the_other_replicas_requests_that_wait_on_their_prefill(etcd):
+    """A decode converted in shed mode through one replica: the requests another replica has on it that still
+    wait on their prefill (one prefill, a quarter of a second a prompt) are aborted on both their servers and
+    re-sent by that replica; the conversion does not wait for the prefill's queue, and no request is lost."""
+    slow = dict(prefill_concurrency=1, max_prefill_tokens=8, prefill_overhead_s=0.25)
+    async with Fleet(1, 2, **SIM, prefill_overrides=slow) as fleet:
+        a, b = [await start_replica(cluster_config(fleet, etcd.endpoints)) for _ in range(2)]
+        try:
+            handle = fleet.decode[1]
+            waiting = [asyncio.ensure_future(b.generate(BODY)) for _ in range(12)]
+            await wait_for(lambda: b.worker(handle).inflight >= 3, timeout=10, message="requests on the donor")
+            status, record = await a.call("POST", f"/admin/workers/{handle.url}/convert", {"mode": "shed"})
+            assert status == 200 and record["outcome"] == "converted", record
+            drain = record["steps"][0]
+            assert drain["step"] == "drain" and drain["details"]["resent"] >= 3, drain
+            assert not all(t.done() for t in waiting)  # it did not wait for the prefill's queue
+            answers = await asyncio.gather(*waiting)
+            assert [status for status, _ in answers] == [200] * len(answers), answers
+            assert all(answer["meta_info"]["finish_reason"]["type"] == "length" for _, answer in answers)
+            await wait_for(lambda: len(b.app[PROXY].live) == 0, timeout=5, message="nothing live on the other replica")
+        finally:
+            await b.close()
+            await a.close()

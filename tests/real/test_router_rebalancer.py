@@ -5,7 +5,8 @@ token-identical to the reference server's.
 The router runs 1P+2D (prefill P, decode D, spare decode S) with the rebalancer enabled at a test's pace.
 1. Prefill-heavy: long prompts (1500 tokens), one token answered. The prefill's forwards are the work; its
    waiting queue and the decodes' transfer queues (KV room taken, waiting for the prefill's KV) grow, and the
-   decodes idle: a decode server must move to prefill.
+   decodes idle: a decode server must move to prefill, in shed mode (its requests that wait on the prefill
+   are aborted on both servers and re-sent, not waited for).
 2. Decode-heavy: short prompts, long answers, more of them than a decode's KV pool admits (0.5.23 reserves
    512 tokens per request in a 4096-token pool): they wait in the decode's prealloc queue and their prefill
    legs in the prefill's bootstrap queue; a prefill server must move to decode, and nothing back (the
@@ -44,6 +45,8 @@ def test_a_shifting_workload_converts_in_the_right_direction_with_identical_answ
         decided = len(convert_decisions(router))
         # never the wrong way
         assert [c["to_role"] for c in first] == ["prefill"] * len(first), convert_decisions(router)
+        # a decode moved to prefill re-sends what waits on the prefill (shed), answers identical all the same
+        assert [c["mode"] for c in first] == ["shed"] * len(first), first
         moved = next(c for c in first if c["ok"])["url"]
         assert live_role(moved) == "prefill"
 
@@ -54,6 +57,7 @@ def test_a_shifting_workload_converts_in_the_right_direction_with_identical_answ
         assert not load.failures(), load.failures()[:3]
         later = rebalancer_conversions(router)[len(first):]
         assert later and [c["to_role"] for c in later] == ["decode"] * len(later), convert_decisions(router, decided)
+        assert [c["mode"] for c in later] == ["drain"] * len(later), later
         decisions = [d for d in rebalancer_decisions(router) if d["action"] == "convert"]
         assert all(not d["refill"] for d in decisions)  # the ratio rule, not a refill
     finally:
