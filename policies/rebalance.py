@@ -344,7 +344,8 @@ def decide(obs: Observation, state: RebalanceState, config: RebalanceConfig) -> 
         if urgent and undoing:
             why = " (undoing the last conversion: never on one sighting)"
         elif urgent and burst:
-            why = (f" (a burst: new since the last look, the prefills busy {prefill_busy * config.busy_target * 100:.0f}% "
+            busy_pct = prefill_busy * config.busy_target * 100
+            why = (f" (a burst: new since the last look, the prefills busy {busy_pct:.0f}% "
                    f"of the time: never on one sighting)")
         notes_out.append(f"signal seen {streak}/{needed} intervals" + why)
     candidates = [w for w in cold_pool if w.convertible]

@@ -13,8 +13,9 @@ Prefill pool: its capacity is prefill compute (one forward at a time per server)
   it.) The decode rows' transfers count only up to what the prefills still have: the prefill legs the
   router has open on them (a 0.5.23 prefill answers its leg once the KV went out: a fresh count), less those
   waiting for decode room (the prefills' bootstrap queues or the decodes' prealloc queues, whichever side's
-  rows are the fresher: each side's row is up to a batch old; `waiting_for_room`). A 0.5.23 decode running batches publishes its row every 15 steps: the
-  requests it admitted in that step sit in that row's transfer queue for 14 more, long after their KV came.
+  rows are the fresher: each side's row is up to a batch old; `waiting_for_room`). A 0.5.23 decode running
+  batches publishes its row every 15 steps: the requests it admitted in that step sit in that row's transfer
+  queue for 14 more, long after their KV came.
   Read as prefill load, the transfers of a decode-heavy fleet whose requests finish together (and whose
   successors are admitted together) looked prefill-short right after a server moved to decode, and the
   rebalancer moved it straight back (seen on real servers). (With router replicas the leader counts only its

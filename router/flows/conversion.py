@@ -238,9 +238,9 @@ class Conversions:
             try:
                 empty_timeout = _positive(plan.empty_timeout_s, self.drain_timeout_s)
                 if plan.mode is not DrainMode.ABORT:
-                    shed = plan.mode is DrainMode.SHED
+                    action = StopAction.SHED if plan.mode is DrainMode.SHED else StopAction.ROUTING
                     await self._step(conversion, "drain", empty_timeout,
-                                     lambda s: self._owned(conversion, self._drain(conversion, worker, s, shed)),
+                                     lambda s: self._owned(conversion, self._drain(conversion, worker, s, action)),
                                      on_timeout=lambda s: self._empty_timeout(worker, s, "drain"))
                 else:
                     await self._step(conversion, "abort", empty_timeout,
@@ -305,21 +305,20 @@ class Conversions:
                    step.duration_s or 0.0, f" ({step.message})" if step.message else "")
 
     # ---- emptying the worker -----------------------------------------------------------------------
-    async def _drain(self, conversion: Conversion, worker: Worker, step: Step, shed: bool = False) -> None:
-        if not shed:
-            await self._stop(conversion, worker, StopAction.ROUTING)
-            await self._wait_quiet(conversion, worker, step, abort=False)
-            return
-        # Every replica, this one first, marks its requests on the worker that still wait on their prefill to be
-        # re-sent and aborts them on both their servers (the prefill drops them from its queues); this one's are
-        # aborted again while they have not ended (an abort can reach a server before the request does).
-        report = await self._report(conversion, worker, StopAction.SHED)
-        step.details["resent"] = report.marked
-        resending = self.spawn(self._abort_until_ended(list(report.here)))
+    async def _drain(self, conversion: Conversion, worker: Worker, step: Step, action: StopAction) -> None:
+        """Every replica, this one first, stops routing to the worker; with SHED each also marks its requests on
+        it that still wait on their prefill to be re-sent and aborts them on both their servers (the prefill
+        drops them from its queues). This one's are aborted again while they have not ended (an abort can reach
+        a server before the request does). Then the wait for the rest."""
+        report = await self._report(conversion, worker, action)
+        if action is StopAction.SHED:
+            step.details["resent"] = report.marked
+        resending = self.spawn(self._abort_until_ended(list(report.here))) if report.here else None
         try:
             await self._wait_quiet(conversion, worker, step, abort=False)
         finally:
-            resending.cancel()
+            if resending is not None:
+                resending.cancel()
 
     async def _abort_until_ended(self, requests: list) -> None:
         delay = SHED_ABORT_AGAIN_S
