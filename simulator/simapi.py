@@ -72,7 +72,9 @@ class SimApi:
             faults = self.worker.faults.update(body)
         except (TypeError, ValueError) as exc:
             return json_response({"error": {"message": str(exc)}}, 400)
-        self.worker.engine.wake_all()  # a cleared hang lets parked requests go on
+        # a cleared hang_after_tokens lets its parked requests go on; calls `hang` caught stay hung until
+        # aborted or abandoned (faults.py: tests hold a server with one while others queue behind it)
+        self.worker.engine.wake_all()
         return json_response(faults.as_dict())
 
     async def clear_faults(self, request: web.Request) -> web.Response:

@@ -127,7 +127,10 @@ async def test_sigterm_during_a_pause_continues_the_fleet_and_lets_stalled_reque
         assert "ending the pause with continue_generation" in router.log()
 
 
-async def test_sigterm_during_a_drain_conversion_rolls_it_back_and_leaves_the_server_in_its_role(tmp_path):
+@pytest.mark.parametrize("mode", ["drain", "shed"])
+async def test_sigterm_during_a_drain_conversion_rolls_it_back_and_leaves_the_server_in_its_role(tmp_path, mode):
+    """Shed drains what decodes as drain does (only what still waits on a prefill is re-sent): the same
+    rollback."""
     async with Fleet(1, 2, **SIM) as fleet, \
             RouterProcess(fleet, "--shutdown-grace-secs", "3", log_path=tmp_path / "router.log") as router, \
             aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as clients:
@@ -136,7 +139,7 @@ async def test_sigterm_during_a_drain_conversion_rolls_it_back_and_leaves_the_se
                     for i in range(4)]
         await wait_for(lambda: running_on_decode(fleet, {f"r{i}" for i in range(4)}), timeout=10)
         status, answer = await router.call(f"/admin/workers/{quote(target.url, safe='')}/convert",
-                                          {"mode": "drain", "wait": False})
+                                          {"mode": mode, "wait": False})
         assert status in (200, 202), answer
         router.send(signal.SIGTERM)
         assert await router.exited(15) == 0, router.log()

@@ -102,3 +102,38 @@ async def test_an_update_that_flushes_ends_an_earlier_cache_hold(sim_router):
     assert status == 200, answer
     assert router.worker(decode).routable and "cache" not in next(w for w in answer["workers"]
                                                                   if w["url"] == decode.url)
+
+
+async def test_a_server_killed_while_held_as_cache_is_judged_again_when_it_restarts(sim_router):
+    """The held server dies (SIGKILL) before its cache is flushed: its request is re-sent to the other decode,
+    and the reconciler keeps trying. Restarted with its command line, it is empty (the flush succeeds) but serves its
+    launch weights: held out for those, not routed to on the wrong version, and back with the next update."""
+    router = await sim_router(1, 2, decode_step_s=0.005, processes=True)
+    busy, other = router.fleet.decode
+    router.registry.hold_out(router.worker(other), "paused", "test: keep the long request off it")
+    long = asyncio.ensure_future(router.generate(LONG))
+    await _decoding_on(router, busy)
+    router.registry.end_hold(router.worker(other), ["paused"], "test")
+    assert (await router.call("/pause_generation", {"mode": "in_place"}))[0] == 200
+    launch_version = router.worker(busy).weight_version
+    status, answer = await router.call("/update_weights_from_disk", {"model_path": "sim/m", "weight_version": "v2"})
+    assert status == 200 and answer["success"], answer
+    worker = router.worker(busy)
+    assert worker.hold.kind == "cache"
+    assert (await router.call("/continue_generation", {}))[0] == 200
+
+    router.fleet.kill(busy)
+    resent = await asyncio.wait_for(long, 30)  # nothing of it was sent yet: re-sent to the other decode
+    assert resent.outcome == "complete" and resent.weight_version == "v2", resent
+    await router.fleet.restart(busy)
+    await wait_for(lambda: worker.hold is not None and worker.hold.kind == "weights", timeout=15,
+                   message="flushed (empty) once back, and held out for its launch weights")
+    assert f"serves weight_version {launch_version!r}" in worker.hold.reason, worker.hold
+    assert not worker.routable
+    for _ in range(4):  # the other decode serves, on the fleet's version
+        answer = await router.generate()
+        assert answer.outcome == "complete" and answer.weight_version == "v2", answer
+
+    status, answer = await router.call("/update_weights_from_disk", {"model_path": "sim/m", "weight_version": "v2"})
+    assert status == 200 and answer["success"], answer
+    await wait_for(lambda: worker.routable, timeout=10, message="back on the fleet's version")

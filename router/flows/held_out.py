@@ -192,7 +192,10 @@ class HeldOut:
                     if w.state is WorkerState.ACTIVE and w.hold is None and w.weight_version != fleet]
         checked = out + suspects
         versions = await asyncio.gather(*(read_weight_version(self.upstream, w.url) for w in checked))
-        current = [w for w, version in zip(checked, versions) if w in out and version == fleet]
+        # and a server held for its cache that now serves another version: it restarted (its cache is new), so
+        # the flush succeeds and it is judged for its weights; its `cache` hold would be the wrong reason
+        current = [w for w, version in zip(checked, versions) if w in out and (
+            version == fleet or (version is not None and w.hold is not None and w.hold.kind is HoldKind.CACHE))]
         flushed = await asyncio.gather(*(self.flush_and_rejoin(w) for w in current))
         rejoined = [w.url for w, ok in zip(current, flushed) if ok]
         kept_out = []
