@@ -22,7 +22,8 @@ returned inside the decision. Every decision, a refusal included, names the guar
   no_signal      a pool has no data at all (no reports, no latency samples); the streak is kept
   deadband       the hot pool is below `min_pressure`: nothing is worth a conversion; the streak restarts
   margin         moving one server is predicted to improve the worst pressure by less than `min_improvement`
-                 (it would only move the bottleneck); the streak is kept, not counted
+                 (it would only move the bottleneck); the streak is kept, not counted. Waived for a pool short
+                 of capacity (see below)
   draining       the hot pool's backlog shrank by a quarter or more since the last look: what it has copes
                  (after a conversion, the backlog it left is draining); the streak is kept, not counted
   warmup         less than `warmup_secs` since the rebalancer started
@@ -34,12 +35,17 @@ returned inside the decision. Every decision, a refusal included, names the guar
                  up to most of a phase)
   cooldown       less than `cooldown_secs` since a conversion the other way ended (no flapping)
   step_cooldown  less than `step_cooldown_secs` (default: a quarter of `cooldown_secs`) since a conversion the
-                 same way ended (let it act first); not beside ours still on their way (busy)
+                 same way ended (let it act first); not beside ours still on their way (busy). A look less
+                 than half an interval before its end counts as after it: looks come once an interval, and a
+                 step cooldown of one interval, run from a conversion's end, held every next look (one move
+                 every two looks)
   failure_cooldown  less than `failure_cooldown_secs` since a conversion failed
   floor          the donor pool would fall below its minimum size (refill: the donor has one server)
   confirmations  the proposal has not yet held for `confirmations` intervals (those that passed the margin); one
                  is enough when the hot pool's pressure is at least `urgent_pressure` (3.0): an overload that
-                 large grows while it is being confirmed. Not to undo the last conversion within twice the
+                 large grows while it is being confirmed; and one is enough after a conversion the same way
+                 (within `cooldown_secs` of it, its step cooldown over): the overload was confirmed before it,
+                 and the pool still hot says one server was not enough. Not to undo the last conversion within twice the
                  cooldown, though: the moments after one (the server converted admits a backlog at once, the
                  other pool's queues settle) look urgent for a poll or two, and undoing on one sighting of that
                  is a flap. Nor, for prefill, a queue that appeared since the last look while the prefills
@@ -55,6 +61,18 @@ No guard undoes another's count: margin, draining, warm-up, busy and the cooldow
 resetting its streak, so once they pass, a proposal that kept holding converts at once; only a change of
 direction or the end of the pressure (deadband) restarts it, and a finished conversion (what was seen during
 it does not count).
+
+**A pool short of capacity.** Proportionally, one more server relieves a pool of n by 1/(n + 1), so a margin
+of 20 % capped every pool at five servers. That proportion holds for a pool that keeps up; it is far from the
+truth for one that does not: a backlog clears at (capacity - arrivals), and a server added to a pool that barely
+keeps up multiplies that pace (eight servers: 5P3D drained 99 waiting prefills at 0.7 a second, for 140 s of
+a phase the oracle's 6P2D served 98 % of). So the margin is waived when the hot pool's backlog, at the pace it
+changed since the last look (one after the last conversion ended), would take longer than `ttft_target_secs`
+to clear (or grows), when the cold pool is predicted to stay under `min_pressure` without the server (the move
+cannot move the bottleneck), and when the cold pool keeps at least `SPARE_DONOR` (2) servers: the cold pool's
+prediction is the weakest at one server (a decode's latency at low batch says little about its capacity: on
+the eight-server benchmark 2D read 0.32 and 1D then 1.4 to 3.8), and a pool of one has nobody to share a
+misprediction with.
 
 The prediction takes a pool's terms to be proportional to its load per server: moving one server from a
 pool of n_cold to a pool of n_hot scales the hot terms by n_hot / (n_hot + 1) and the cold ones by
@@ -108,6 +126,8 @@ DRAIN_SHARE = 0.25  # a backlog that shrank by this share since the last look is
 BURST_BUSY = 0.5
 # Undoing the last conversion within this many cooldowns of it takes every confirmation, however urgent.
 REVERSAL_WINDOW = 2
+# The margin is waived for a pool short of capacity only if the donor pool keeps at least this many servers.
+SPARE_DONOR = 2
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,6 +142,7 @@ class RebalanceState:
     refills: int = 0
     last_waits: tuple[float | None, float | None] | None = None  # (on prefill, on decode) at the last look
     last_hot: str | None = None  # the direction whose pool was over min_pressure at the last look
+    last_look_at: float | None = None  # when last_waits were seen
 
 
 def initial_state(now: float) -> RebalanceState:
@@ -191,6 +212,15 @@ def _other(role: str) -> str:
     return DECODE if role == PREFILL else PREFILL
 
 
+def backlog_clear_secs(waiting: float | None, before: float | None, elapsed: float | None) -> float | None:
+    """How long a backlog of `waiting` takes to clear at the pace it changed from `before`, `elapsed` seconds
+    ago: infinite when it did not shrink; None when there is no earlier look to tell."""
+    if waiting is None or before is None or not elapsed or elapsed <= 0:
+        return None
+    pace = (before - waiting) / elapsed
+    return waiting / pace if pace > 0 else float("inf")
+
+
 def refill(obs: Observation, state: RebalanceState) -> Decision | None:
     """Rule 1 (see the module docstring); None when neither pool is empty."""
     empty = [role for role in (PREFILL, DECODE) if not obs.pool(role)]
@@ -241,7 +271,7 @@ def decide(obs: Observation, state: RebalanceState, config: RebalanceConfig) -> 
                           **{k: round(v, 4) for k, v in d_terms.items()}},
                  "signals": notes}
     waits = (notes["waiting_on_prefill"], notes["waiting_on_decode"])
-    seen = replace(state, last_waits=waits, last_hot=None)
+    seen = replace(state, last_waits=waits, last_hot=None, last_look_at=now)
 
     def hold(reason: str, guards: tuple[str, ...], new_state: RebalanceState, **extra) -> Decision:
         return _hold(obs, reason, guards, new_state, pressures=pressures, **extra)
@@ -276,11 +306,13 @@ def decide(obs: Observation, state: RebalanceState, config: RebalanceConfig) -> 
         return pool_after(terms, n, n_new, fixed if role == DECODE else None, config.itl_target_secs)
 
     hot_after = after(hot_terms, hot, n_hot, n_hot + arriving) if arriving and n_hot else hot_p
+    hot_waits = waits[0] if hot == PREFILL else waits[1]
+    before = None if state.last_waits is None else state.last_waits[0 if hot == PREFILL else 1]
     margin_ok = True
     if n_cold > 1:  # with one server the floor guard holds anyway, and the cold pool would be empty
         # against the pressure now: while those on their way drain, the hot pool's backlog grows
-        predicted = max(after(hot_terms, hot, n_hot, n_hot + arriving + 1) if n_hot else 0.0,
-                        after(cold_terms, cold, n_cold, n_cold - 1))
+        cold_after = after(cold_terms, cold, n_cold, n_cold - 1)
+        predicted = max(after(hot_terms, hot, n_hot, n_hot + arriving + 1) if n_hot else 0.0, cold_after)
         improvement = 1 - predicted / hot_p
         prediction.update(predicted_worst=round(predicted, 4), improvement=round(improvement, 4))
         margin_ok = improvement >= config.min_improvement - 1e-9  # "at least": n -> n+1 can gain exactly it
@@ -288,14 +320,25 @@ def decide(obs: Observation, state: RebalanceState, config: RebalanceConfig) -> 
                     f"{improvement * 100:.0f}% better"
                     + (f"; {_fmt(hot_after)} once the {arriving} on their way arrive" if arriving else "")
                     + ")")
-        if not margin_ok:
+        # the pace between two looks at the same servers: right after a conversion, what the backlog did
+        # during it says nothing of the pool as it is now
+        same_pool = state.last_look_at is not None and (state.last_conversion_at is None
+                                                        or state.last_look_at >= state.last_conversion_at)
+        clear_s = backlog_clear_secs(hot_waits, before, now - state.last_look_at) if same_pool else None
+        short = (clear_s is not None and clear_s > config.ttft_target_secs and improvement > 0
+                 and cold_after < config.min_pressure and n_cold - 1 >= SPARE_DONOR)
+        if not margin_ok and short:
+            margin_ok = True
+            took = "grows" if clear_s == float("inf") else f"would take {clear_s:.0f} s to clear"
+            proposal += (f"; margin waived: the {hot} backlog ({hot_waits:g} waiting) {took} at its pace, over "
+                         f"the {config.ttft_target_secs:g} s TTFT target, and {cold} keeps {n_cold - 1} servers "
+                         f"at {_fmt(cold_after)}")
+        elif not margin_ok:
             fired.append(MARGIN)
             notes_out.append(f"it would leave the worst pressure at {_fmt(predicted)} (only "
                              f"{improvement * 100:.0f}% better, needs {config.min_improvement * 100:g}%)")
     else:
         proposal = f"convert a {cold} server to {hot}"
-    hot_waits = waits[0] if hot == PREFILL else waits[1]
-    before = None if state.last_waits is None else state.last_waits[0 if hot == PREFILL else 1]
     draining = before is not None and hot_waits is not None and before >= 2 and hot_waits <= before * (1 - DRAIN_SHARE)
     if draining:
         fired.append(DRAINING)
@@ -319,7 +362,8 @@ def decide(obs: Observation, state: RebalanceState, config: RebalanceConfig) -> 
             fired.append(COOLDOWN)
             notes_out.append(f"the last conversion went the other way ({config.cooldown_secs - since:.0f} s of "
                              f"cooldown left)")
-        elif state.last_direction in (None, direction) and since < config.step_cooldown and not alongside:
+        elif (state.last_direction in (None, direction) and since < config.step_cooldown - config.interval_secs / 2
+              and not alongside):
             fired.append(STEP_COOLDOWN)
             notes_out.append(f"the last conversion went this way ({config.step_cooldown - since:.0f} s "
                              f"left to see it act)")
@@ -337,7 +381,12 @@ def decide(obs: Observation, state: RebalanceState, config: RebalanceConfig) -> 
     # then the second look decides
     prefill_busy = p_terms.get("busy") if hot == PREFILL else None
     burst = prefill_busy is not None and prefill_busy < BURST_BUSY and state.last_hot != direction
-    needed = 1 if urgent and not undoing and not burst else config.confirmations
+    # The same way as a conversion that ended within the cooldown, its step cooldown over and the pool still
+    # hot: the overload was confirmed before that move, and one sighting says the move was not enough. Each
+    # move waited on fresh confirmations otherwise: one every two looks, five moves taking most of a phase.
+    continuing = (state.last_direction == direction and state.last_conversion_at is not None
+                  and now - state.last_conversion_at < config.cooldown_secs)
+    needed = 1 if (urgent or continuing) and not undoing and not burst else config.confirmations
     if streak < needed:
         fired.append(CONFIRMATIONS)
         why = ""
@@ -360,6 +409,8 @@ def decide(obs: Observation, state: RebalanceState, config: RebalanceConfig) -> 
     done = replace(new_state, streak=0, streak_direction=None, last_conversion_at=now, last_direction=direction,
                    conversions=state.conversions + 1)
     reason = f"{summary}: {proposal.replace(f'a {cold} server', f'{cold} {worker.id}', 1)}"
+    if continuing and not urgent and streak < config.confirmations:
+        reason += "; one sighting: the last conversion went this way and was not enough"
     # A decode moving to a short prefill pool: its requests that still wait on a prefill are re-sent, not waited
     # for (they wait on the very backlog it is to relieve; drains of 30 to 154 s on the eight-server benchmark)
     mode = "shed" if hot == PREFILL and config.conversion_mode == "drain" else None

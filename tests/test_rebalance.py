@@ -236,4 +236,15 @@ def test_the_step_cooldown_is_a_quarter_of_the_cooldown_unless_set():
     assert RebalanceConfig(cooldown_secs=60, step_cooldown_secs=0).step_cooldown == 0
     state = replace(STARTED, last_conversion_at=NOW - 3, last_direction="to_prefill")
     assert decide(observe(), state, replace(BASE, cooldown_secs=8, step_cooldown_secs=None)).convert  # 3 s > 2 s
-    assert decide(observe(), state, replace(BASE, cooldown_secs=20, step_cooldown_secs=None)).guards == (STEP_COOLDOWN,)
+    held = replace(BASE, cooldown_secs=20, step_cooldown_secs=None, interval_secs=1)  # 3 s < 5 s
+    assert decide(observe(), state, held).guards == (STEP_COOLDOWN,)
+
+
+def test_a_look_within_half_an_interval_of_the_step_cooldowns_end_counts_as_after_it():
+    """Looks every 6 s, a step cooldown of 6 s run from a conversion's end (0.3 s after its look): the next
+    look, 5.7 s after, used to fall inside it, and every next move waited a second look."""
+    config = replace(BASE, interval_secs=6, step_cooldown_secs=6)
+    state = replace(STARTED, last_conversion_at=NOW - 5.7, last_direction="to_prefill")
+    assert decide(observe(), state, config).convert
+    early = replace(state, last_conversion_at=NOW - 2.9)  # more than half an interval before its end
+    assert decide(observe(), early, config).guards == (STEP_COOLDOWN,)

@@ -307,6 +307,23 @@ def test_transfers_a_decode_row_shows_but_no_prefill_holds_are_nobodys():
 URGENT_PACE = replace(BASE, confirmations=3, urgent_pressure=3.0, cooldown_secs=10)
 
 
+def test_a_pool_still_hot_after_a_conversion_its_way_gets_the_next_server_on_one_sighting():
+    """Eight servers, a phase turning prefill-heavy: the first move was confirmed, and each next one waited on
+    fresh confirmations (one move every two looks, four moves taking most of the phase). Within the cooldown of
+    a conversion the same way, the pool still hot after it acted, one sighting converts."""
+    config = replace(URGENT_PACE, step_cooldown_secs=5)
+    hot_prefill = obs(prefill(2, waiting_queue=6), decode(6))  # pressure 1.5: not urgent
+    assert decide(hot_prefill, STARTED, config).guards == (CONFIRMATIONS,)  # a first move is confirmed
+    after = replace(STARTED, last_conversion_at=NOW - 6, last_direction="to_prefill")
+    decision = decide(hot_prefill, after, config)
+    assert decision.convert and decision.to_role == "prefill" and "one sighting" in decision.reason
+    # not within its step cooldown, not long after it, never the other way
+    assert decide(hot_prefill, replace(after, last_conversion_at=NOW - 2), config).guards == (STEP_COOLDOWN,)
+    assert decide(hot_prefill, replace(after, last_conversion_at=NOW - 11), config).guards == (CONFIRMATIONS,)
+    assert CONFIRMATIONS in decide(hot_prefill, replace(after, last_direction="to_decode", last_conversion_at=NOW - 11),
+                                   config).guards
+
+
 def test_undoing_the_last_conversion_soon_after_it_needs_every_confirmation_however_urgent():
     just_moved_to_decode = replace(STARTED, last_conversion_at=NOW - 15, last_direction="to_decode")
     hot_prefill = obs(prefill(1, waiting_queue=20), decode(3))
@@ -427,3 +444,45 @@ def test_a_prefill_queue_new_since_the_last_look_with_the_prefills_mostly_idle_n
 def test_a_server_that_reports_no_busy_time_is_read_as_before_one_urgent_sighting_converts():
     config = replace(URGENT_PACE, queue_target=1.0)
     assert decide(obs(prefill(1, waiting_queue=4), decode(2, running=7)), STARTED, config).convert
+
+
+# ---- a pool short of capacity: the margin waived ------------------------------------------------------------
+def test_a_backlog_that_would_not_clear_within_the_ttft_target_waives_the_margin():
+    """The eight-server benchmark's phase 3: 5P3D, 100 waiting on the prefills (pressure 10 at a queue target
+    of 2), 102 at the look before, 6 s ago: at 0.33 a second they take 300 s to clear. A sixth prefill relieves
+    them by only 1/6, under the 20 % margin, which kept the pool at five for the whole phase; but a backlog
+    clears at (capacity - arrivals), which one more server multiplies. The decodes (3, near idle) keep two,
+    near idle too: the margin is waived and the move is made."""
+    config = replace(BASE, queue_target=2, ttft_target_secs=6.0, urgent_pressure=3.0)
+    looked = replace(STARTED, last_waits=(102.0, 0.0), last_look_at=NOW - 6)
+    short = obs(prefill(5, waiting_queue=20), decode(3, running=1))
+    decision = decide(short, looked, config)
+    assert decision.convert and decision.to_role == "prefill", decision.reason
+    assert decision.improvement < config.min_improvement  # the margin alone would have held it
+    assert "margin waived" in decision.reason and "300 s to clear" in decision.reason, decision.reason
+    # a growing backlog never clears at its pace: waived too
+    assert "grows" in decide(short, replace(looked, last_waits=(80.0, 0.0)), config).reason
+    # the same backlog clearing within the target (130 a look before: 5 a second, 20 s, but a target of
+    # 30 s): the margin holds
+    patient = replace(config, ttft_target_secs=30)
+    assert MARGIN in decide(short, replace(looked, last_waits=(130.0, 0.0)), patient).guards
+    # no earlier look to tell the pace: the margin holds
+    assert MARGIN in decide(short, replace(STARTED, last_waits=None), config).guards
+    # nor when the last look came before the last conversion ended (the backlog grew while it converted)
+    converted = replace(looked, last_waits=(80.0, 0.0), last_conversion_at=NOW - 5.8, last_direction="to_prefill")
+    assert MARGIN in decide(short, converted, config).guards
+    assert decide(short, replace(converted, last_conversion_at=NOW - 6.2), config).convert
+
+
+def test_the_margin_is_not_waived_for_a_donor_left_with_one_server_or_a_cold_pool_the_move_makes_hot():
+    """The eight-server benchmark overshot to 7P1D with a waiver that trusted a 2D latency (0.32) to predict
+    1D's (1.4 to 3.8 once there): the donor keeps two servers at least. Nor when the cold pool would be over
+    min_pressure without the server (the move would only move the bottleneck)."""
+    config = replace(BASE, queue_target=2, ttft_target_secs=6.0, urgent_pressure=3.0)
+    looked = replace(STARTED, last_waits=(80.0, 0.0), last_look_at=NOW - 6)
+    six_two = obs(prefill(6, waiting_queue=16), decode(2, running=1))  # 96 waiting, growing
+    held = decide(six_two, looked, config)
+    assert MARGIN in held.guards and not held.convert, held.reason
+    # three decodes with requests waiting for their KV room (1.5 now; more with two): the move would only move it
+    busy = obs(prefill(5, waiting_queue=20), decode(3, running=1, prealloc_ready=3))
+    assert MARGIN in decide(busy, looked, config).guards
