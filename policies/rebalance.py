@@ -45,8 +45,8 @@ returned inside the decision. Every decision, a refusal included, names the guar
                  is enough when the hot pool's pressure is at least `urgent_pressure` (3.0): an overload that
                  large grows while it is being confirmed; and one is enough after a conversion the same way
                  (within `cooldown_secs` of it, its step cooldown over): the overload was confirmed before it,
-                 and the pool still hot says one server was not enough. Not to undo the last conversion within twice the
-                 cooldown, though: the moments after one (the server converted admits a backlog at once, the
+                 and the pool still hot says one server was not enough. Not to undo the last conversion within
+                 twice the cooldown, though: the moments after one (the server converted admits a backlog at once, the
                  other pool's queues settle) look urgent for a poll or two, and undoing on one sighting of that
                  is a flap. Nor, for prefill, a queue that appeared since the last look while the prefills
                  were mostly idle (busy under `BURST_BUSY` of `busy_target`): a burst of arrivals the next
@@ -212,13 +212,32 @@ def _other(role: str) -> str:
     return DECODE if role == PREFILL else PREFILL
 
 
-def backlog_clear_secs(waiting: float | None, before: float | None, elapsed: float | None) -> float | None:
+def backlog_clear_secs(waiting: float | None, before: float | None, elapsed: float) -> float | None:
     """How long a backlog of `waiting` takes to clear at the pace it changed from `before`, `elapsed` seconds
     ago: infinite when it did not shrink; None when there is no earlier look to tell."""
-    if waiting is None or before is None or not elapsed or elapsed <= 0:
+    if waiting is None or before is None or elapsed <= 0:
         return None
     pace = (before - waiting) / elapsed
     return waiting / pace if pace > 0 else float("inf")
+
+
+def short_of_capacity(state: RebalanceState, now: float, hot: str, waiting: float | None, before: float | None,
+                      cold: str, cold_after: float, cold_left: int, config: RebalanceConfig) -> str | None:
+    """Why the margin is waived for the hot pool (module docstring, "A pool short of capacity"), or None.
+    (The move then always improves the worst pressure: the hot pool gains a server, the cold one stays under
+    min_pressure, which the hot pool is over.)"""
+    # the pace between two looks at the same servers: right after a conversion, what the backlog did during
+    # it says nothing of the pool as it is now
+    if state.last_look_at is None or (state.last_conversion_at is not None
+                                      and state.last_look_at < state.last_conversion_at):
+        return None
+    clear_s = backlog_clear_secs(waiting, before, now - state.last_look_at)
+    if clear_s is None or clear_s <= config.ttft_target_secs or cold_after >= config.min_pressure \
+            or cold_left < SPARE_DONOR:
+        return None
+    took = "grows" if clear_s == float("inf") else f"would take {clear_s:.0f} s to clear"
+    return (f"the {hot} backlog ({waiting:g} waiting) {took} at its pace, over the {config.ttft_target_secs:g} s "
+            f"TTFT target, and {cold} keeps {cold_left} servers at {_fmt(cold_after)}")
 
 
 def refill(obs: Observation, state: RebalanceState) -> Decision | None:
@@ -320,19 +339,11 @@ def decide(obs: Observation, state: RebalanceState, config: RebalanceConfig) -> 
                     f"{improvement * 100:.0f}% better"
                     + (f"; {_fmt(hot_after)} once the {arriving} on their way arrive" if arriving else "")
                     + ")")
-        # the pace between two looks at the same servers: right after a conversion, what the backlog did
-        # during it says nothing of the pool as it is now
-        same_pool = state.last_look_at is not None and (state.last_conversion_at is None
-                                                        or state.last_look_at >= state.last_conversion_at)
-        clear_s = backlog_clear_secs(hot_waits, before, now - state.last_look_at) if same_pool else None
-        short = (clear_s is not None and clear_s > config.ttft_target_secs and improvement > 0
-                 and cold_after < config.min_pressure and n_cold - 1 >= SPARE_DONOR)
-        if not margin_ok and short:
+        waived = None if margin_ok else short_of_capacity(state, now, hot, hot_waits, before, cold, cold_after,
+                                                          n_cold - 1, config)
+        if waived:
             margin_ok = True
-            took = "grows" if clear_s == float("inf") else f"would take {clear_s:.0f} s to clear"
-            proposal += (f"; margin waived: the {hot} backlog ({hot_waits:g} waiting) {took} at its pace, over "
-                         f"the {config.ttft_target_secs:g} s TTFT target, and {cold} keeps {n_cold - 1} servers "
-                         f"at {_fmt(cold_after)}")
+            proposal += f"; margin waived: {waived}"
         elif not margin_ok:
             fired.append(MARGIN)
             notes_out.append(f"it would leave the worst pressure at {_fmt(predicted)} (only "

@@ -27,14 +27,20 @@ async def _decoding_on(router, handle) -> None:
     await router.fleet.wait_for(handle, lambda s: bool(s["running_rids"]))
 
 
-async def test_an_unflushed_server_is_held_until_its_requests_end_then_flushed_and_back(sim_router):
-    router = await sim_router(1, 2, decode_step_s=0.005)
-    busy, other = router.fleet.decode
+async def _paused_with_a_long_request_on(router, busy, other) -> asyncio.Future:
+    """One long request decoding on `busy` (kept off `other`), then the fleet paused in place."""
     router.registry.hold_out(router.worker(other), "paused", "test: keep the long request off it")
     long = asyncio.ensure_future(router.generate(LONG))
     await _decoding_on(router, busy)
     router.registry.end_hold(router.worker(other), ["paused"], "test")
     assert (await router.call("/pause_generation", {"mode": "in_place"}))[0] == 200
+    return long
+
+
+async def test_an_unflushed_server_is_held_until_its_requests_end_then_flushed_and_back(sim_router):
+    router = await sim_router(1, 2, decode_step_s=0.005)
+    busy, other = router.fleet.decode
+    long = await _paused_with_a_long_request_on(router, busy, other)
     before = await _flushes(router, busy)
 
     status, answer = await router.call("/update_weights_from_disk", {"model_path": "sim/m", "weight_version": "v2"})
@@ -106,15 +112,11 @@ async def test_an_update_that_flushes_ends_an_earlier_cache_hold(sim_router):
 
 async def test_a_server_killed_while_held_as_cache_is_judged_again_when_it_restarts(sim_router):
     """The held server dies (SIGKILL) before its cache is flushed: its request is re-sent to the other decode,
-    and the reconciler keeps trying. Restarted with its command line, it is empty (the flush succeeds) but serves its
-    launch weights: held out for those, not routed to on the wrong version, and back with the next update."""
+    and the reconciler keeps trying. Restarted with its command line, it is empty (the flush succeeds) but serves
+    its launch weights: held out for those, not routed to on the wrong version, and back with the next update."""
     router = await sim_router(1, 2, decode_step_s=0.005, processes=True)
     busy, other = router.fleet.decode
-    router.registry.hold_out(router.worker(other), "paused", "test: keep the long request off it")
-    long = asyncio.ensure_future(router.generate(LONG))
-    await _decoding_on(router, busy)
-    router.registry.end_hold(router.worker(other), ["paused"], "test")
-    assert (await router.call("/pause_generation", {"mode": "in_place"}))[0] == 200
+    long = await _paused_with_a_long_request_on(router, busy, other)
     launch_version = router.worker(busy).weight_version
     status, answer = await router.call("/update_weights_from_disk", {"model_path": "sim/m", "weight_version": "v2"})
     assert status == 200 and answer["success"], answer
