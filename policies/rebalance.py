@@ -52,6 +52,12 @@ returned inside the decision. Every decision, a refusal included, names the guar
                  were mostly idle (busy under `BURST_BUSY` of `busy_target`): a burst of arrivals the next
                  forward clears (a batch of answers finishing together on a decode-heavy fleet, or a server
                  the machine starved of CPU for a moment) is not short compute; a second look must see it too
+  same_look      asked again in the look that started a conversion (the loop does so at once in enabled mode:
+                 a pool short of several servers gets them in one look, not one a look): the next server goes
+                 only if `busy` lets it (the hot pool, with those on their way, still over `min_pressure`) and
+                 the donor keeps `SPARE_DONOR` servers, predicted under `min_pressure` without it. A phase
+                 turning on eight servers needs four moves; one a look, the backlog built over four looks took
+                 most of the phase to clear
   no_candidate   the donor pool has no server that can be converted (each is doubted by a health verdict or a
                  breaker, or failed a conversion lately)
   refilling      a pool is empty and a conversion into it is already under way
@@ -118,8 +124,9 @@ CONFIRMATIONS = "confirmations"
 NO_CANDIDATE = "no_candidate"
 REFILLING = "refilling"
 PENDING = "pending"
+SAME_LOOK = "same_look"
 GUARDS = (NO_SIGNAL, DEADBAND, MARGIN, DRAINING, WARMUP, BUSY, COOLDOWN, STEP_COOLDOWN, FAILURE_COOLDOWN, FLOOR,
-          CONFIRMATIONS, NO_CANDIDATE, REFILLING, PENDING)
+          CONFIRMATIONS, NO_CANDIDATE, REFILLING, PENDING, SAME_LOOK)
 
 DRAIN_SHARE = 0.25  # a backlog that shrank by this share since the last look is draining
 # A prefill pool busy under this share of `busy_target` is not short of compute: its queue is a burst.
@@ -143,6 +150,7 @@ class RebalanceState:
     last_waits: tuple[float | None, float | None] | None = None  # (on prefill, on decode) at the last look
     last_hot: str | None = None  # the direction whose pool was over min_pressure at the last look
     last_look_at: float | None = None  # when last_waits were seen
+    look_moves: int = 0  # conversions decided at last_look_at (the same look: see `same_look`)
 
 
 def initial_state(now: float) -> RebalanceState:
@@ -381,6 +389,17 @@ def decide(obs: Observation, state: RebalanceState, config: RebalanceConfig) -> 
     if state.last_failure_at is not None and now - state.last_failure_at < config.failure_cooldown_secs:
         fired.append(FAILURE_COOLDOWN)
         notes_out.append(f"a conversion failed {now - state.last_failure_at:.0f} s ago")
+    # Asked again in the look that started a conversion (the loop does so at once, rather than a look later):
+    # the next server goes beside it only if the donor keeps two and stays under min_pressure without it and
+    # the ones this look took (the donor's figures are still those of the pool that had them).
+    same_look = state.last_look_at == now and state.last_conversion_at == now
+    if same_look:
+        cold_look_after = after(cold_terms, cold, n_cold + state.look_moves, n_cold - 1) if n_cold > 1 else None
+        if n_cold - 1 < SPARE_DONOR or cold_look_after is None or cold_look_after >= config.min_pressure:
+            fired.append(SAME_LOOK)
+            notes_out.append(f"another server in this look needs {cold} to keep {SPARE_DONOR} servers under "
+                             f"{config.min_pressure:g} without it and the {state.look_moves} this look took "
+                             f"(it would keep {n_cold - 1} at {_fmt(cold_look_after)})")
     minimum = config.min_prefill if cold == PREFILL else config.min_decode
     if n_cold <= minimum:
         fired.append(FLOOR)
@@ -418,7 +437,7 @@ def decide(obs: Observation, state: RebalanceState, config: RebalanceConfig) -> 
 
     worker = min(candidates, key=lambda w: w.cost)
     done = replace(new_state, streak=0, streak_direction=None, last_conversion_at=now, last_direction=direction,
-                   conversions=state.conversions + 1)
+                   conversions=state.conversions + 1, look_moves=state.look_moves + 1 if same_look else 1)
     reason = f"{summary}: {proposal.replace(f'a {cold} server', f'{cold} {worker.id}', 1)}"
     if continuing and not urgent and streak < config.confirmations:
         reason += "; one sighting: the last conversion went this way and was not enough"

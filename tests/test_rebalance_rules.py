@@ -486,3 +486,52 @@ def test_the_margin_is_not_waived_for_a_donor_left_with_one_server_or_a_cold_poo
     # three decodes with requests waiting for their KV room (1.5 now; more with two): the move would only move it
     busy = obs(prefill(5, waiting_queue=20), decode(3, running=1, prealloc_ready=3))
     assert MARGIN in decide(busy, looked, config).guards
+
+
+# ---- the servers a pool needs, in one look --------------------------------------------------------------
+def _moved(o: Observation, role: str, k: int) -> Observation:
+    """`o` with k of the donor pool on their way to `role` (out of their pool already), as the loop sees it."""
+    donor = "decode" if role == "prefill" else "prefill"
+    left = o.pool(donor)[k:]
+    return replace(o, **{donor: left}, busy=f"{k} converting to {role}", converting_into=(role,),
+                   joining=(role,) * k)
+
+
+def test_a_pool_short_of_several_servers_gets_them_in_the_look_that_started_the_first():
+    """The eight-server benchmark's phase 3: 2P6D turned prefill-heavy, 80 waiting (pressure 10). One server a
+    look took four looks and most of the phase: asked again in the same look, with the first on its way, the
+    next goes beside it while the hot pool is over min_pressure with those on their way and the donor keeps
+    two servers under min_pressure."""
+    config = replace(URGENT_PACE, step_cooldown_secs=6)
+    short = obs(prefill(2, waiting_queue=40), decode(6))
+    first = decide(short, STARTED, config)
+    assert first.convert and first.to_role == "prefill"
+    state, moved = first.state, []
+    for k in range(1, 6):
+        decision = decide(_moved(short, "prefill", k), state, config)
+        if not decision.convert:
+            break
+        moved.append(decision.worker_id)
+        state = decision.state
+    assert len(moved) == 3, moved  # 6P2D: the fifth would leave the decodes one server
+    assert decision.guards == ("same_look",), decision.reason
+    # a look later the rules are the ones before (the floor is min_decode, not two)
+    later = decide(replace(_moved(short, "prefill", 4), now=NOW + 6), state, config)
+    assert later.convert, later.reason
+
+
+def test_no_second_server_in_one_look_from_a_donor_it_would_make_hot():
+    """The same look, each of six decodes with 7 waiting for room (0.7 at a queue target of 10). The second
+    server's prediction is of the pool that carried the load when it was read: four left for the load of six
+    read 1.05, over min_pressure: only one goes in this look. (From the five still in the pool it would read
+    0.875: the servers this look took have not handed their load over yet.)"""
+    config = replace(URGENT_PACE, step_cooldown_secs=6, queue_target=10)
+    short = obs(prefill(2, waiting_queue=60), decode(6, running=1, prealloc_ready=7))
+    first = decide(short, STARTED, config)
+    assert first.convert and first.state.look_moves == 1
+    second = decide(_moved(short, "prefill", 1), first.state, config)
+    assert second.guards == ("same_look",), second.reason
+    assert "keep 4 at 1.05" in second.reason, second.reason
+    # the same at the next look is the alongside rule's, as before (the margin is its only check on the donor)
+    next_look = replace(_moved(short, "prefill", 1), now=NOW + 6)
+    assert "same_look" not in decide(next_look, first.state, config).guards

@@ -137,6 +137,33 @@ async def test_an_urgent_overload_converts_a_second_server_beside_the_first():
     assert rebalancer.counters["conversions_succeeded"] == 2 and len(rebalancer.conversions) == 2
 
 
+@pytest.mark.parametrize("waiting, moved", [(40, 4), (6, 2)])
+async def test_a_pool_short_of_several_servers_gets_them_in_one_tick(waiting, moved):
+    """2P6D, each prefill with `waiting` queued: one tick converts decodes while the prefills, with those on
+    their way, stay over min_pressure and the decodes keep two: 40 each (pressure 10) takes four (6P2D, the
+    decodes' two kept), 6 each (1.5) two. Every one is a decision of its own, of the same look."""
+    registry = fleet(prefill_waiting=(waiting, waiting), decode_waiting=(0,) * 6)
+    converter = FakeConverter(registry)
+    rebalancer, _ = make(registry, replace(CONFIG, mode=RebalanceMode.ENABLED, confirmations=1), converter)
+    first = rebalancer.tick()
+    assert first.convert and first.to_role == "prefill"
+    await wait_for(lambda: len(converter.calls) == moved)
+    assert [d["action"] for d in rebalancer.decisions] == ["convert"] * moved
+    assert {d["at"] for d in rebalancer.decisions} == {first.at}
+    assert len(rebalancer.snapshot()["applying_all"]) == moved and len(converter.calls) == moved
+    converter.gate.set()
+    await wait_for(lambda: rebalancer.applying is None)
+    assert [w.role for w in registry.workers()].count(Role.PREFILL) == 2 + moved
+
+
+def test_advisory_mode_advises_one_server_a_look():
+    """Nothing moves in advisory mode, so the same look would advise the same server again: one a look."""
+    registry = fleet(prefill_waiting=(40, 40), decode_waiting=(0,) * 6)
+    rebalancer, _ = make(registry, replace(CONFIG, confirmations=1))
+    assert rebalancer.tick().convert
+    assert [d["applied"] for d in rebalancer.decisions] == ["advisory"]
+
+
 async def test_a_failed_conversion_starts_the_failure_cooldown():
     registry = fleet()
     converter = FakeConverter(registry, ok=False)

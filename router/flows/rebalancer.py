@@ -176,8 +176,8 @@ class Rebalancer:
         joining = tuple(record["to_role"] for record in self._applying.values())
         return (", ".join(described) or None), tuple(sorted(into)), joining, (", ".join(others) or None)
 
-    def observe(self) -> Observation:
-        now = self.clock()
+    def observe(self, now: float | None = None) -> Observation:
+        now = self.clock() if now is None else now
         # Latency of requests started since the last conversion ended (when none runs now): the new split's.
         since = self.state.last_conversion_at if not self._applying else None
         latency = self.window.summary(now, self.config.min_samples, since=since)
@@ -209,7 +209,22 @@ class Rebalancer:
         else:
             decision = decide(obs, self.state, config)
         self._record(obs, decision)
+        self._more_in_this_look(decision)
         return decision
+
+    def _more_in_this_look(self, decision: Decision) -> None:
+        """After a conversion started, ask again at once, with the server moved out of its pool: a pool short
+        of more than one server gets the next ones in this look, not one a look (the decision core's
+        `same_look` guard says when). Only conversions are recorded: a hold here is the look's end."""
+        started = decision
+        for _ in range(len(self.registry.workers())):
+            if not decision.convert or decision.refill or self.decisions[-1].get("applied") != "started":
+                return
+            obs = self.observe(now=started.at)
+            decision = decide(obs, self.state, self.config)
+            if not decision.convert or decision.refill or decision.direction != started.direction:
+                return
+            self._record(obs, decision)
 
     def refill_now(self) -> Decision | None:
         """A refill decision outside the interval (a pool just lost its last routable server)."""
