@@ -86,7 +86,11 @@ n_cold / (n_cold - 1); with k of ours on their way into the hot pool (out of the
 n_hot / (n_hot + k + 1), against n_hot / (n_hot + k) without the move. Decode latency is not proportional
 near saturation: with the decodes' fitted step line (fixed + per request x batch), the share of a step that
 is per request is the utilisation, it scales with the load, and the step is fixed / (1 - utilisation)
-(`rebalance_signals.step_after`). The server moved is the cheapest of the donor pool (`WorkerView.cost`: fewest requests
+(`rebalance_signals.step_after`). Past saturation the step understates the load: the batch grows look after
+look and never settles, so the utilisation is read on what arrives (`rebalance_signals.decode_overload`: the
+router's own counts of requests sent to the decodes and of those decoding, between two looks at the same
+servers; by Little's law the batch's utilisation times arrivals / completions), and the margin compares the
+split as it is on that reading too. The server moved is the cheapest of the donor pool (`WorkerView.cost`: fewest requests
 in flight or queued, then the least KV held, i.e. the quickest drain), never one that is doubted. A decode
 moved to prefill (with `conversion_mode` drain) is emptied in `shed` mode: its requests that still wait on a
 prefill forward are re-sent elsewhere (their clients have seen nothing of them) instead of waited for, since
@@ -99,8 +103,8 @@ from dataclasses import dataclass, field, fields, replace
 
 from .rebalance_config import RebalanceConfig, RebalanceMode, UnknownFields
 from .rebalance_signals import (
-    DECODE, PREFILL, Observation, WorkerView, pool_after, pool_terms, ttft_charged_to, waits_on_decode,
-    waits_on_prefill,
+    DECODE, PREFILL, Observation, WorkerView, decode_counts, decode_overload, pool_after, pool_terms,
+    ttft_charged_to, waits_on_decode, waits_on_prefill,
 )
 
 __all__ = ["BUSY", "CONFIRMATIONS", "COOLDOWN", "DEADBAND", "DRAINING", "FAILURE_COOLDOWN", "FLOOR", "GUARDS",
@@ -151,6 +155,8 @@ class RebalanceState:
     last_hot: str | None = None  # the direction whose pool was over min_pressure at the last look
     last_look_at: float | None = None  # when last_waits were seen
     look_moves: int = 0  # conversions decided at last_look_at (the same look: see `same_look`)
+    last_decode_counts: tuple[int, int, int] | None = None  # rebalance_signals.decode_counts at the last look
+    decode_overload: float = 1.0  # rebalance_signals.decode_overload read at the last look
 
 
 def initial_state(now: float) -> RebalanceState:
@@ -298,7 +304,19 @@ def decide(obs: Observation, state: RebalanceState, config: RebalanceConfig) -> 
                           **{k: round(v, 4) for k, v in d_terms.items()}},
                  "signals": notes}
     waits = (notes["waiting_on_prefill"], notes["waiting_on_decode"])
-    seen = replace(state, last_waits=waits, last_hot=None, last_look_at=now)
+    # asked again in the look that started a conversion (see `same_look`)
+    same_look = state.last_look_at == now and state.last_conversion_at == now
+    counts = decode_counts(obs)
+    if same_look:  # the look's first reading stands: since, the pools only lost the servers it moved
+        overload, counts = state.decode_overload, state.last_decode_counts
+    elif (state.last_decode_counts is not None and state.last_look_at is not None and not obs.busy
+          and (state.last_conversion_at is None or state.last_conversion_at < state.last_look_at)):
+        overload = decode_overload(counts, state.last_decode_counts, now - state.last_look_at)
+    else:
+        overload = 1.0
+    notes["decode_overload"] = round(overload, 3)
+    seen = replace(state, last_waits=waits, last_hot=None, last_look_at=now, last_decode_counts=counts,
+                   decode_overload=overload)
 
     def hold(reason: str, guards: tuple[str, ...], new_state: RebalanceState, **extra) -> Decision:
         return _hold(obs, reason, guards, new_state, pressures=pressures, **extra)
@@ -315,6 +333,8 @@ def decide(obs: Observation, state: RebalanceState, config: RebalanceConfig) -> 
     hot_pool, cold_pool = obs.pool(hot), obs.pool(cold)
     direction = f"to_{hot}"
     summary = f"{hot} pressure {_fmt(hot_p)} vs {cold} {_fmt(cold_p)}"
+    if overload > 1:
+        summary += f" (decode arrivals {overload:.2f}x its completions)"
     if hot_p < config.min_pressure:
         return hold(f"{summary}: below {config.min_pressure:g}, nothing to relieve", (DEADBAND,),
                     replace(seen, streak=0, streak_direction=None))
@@ -330,7 +350,9 @@ def decide(obs: Observation, state: RebalanceState, config: RebalanceConfig) -> 
     fixed = notes["decode_step_fixed_s"]
 
     def after(terms: dict, role: str, n: int, n_new: int) -> float:
-        return pool_after(terms, n, n_new, fixed if role == DECODE else None, config.itl_target_secs)
+        if role == PREFILL:
+            return pool_after(terms, n, n_new)
+        return pool_after(terms, n, n_new, fixed, config.itl_target_secs, overload)
 
     hot_after = after(hot_terms, hot, n_hot, n_hot + arriving) if arriving and n_hot else hot_p
     hot_waits = waits[0] if hot == PREFILL else waits[1]
@@ -340,7 +362,9 @@ def decide(obs: Observation, state: RebalanceState, config: RebalanceConfig) -> 
         # against the pressure now: while those on their way drain, the hot pool's backlog grows
         cold_after = after(cold_terms, cold, n_cold, n_cold - 1)
         predicted = max(after(hot_terms, hot, n_hot, n_hot + arriving + 1) if n_hot else 0.0, cold_after)
-        improvement = 1 - predicted / hot_p
+        # an overloaded decode pool's batch grows: the split as it is, on what arrives, is the reference
+        reference = max(hot_p, after(hot_terms, hot, n_hot, n_hot)) if overload > 1 and n_hot else hot_p
+        improvement = 1 - predicted / reference
         prediction.update(predicted_worst=round(predicted, 4), improvement=round(improvement, 4))
         margin_ok = improvement >= config.min_improvement - 1e-9  # "at least": n -> n+1 can gain exactly it
         proposal = (f"convert a {cold} server to {hot} (predicted worst pressure {_fmt(predicted)}, "
@@ -392,7 +416,6 @@ def decide(obs: Observation, state: RebalanceState, config: RebalanceConfig) -> 
     # Asked again in the look that started a conversion (the loop does so at once, rather than a look later):
     # the next server goes beside it only if the donor keeps two and stays under min_pressure without it and
     # the ones this look took (the donor's figures are still those of the pool that had them).
-    same_look = state.last_look_at == now and state.last_conversion_at == now
     if same_look:
         cold_look_after = after(cold_terms, cold, n_cold + state.look_moves, n_cold - 1) if n_cold > 1 else None
         if n_cold - 1 < SPARE_DONOR or cold_look_after is None or cold_look_after >= config.min_pressure:

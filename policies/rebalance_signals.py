@@ -42,7 +42,9 @@ Decode pool: its capacity is decode KV room and decode compute (a continuously b
   now); or, when larger, the step predicted for the batches open now: the decode legs the router has open
   less its prefill legs, per decode server, through each server's step line fitted on its moments
   (`step_now`). The rows lag most when it matters most: an overloaded decode's batch grows, its steps grow
-  longer, and 15 of them took 15 s on the benchmark's fleet; the router's counts are current.
+  longer, and 15 of them took 15 s on the benchmark's fleet; the router's counts are current. What a step
+  says of the load holds in a steady state; past saturation the batch grows and the load that arrives is
+  larger than the step's (`decode_overload`, from the router's counts): the predictions read that one.
 - `ttft`: as above, when decode is where requests wait.
 
 TTFT has two causes in PD (waiting for a prefill forward, or for decode KV room or a batch slot), so it is
@@ -92,6 +94,7 @@ class WorkerView:
     decode_step_fixed_s: float | None = None  # a decode step = fixed + per_request x batch (fitted)
     decode_step_per_request_s: float | None = None
     row_age_s: float | None = None  # how old the row it reported was when it answered
+    started: int = 0  # the router's count of requests it sent to the server (since it was registered)
 
     @property
     def busy(self) -> int:
@@ -296,13 +299,41 @@ def pool_terms(obs: Observation, config: "RebalanceConfig") -> tuple[dict[str, f
 
 
 SATURATED = 0.95  # a decode this busy (the per-request part of its steps) is read as saturated
+MAX_OVERLOAD = 4.0  # arrivals read as at most this many times the completions (a pool barely completing any)
 
 
-def step_after(step_s: float, fixed_s: float, scale: float) -> float:
+def decode_counts(obs: Observation) -> tuple[int, int, int]:
+    """What `decode_overload` compares between two looks: the requests decoding now (the router's counts), the
+    requests ever sent to the decode pool's servers, and how many servers it has."""
+    return decoding_now(obs), sum(w.started for w in obs.decode), len(obs.decode)
+
+
+def decode_overload(now: tuple[int, int, int], before: tuple[int, int, int], elapsed_s: float) -> float:
+    """How many times its completions the decode pool's arrivals are, between two looks at the same servers
+    (1.0: it keeps up). A step, 1 - fixed / step per request, tells the utilisation of the batch the decodes
+    run now; past saturation that batch grows look after look and never settles, so the step says too little:
+    a 2P6D fleet turned decode-heavy ran 2 decodes at steps ten times their fixed part (u 0.9) while 2.04
+    times their capacity arrived. By Little's law the batch's utilisation is the completions' (batch / time in
+    it), so the arrivals' is u x arrivals / completions, and completions are arrivals less the batch's
+    growth."""
+    decoding, started, servers = now
+    decoding_before, started_before, servers_before = before
+    if elapsed_s <= 0 or servers != servers_before:
+        return 1.0
+    arrivals = (started - started_before) / elapsed_s
+    growth = (decoding - decoding_before) / elapsed_s
+    if arrivals <= 0 or growth <= 0:
+        return 1.0
+    completions = arrivals - growth
+    return MAX_OVERLOAD if completions * MAX_OVERLOAD <= arrivals else arrivals / completions
+
+
+def step_after(step_s: float, fixed_s: float, scale: float, overload: float = 1.0) -> float:
     """A decode step once each server's load is `scale` times what it is, by the step line (fixed + per
     request x batch): the steps' per-request share is the utilisation u = 1 - fixed / step, which scales with
-    the load, and a step is fixed / (1 - u) in a steady state. Past saturation, longer in proportion."""
-    util = max(0.0, 1.0 - fixed_s / step_s) if step_s > 0 else 0.0
+    the load, and a step is fixed / (1 - u) in a steady state. Past saturation, longer in proportion. With
+    `overload` (`decode_overload`), the utilisation is that of what arrives, not of the batch running now."""
+    util = (max(0.0, 1.0 - fixed_s / step_s) if step_s > 0 else 0.0) * overload
     scaled = util * scale
     if scaled <= 0:
         return step_s  # nothing of it is per request
@@ -312,7 +343,7 @@ def step_after(step_s: float, fixed_s: float, scale: float) -> float:
 
 
 def pool_after(terms: dict[str, float], n: int, n_new: int, fixed_s: float | None = None,
-               itl_target_s: float | None = None) -> float:
+               itl_target_s: float | None = None, overload: float = 1.0) -> float:
     """A pool's pressure with n_new servers instead of n: each term proportional to the load per server,
     except decode latency with a fitted step line (`step_after`). Proportional, a latency near saturation
     looked nearly linear: a 2P2D fleet serving a steady mix at half its decodes' capacity read 1D as 1.03,
@@ -320,7 +351,7 @@ def pool_after(terms: dict[str, float], n: int, n_new: int, fixed_s: float | Non
     worst = 0.0
     for name, value in terms.items():
         if name == "itl" and fixed_s and itl_target_s and value > 0:
-            value = step_after(value * itl_target_s, fixed_s, n / n_new) / itl_target_s
+            value = step_after(value * itl_target_s, fixed_s, n / n_new, overload) / itl_target_s
         else:
             value = value * n / n_new
         worst = max(worst, value)

@@ -14,7 +14,7 @@ from policies.rebalance import (
     RebalanceConfig, WorkerView, decide, initial_state, pool_pressures, ttft_charged_to, waits_on_decode,
     waits_on_prefill,
 )
-from policies.rebalance_signals import waiting_parts
+from policies.rebalance_signals import decode_overload, waiting_parts
 from router.core.records import RequestRecord
 from router.core.registry import Registry, Role
 from router.flows.latency_window import LatencyWindow
@@ -535,3 +535,51 @@ def test_no_second_server_in_one_look_from_a_donor_it_would_make_hot():
     # the same at the next look is the alongside rule's, as before (the margin is its only check on the donor)
     next_look = replace(_moved(short, "prefill", 1), now=NOW + 6)
     assert "same_look" not in decide(next_look, first.state, config).guards
+
+
+# ---- a decode pool past saturation: what arrives, not the batch it runs -----------------------------------
+LINE = dict(decode_step_fixed_s=0.24, decode_step_per_request_s=0.048)
+
+
+def _two_decodes(batch: int, started: int) -> tuple[WorkerView, ...]:
+    return tuple(WorkerView(f"d{i}", running=batch, waiting=0, waiting_queue=0, prealloc=0, prealloc_ready=0,
+                            transfer=0, retracted=0, inflight=batch, started=started,
+                            decode_step_s=0.24 + 0.048 * batch, decode_batch=batch, **LINE) for i in range(2))
+
+
+def test_decode_overload_is_arrivals_over_completions_between_two_looks_at_the_same_servers():
+    # 34 arrived in 6 s, the batch grew by 20: 14 completed, arrivals 34 / 14 = 2.43 times the completions
+    assert decode_overload((112, 1034, 2), (92, 1000, 2), 6.0) == pytest.approx(34 / 14)
+    assert decode_overload((90, 1034, 2), (92, 1000, 2), 6.0) == 1.0  # the batch shrank: it keeps up
+    assert decode_overload((112, 1034, 3), (92, 1000, 2), 6.0) == 1.0  # other servers: nothing to compare
+    assert decode_overload((112, 1000, 2), (92, 1000, 2), 6.0) == 1.0  # nothing arrived (a count reset)
+    assert decode_overload((125, 1034, 2), (92, 1000, 2), 6.0) == 4.0  # one completion: capped
+
+
+def test_a_decode_pool_past_saturation_gets_the_servers_its_arrivals_need_in_one_look():
+    """The eight-server benchmark's phase 2: 6P2D turned decode-heavy, each decode's batch growing from 46 to
+    56 in a look (steps 2.9 s against a fixed 0.24 s: u 0.92 by the step line) while 2.4 times what completes
+    arrives. By the step line one more decode would carry the batch at 0.68 of the ITL target, and the pool
+    got one decode a look for five looks; on what arrives, three more are still past the target, and the
+    look takes four (2P6D: the prefills keep two)."""
+    config = replace(URGENT_PACE, itl_target_secs=0.9, queue_target=2, step_cooldown_secs=6)
+    idle_prefills = prefill(6, prefill_busy=0.05)
+    first_look = obs(idle_prefills, _two_decodes(46, 1000), now=NOW - 6)
+    seen = decide(first_look, STARTED, config).state
+    growing = obs(idle_prefills, _two_decodes(56, 1017))
+    first = decide(growing, seen, config)
+    assert first.convert and first.to_role == "decode", first.reason
+    assert "decode arrivals 2.43x its completions" in first.reason, first.reason
+
+    def moves_in_the_look(decision) -> int:
+        state, moved = decision.state, 1
+        while True:
+            decision = decide(_moved(growing, "decode", moved), state, config)
+            if not decision.convert:
+                return moved
+            state, moved = decision.state, moved + 1
+
+    assert moves_in_the_look(first) == 4
+    # by the step line alone (no earlier look to compare with): one
+    blind = decide(growing, STARTED, config)
+    assert blind.convert and "arrivals" not in blind.reason and moves_in_the_look(blind) == 1

@@ -73,6 +73,11 @@ def test_observation_reads_routable_workers_and_server_reports():
     obs = rebalancer.observe()
     assert [v.waiting for v in obs.prefill] == [8, 8]
     assert len(obs.decode) == 2 and obs.busy is None  # the unhealthy one is not part of the pool
+    # the requests the router sent each server (decode_overload's arrivals), counted when routed
+    d0 = registry.get(obs.decode[0].id)
+    registry.acquire(d0)
+    registry.release(d0)
+    assert [v.started for v in rebalancer.observe().decode] == [1, 0]
 
 
 def test_advisory_mode_records_would_convert_and_changes_nothing():

@@ -137,10 +137,12 @@ class Rebalancer:
     def _view(self, worker: Worker) -> WorkerView:
         load = worker.server_load
         if load is None:
-            return WorkerView(id=worker.id, inflight=worker.inflight, convertible=self.can_convert(worker))
+            return WorkerView(id=worker.id, inflight=worker.inflight, convertible=self.can_convert(worker),
+                              started=worker.requests_total)
         r = load.report
         return WorkerView(
-            id=worker.id, inflight=worker.inflight, running=load.running, waiting=load.waiting,
+            id=worker.id, inflight=worker.inflight, started=worker.requests_total, running=load.running,
+            waiting=load.waiting,
             kv_usage=load.token_usage, convertible=self.can_convert(worker),
             waiting_queue=r.waiting_queue if r else None, bootstrap=r.bootstrap if r else None,
             inflight_queue=r.inflight if r else None, prealloc=r.prealloc if r else None,
