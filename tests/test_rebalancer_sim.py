@@ -15,6 +15,7 @@ import asyncio
 
 from policies.rebalance import RebalanceConfig, RebalanceMode
 from router.core.config import LoadMonitorConfig
+from router.core.registry import Role
 from router.flows.rebalancer import REBALANCER
 from simulator.fleet import Fleet
 
@@ -58,3 +59,61 @@ async def test_a_decode_heavy_load_after_a_move_to_decode_moves_nothing_back_to_
         uncounted = [d["pressures"]["signals"]["prefill_parts"]["uncounted_transfer"]
                        for d in rebalancer.decisions if "signals" in d["pressures"]]
         assert max(u or 0 for u in uncounted) >= 3, uncounted
+
+
+LONG_PROMPT = {"text": "word " * 200, "sampling_params": {"max_new_tokens": 2, "ignore_eos": True}}
+# A decision every 0.25 s after a warm-up that lets the backlog build (every user at once); a one-prefill
+# overload is urgent (queue target 1); two decodes stay (no third move a look later); none after a failure.
+ONE_LOOK = RebalanceConfig(mode=RebalanceMode.ENABLED, interval_secs=0.25, warmup_secs=3.0, confirmations=3,
+                           urgent_pressure=3.0, cooldown_secs=5.0, step_cooldown_secs=5.0, queue_target=1.0,
+                           ttft_target_secs=30.0, itl_target_secs=1.0, min_samples=1, min_decode=2)
+
+
+async def test_two_decodes_go_in_one_look_and_one_killed_on_its_way_loses_no_request(make_router):
+    """1P4D under long prompts (0.1 s a forward, 8 users: 7 waiting on the one prefill): one look converts two
+    decodes (four keep two), each switch call held at its server; one of the two is SIGKILLed there. Its
+    conversion fails, the other's succeeds, and no client sees a failure (both were drained before their switch:
+    shed mode re-sent what waited on the prefill)."""
+    async with Fleet(1, 4, processes=True, prefill_concurrency=1, prefill_overhead_s=0.1, decode_step_s=0.005,
+                     max_prefill_tokens=256, **FAST) as fleet:  # one prompt a forward: the rest wait in view
+        for handle in fleet.decode:
+            await fleet.set_faults(handle, switch_arrival_delay_s=3.0)
+        client = await make_router(fleet.prefill, fleet.decode, rebalance=ONE_LOOK,
+                                   load_monitor=LoadMonitorConfig(interval_secs=0.1))
+        rebalancer = client.app[REBALANCER]
+        answers: list[int] = []
+        stop = asyncio.Event()
+
+        async def user() -> None:
+            while not stop.is_set():
+                resp = await client.post("/generate", json=LONG_PROMPT)
+                await resp.read()
+                answers.append(resp.status)
+
+        users = [asyncio.ensure_future(user()) for _ in range(8)]
+        try:
+            await wait_for(lambda: len(rebalancer.snapshot()["applying_all"]) == 2, timeout=30,
+                           message="two conversions under way")
+            moves = [d for d in rebalancer.decisions if d["action"] == "convert"]
+            assert [m["to_role"] for m in moves] == ["prefill", "prefill"], [m["reason"] for m in moves]
+            assert moves[0]["at"] == moves[1]["at"]  # one look
+            held = {h.url: h for h in fleet.decode}
+            victim, survivor = (held[record["url"]] for record in rebalancer.snapshot()["applying_all"])
+
+            async def switch_held(handle) -> bool:
+                return (await fleet.state(handle))["switch_calls_arriving"] == 1
+
+            for handle in (victim, survivor):
+                deadline = asyncio.get_running_loop().time() + 10
+                while not await switch_held(handle):
+                    assert asyncio.get_running_loop().time() < deadline, "the switch call never reached the server"
+                    await asyncio.sleep(0.02)
+            fleet.kill(victim)
+            await wait_for(lambda: rebalancer.applying is None, timeout=30, message="both conversions ended")
+        finally:
+            stop.set()
+            await asyncio.gather(*users)
+        assert rebalancer.counters["conversions_failed"] == 1 and rebalancer.counters["conversions_succeeded"] == 1
+        prefills = {w.url for w in client.registry.routable(Role.PREFILL)}
+        assert prefills == {fleet.prefill[0].url, survivor.url}
+        assert answers and set(answers) == {200}, sorted(set(answers))
