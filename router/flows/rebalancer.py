@@ -6,8 +6,9 @@ measured (`latency_window.py`: TTFT and inter-token latency of the requests that
 and abandoned ones included), and calls the pure decision core. In advisory mode (the default) a proposal is
 only recorded and logged as "would convert X"; in enabled mode it is handed to the conversion flow through the
 `Converter` interface, one at a time, or beside ours in progress when the decision core says the hot pool
-needs more than those on their way (`busy` in policies/rebalance.py); a server of ours in progress is out of
-its pool for the decision from the moment it is handed over. Every decision, refusals included, is kept (the
+needs more than those on their way (`busy` in policies/rebalance.py), in the same look too: after starting
+one, the loop asks again at once (`same_look`); a server of ours in progress is out of its pool for the
+decision from the moment it is handed over. Every decision, refusals included, is kept (the
 last `history`) with its reason and the guards that fired, for `GET /admin/rebalancer`.
 
 Refilling an empty pool (`decide`'s first rule) is on whenever the rebalancer is enabled, and alone with
