@@ -30,29 +30,40 @@ PACE = RebalanceConfig(mode=RebalanceMode.ENABLED, interval_secs=0.25, warmup_se
                        ttft_target_secs=30.0, itl_target_secs=1.0, min_samples=1)
 
 
+class Users:
+    """`count` clients posting `body` back to back while the block runs; `answers` holds each status."""
+
+    def __init__(self, client, body: dict, count: int) -> None:
+        self.client, self.body, self.count = client, body, count
+        self.answers: list[int] = []
+        self._stop = asyncio.Event()
+        self._tasks: list[asyncio.Future] = []
+
+    async def _user(self) -> None:
+        while not self._stop.is_set():
+            resp = await self.client.post("/generate", json=self.body)
+            await resp.read()
+            self.answers.append(resp.status)
+
+    async def __aenter__(self) -> "Users":
+        self._tasks = [asyncio.ensure_future(self._user()) for _ in range(self.count)]
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        self._stop.set()
+        await asyncio.gather(*self._tasks)
+
+
 async def test_a_decode_heavy_load_after_a_move_to_decode_moves_nothing_back_to_prefill(make_router):
     async with Fleet(1, 2, processes=True, prefill_concurrency=1, decode_step_s=0.05,
                      decode_overrides={"max_total_tokens": 4096}, **FAST) as fleet:
         client = await make_router(fleet.prefill, fleet.decode, rebalance=PACE,
                                    load_monitor=LoadMonitorConfig(interval_secs=0.1))
         rebalancer = client.app[REBALANCER]
-        answers: list[int] = []
-        stop = asyncio.Event()
-
-        async def user() -> None:
-            while not stop.is_set():
-                resp = await client.post("/generate", json=DECODE_HEAVY)
-                await resp.read()
-                answers.append(resp.status)
-
-        users = [asyncio.ensure_future(user()) for _ in range(20)]  # 14 in the decodes' room, 6 waiting for it
-        try:
+        async with Users(client, DECODE_HEAVY, 20) as users:  # 14 in the decodes' room, 6 waiting for it
             # several rounds of admissions together (each a batch of 24 steps: the rows lag 15 of them)
-            await wait_for(lambda: len(answers) >= 100, timeout=60)
-        finally:
-            stop.set()
-            await asyncio.gather(*users)
-        assert set(answers) == {200}
+            await wait_for(lambda: len(users.answers) >= 100, timeout=60)
+        assert set(users.answers) == {200}
         moved_to_prefill = [d for d in rebalancer.decisions if d["action"] == "convert" and d["to_role"] == "prefill"]
         assert not moved_to_prefill, (moved_to_prefill[0]["reason"], moved_to_prefill[0]["pressures"])
         # it did see transfers in rows a batch old (or no prefill held), and read them as nobody's
@@ -81,17 +92,7 @@ async def test_two_decodes_go_in_one_look_and_one_killed_on_its_way_loses_no_req
         client = await make_router(fleet.prefill, fleet.decode, rebalance=ONE_LOOK,
                                    load_monitor=LoadMonitorConfig(interval_secs=0.1))
         rebalancer = client.app[REBALANCER]
-        answers: list[int] = []
-        stop = asyncio.Event()
-
-        async def user() -> None:
-            while not stop.is_set():
-                resp = await client.post("/generate", json=LONG_PROMPT)
-                await resp.read()
-                answers.append(resp.status)
-
-        users = [asyncio.ensure_future(user()) for _ in range(8)]
-        try:
+        async with Users(client, LONG_PROMPT, 8) as users:
             await wait_for(lambda: len(rebalancer.snapshot()["applying_all"]) == 2, timeout=30,
                            message="two conversions under way")
             moves = [d for d in rebalancer.decisions if d["action"] == "convert"]
@@ -99,21 +100,11 @@ async def test_two_decodes_go_in_one_look_and_one_killed_on_its_way_loses_no_req
             assert moves[0]["at"] == moves[1]["at"]  # one look
             held = {h.url: h for h in fleet.decode}
             victim, survivor = (held[record["url"]] for record in rebalancer.snapshot()["applying_all"])
-
-            async def switch_held(handle) -> bool:
-                return (await fleet.state(handle))["switch_calls_arriving"] == 1
-
-            for handle in (victim, survivor):
-                deadline = asyncio.get_running_loop().time() + 10
-                while not await switch_held(handle):
-                    assert asyncio.get_running_loop().time() < deadline, "the switch call never reached the server"
-                    await asyncio.sleep(0.02)
+            for handle in (victim, survivor):  # both drained, their switch calls held at the servers
+                await fleet.wait_for(handle, lambda state: state["switch_calls_arriving"] == 1)
             fleet.kill(victim)
             await wait_for(lambda: rebalancer.applying is None, timeout=30, message="both conversions ended")
-        finally:
-            stop.set()
-            await asyncio.gather(*users)
         assert rebalancer.counters["conversions_failed"] == 1 and rebalancer.counters["conversions_succeeded"] == 1
         prefills = {w.url for w in client.registry.routable(Role.PREFILL)}
         assert prefills == {fleet.prefill[0].url, survivor.url}
-        assert answers and set(answers) == {200}, sorted(set(answers))
+        assert users.answers and set(users.answers) == {200}, sorted(set(users.answers))
