@@ -107,6 +107,26 @@ def test_json_and_a_bare_list_read_the_same():
     assert parse_worker_file(b"workers: []", "w.yaml") == {}
 
 
+def test_smgs_manifest_reads_as_the_same_workers():
+    """SMG 1.13's `--discovery-provider file` manifest (what its own tests write): `version: 1` beside `workers`,
+    entries naming themselves with `id`."""
+    entries = [{"id": "p1", "url": "http://p1:30000", "worker_type": "prefill", "bootstrap_port": 8998,
+                "model_id": "m", "kv_connector": "mooncake", "kv_role": "kv_producer", "kv_engine_id": "e1"},
+               {"id": "d1", "url": "http://d1:30000", "worker_type": "decode"}]
+    manifest = parse_worker_file(orjson.dumps({"version": 1, "workers": entries}), "w.json")
+    assert manifest == {"http://p1:30000": Listing("http://p1:30000", Role.PREFILL, 8998),
+                        "http://d1:30000": Listing("http://d1:30000", Role.DECODE, DISCOVER)}
+    assert parse_worker_file(b"version: 1\nworkers: []\n", "w.yaml") == {}
+
+
+@pytest.mark.parametrize("version", [2, 0, "1", True, None])
+def test_another_manifest_version_is_refused_naming_it(version):
+    with pytest.raises(ListingError) as caught:
+        parse_worker_file(orjson.dumps({"version": version, "workers": []}), "w.json")
+    assert f"unsupported manifest version {version!r}" in str(caught.value)
+    assert "version 1" in str(caught.value)
+
+
 @pytest.mark.parametrize("text, says", [
     ("", "empty"),
     ("   \n", "empty"),
@@ -122,6 +142,8 @@ def test_json_and_a_bare_list_read_the_same():
     ("workers: [ftp://a:1]", "scheme must be http"),
     ("workers: [7]", "expected a URL or an object"),
     ("workers: [http://a:1, 'http://a:1/']", "listed twice"),
+    ('{"version": 1, "workers": [{"id": 5, "url": "http://a:1"}]}', "unknown field 'id'"),
+    ('{"version": 1, "workers": [], "x": 1}', "unknown top-level key(s) x"),
 ])
 def test_a_bad_file_is_refused_whole_saying_why(text, says):
     path = "w.json" if text.startswith("{") else "w.yaml"

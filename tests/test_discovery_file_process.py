@@ -90,3 +90,22 @@ async def test_a_file_changing_under_load_moves_the_fleet_without_failing_a_requ
             served = {url: w["requests_total"] for url, w in (await workers()).items()}
             assert all(count > 0 for count in served.values()), served
         assert "refused" in router.log()
+
+
+async def test_smgs_command_line_and_manifest_serve(tmp_path):
+    """SMG users' file discovery as they run it: `--discovery-provider file --discovery-file F` and nothing
+    else naming a worker, F the manifest SMG 1.13 reads (`version: 1`, entries with `id`)."""
+    path = tmp_path / "manifest.json"
+    async with Fleet(1, 1, **FAST) as fleet:
+        manifest = {"version": 1, "workers": [
+            {"id": f"w{i}", **entry} for i, entry in enumerate(entries(fleet, [0], [0]))]}
+        path.write_bytes(orjson.dumps(manifest))
+        no_flags = SimpleNamespace(prefill=[], decode=[])
+        async with RouterProcess(no_flags, "--discovery-provider", "file", "--discovery-file", str(path),
+                                 "--discovery-check-interval-secs", "1", log_path=tmp_path / "router.log") as router, \
+                aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as clients:
+            answer = await generate(clients, router.url, "smg", 4, stream=False)
+            assert answer["status"] == 200 and "error" not in answer, answer
+            async with clients.get(router.url + "/admin/discovery") as resp:
+                (source,) = (await resp.json())["sources"]
+            assert source["error"] is None and source["registered"] == 2

@@ -14,7 +14,8 @@ no inotify) and read again when they change; a rename over it (an atomic write, 
 update) is seen the same way. A file that cannot be read or parsed, an empty one, or one with any bad entry
 changes nothing: the workers of its last good version stay, and the error is logged and shown by
 `GET /admin/discovery` until a good version is read. `workers: []` lists none (every worker it registered
-is removed).
+is removed). SMG's manifest, `{"version": 1, "workers": [...]}` (entries may name themselves: `id`), is
+read the same; another version is refused.
 
 YAML needs PyYAML (`pip install 'pd-router[yaml]'`); a `.json` file, or JSON in any file, needs nothing.
 """
@@ -52,19 +53,39 @@ def load_document(raw: bytes, path: str) -> object:
         raise ListingError([f"not valid YAML: {' '.join(str(exc).split())}"]) from None
 
 
+# SMG 1.13's manifest (`--discovery-provider file`): `{"version": 1, "workers": [...]}`, each entry one of its
+# `ManifestWorker`s (id, url, worker_type, bootstrap_port, model_id, kv_connector, kv_role, kv_engine_id); SMG
+# refuses any other version ("this gateway reads version 1")
+MANIFEST_VERSION = 1
+
+
 def parse_worker_file(raw: bytes, path: str) -> dict[str, Listing]:
     if not raw.strip():
         raise ListingError(["the file is empty (`workers: []` lists no worker)"])
     document = load_document(raw, path)
     if isinstance(document, dict):
-        extra = sorted(str(key) for key in document if key != "workers")
+        extra = sorted(str(key) for key in document if key not in ("workers", "version"))
         if extra:
-            raise ListingError([f"unknown top-level key(s) {', '.join(extra)}: the file holds `workers:` only"])
+            raise ListingError([f"unknown top-level key(s) {', '.join(extra)}: the file holds `workers:` (and "
+                                f"SMG's manifest `version: {MANIFEST_VERSION}`) only"])
+        if "version" in document:
+            version = document["version"]
+            if type(version) is not int or version != MANIFEST_VERSION:
+                raise ListingError([f"unsupported manifest version {version!r}: pd-router reads SMG's manifest "
+                                    f"version {MANIFEST_VERSION}"])
         document = document.get("workers")
     if not isinstance(document, list):
         raise ListingError([f"expected `workers:` with a list of workers, or a list, got {type(document).__name__}"
                             " (`workers: []` lists no worker)"])
-    return listing_of(document, "workers")
+    return listing_of([_without_manifest_id(entry) for entry in document], "workers")
+
+
+def _without_manifest_id(entry: object) -> object:
+    """An SMG manifest entry names itself (`id`, a string); the registry's worker ids are its own, so the name
+    is checked and dropped (a non-string id is left for the entry's parse to refuse, naming it)."""
+    if isinstance(entry, dict) and isinstance(entry.get("id"), str):
+        return {key: value for key, value in entry.items() if key != "id"}
+    return entry
 
 
 def stamp_of(path: str) -> tuple[int, int, int, int]:
