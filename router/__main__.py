@@ -75,6 +75,9 @@ def serve(argv: list[str] | None = None) -> int:
             logger.error("--tls-cert-path %s / --tls-key-path %s: %s", config.tls_cert_path, config.tls_key_path,
                          getattr(exc, "strerror", None) or exc)
             return 2
+    from router.core.local_resources import raise_open_files_limit
+
+    budget = raise_open_files_limit(config.max_connections)  # before anything opens: the app sizes itself to it
     replica = ReplicaInfo(place=place)
     app = create_app(config, replica=replica)
     logger.info("pd-router on %s:%d%s: %d prefill, %d decode; policies %s/%s", config.host, config.port,
@@ -88,7 +91,8 @@ def serve(argv: list[str] | None = None) -> int:
                     announce=lambda message: logger.info("%s", message), wind_down=shutdown.wind_down(app),
                     reuse_port=place is not None, on_listening=lambda site: setattr(replica, "site", site),
                     ssl_context=ssl_context, header_read_timeout=config.connections.header_read_timeout_secs,
-                    idle_connection_timeout=config.connections.idle_connection_timeout_secs)
+                    idle_connection_timeout=config.connections.idle_connection_timeout_secs,
+                    max_clients=budget.clients)
     except ListenError as exc:
         logger.error("%s", exc)
         return 1

@@ -22,11 +22,13 @@ START_TIMEOUT_S = 60.0  # a deadline, not a measure: a loaded machine (2 shared 
 
 
 class RouterProcess:
-    def __init__(self, fleet: Fleet, *flags: str, log_path: Path) -> None:
+    def __init__(self, fleet: Fleet, *flags: str, log_path: Path, nofile: tuple[int, int] | None = None) -> None:
+        """`nofile`: the (soft, hard) open-files limit the process starts with (util-linux's prlimit)."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
-        self.argv = [sys.executable, "-m", "router", "--pd-disaggregation", "--host", "127.0.0.1",
+        limit = ["prlimit", f"--nofile={nofile[0]}:{nofile[1]}", "--"] if nofile is not None else []
+        self.argv = [*limit, sys.executable, "-m", "router", "--pd-disaggregation", "--host", "127.0.0.1",
                      "--port", str(self.port), "--log-level", "debug"]
         for handle in fleet.prefill:
             self.argv += ["--prefill", handle.url, str(handle.bootstrap_port)]

@@ -74,3 +74,12 @@ def test_smg_rl_flags_are_accepted():
     assert config_from_args(["--enable-rl"], env={}) == config_from_args([], env={})
     with pytest.raises(ConfigError, match="--rl-fanout-concurrency must be at least 1"):
         config_from_args(["--rl-fanout-concurrency", "0"], env={})
+
+
+def test_max_connections_per_worker_bounds_each_servers_legs_and_0_turns_it_off():
+    base = "--prefill http://a:1 --decode http://c:3".split()
+    assert config_from_args(base, env={}).max_connections_per_worker == 4096
+    assert config_from_args(base + ["--max-connections-per-worker", "64"], env={}).max_connections_per_worker == 64
+    assert config_from_args(base + ["--max-connections-per-worker", "0"], env={}).max_connections_per_worker == 0
+    with pytest.raises(ConfigError, match="--max-connections-per-worker must not be negative"):
+        config_from_args(base + ["--max-connections-per-worker", "-1"], env={})

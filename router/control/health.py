@@ -31,7 +31,7 @@ from typing import Awaitable, Callable
 
 from aiohttp import web
 
-from router.control.upstream import Upstream
+from router.control.upstream import NoAnswer, Upstream
 from router.core.config import BreakerConfig, HealthConfig
 from router.core.registry import Registry, Worker, WorkerState
 from router.core.routability import HoldKind, rejoin_refusal  # noqa: F401 (rejoin_refusal: importable here too)
@@ -315,6 +315,8 @@ class HealthMonitor:
     async def _probe(self, record: WorkerHealth) -> None:
         worker, epoch, revision = record.worker, record.epoch, record.worker.revision
         reply = await self.upstream.health(worker.url, self.health.endpoint, timeout=self.health.timeout_secs)
+        if reply.no_answer is NoAnswer.LOCAL:  # the router could not open a connection: no verdict on the server
+            return
         ok = reply.ok
         record.probes += 1
         if not self._current(record, epoch, revision) or self.is_held():

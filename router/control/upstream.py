@@ -21,6 +21,7 @@ import orjson
 from aiohttp import web
 
 from policies.load_report import LoadReport, parse_loads
+from router.core.local_resources import LocalResourceErrors, local_resource_kind
 from router.core.redact import redact_text
 from router.core.registry import Registry, Worker
 from router.core.router_identity import HOP_HEADER, INSTANCE
@@ -50,6 +51,7 @@ class NoAnswer(str, enum.Enum):
     TIMEOUT = "timeout"  # no answer within the call's deadline: the server may have acted on it
     CUT = "cut"  # the connection broke before a whole answer came: the server may have acted on it
     REFUSED_HERE = "refused_here"  # the URL itself is unusable: nothing was sent
+    LOCAL = "local_resource"  # the router ran out of its own descriptors or ports: nothing sent, no verdict
 
     def __str__(self) -> str:
         return self.value
@@ -76,7 +78,7 @@ class Reply:
     @property
     def reached(self) -> bool:
         """The call may have reached the server (it answered, or was cut or timed out after being sent)."""
-        return self.no_answer not in (NoAnswer.NOT_SENT, NoAnswer.REFUSED_HERE)
+        return self.no_answer not in (NoAnswer.NOT_SENT, NoAnswer.REFUSED_HERE, NoAnswer.LOCAL)
 
     @property
     def ok(self) -> bool:
@@ -118,8 +120,10 @@ class Load:
 
 
 class Upstream:
-    def __init__(self, session: aiohttp.ClientSession, timeout: float = 10.0, api_key: str | None = None) -> None:
+    def __init__(self, session: aiohttp.ClientSession, timeout: float = 10.0, api_key: str | None = None,
+                 local_errors: LocalResourceErrors | None = None) -> None:
         self.session = session
+        self.local_errors = local_errors if local_errors is not None else LocalResourceErrors()
         self.timeout = timeout
         self._auth = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         # Every call says it comes from a pd-router: a pd-router receiving it acts on none (core/router_identity).
@@ -176,8 +180,11 @@ class Upstream:
                 raw = await resp.read()
                 status = resp.status
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
-            return Reply(0, None, f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__,
-                         no_answer_of(exc))
+            text = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+            if (kind := local_resource_kind(exc)) is not None:  # the router's limit: says nothing of the server
+                self.local_errors.note(kind, f"calling {url}{path}", exc)
+                return Reply(0, None, text, NoAnswer.LOCAL)
+            return Reply(0, None, text, no_answer_of(exc))
         text = raw.decode(errors="replace")
         try:
             data = orjson.loads(raw) if raw else None

@@ -341,6 +341,8 @@ class RouterConfig:
     # the control plane; without it a client's Authorization header is passed through on the legs.
     worker_api_key: str | None = None
     max_connections: int = 8192
+    # This router's legs on one server at once (the rest wait in its leg queue); 0: no bound but the total.
+    max_connections_per_worker: int = 4096
     log_level: str = "info"
     log_json: bool = False  # one JSON object per log line
     # Serve HTTPS with this certificate (chain) and key (sgl-router's, SMG's --tls-cert-path/--tls-key-path)
@@ -462,6 +464,8 @@ class RouterConfig:
             found.append("--shutdown-grace-secs must not be negative")
         if self.max_connections < 1:
             found.append("--max-connections must be at least 1")
+        if self.max_connections_per_worker < 0:
+            found.append("--max-connections-per-worker must not be negative (0: no bound per worker)")
         if self.rl_fanout_concurrency < 1:
             found.append("--rl-fanout-concurrency must be at least 1")
         if self.replicas < 1:

@@ -17,6 +17,7 @@ from router.core.allowlists import WorkerAllowList
 from router.core.config import RouterConfig
 from router.core.coordination import Coordinator
 from router.core.lifecycle import Lifecycle
+from router.core.local_resources import DescriptorBudget, LocalResourceErrors
 from router.core.registry import Registry
 from router.core.states import Role
 from router.core.tasks import BackgroundTasks
@@ -32,3 +33,6 @@ COORDINATOR = web.AppKey("coordinator", Coordinator)  # the other router replica
 # Each pool's policy (the request path's own: admin views and upkeep read the same objects).
 POLICIES: web.AppKey[dict[Role, Policy]] = web.AppKey("policies", dict)
 WORKER_ALLOW = web.AppKey("worker_allow", WorkerAllowList)  # --worker-allow
+# The router's own resources (core/local_resources.py): what its open-files limit allows, and running out.
+DESCRIPTORS = web.AppKey("descriptors", DescriptorBudget)
+LOCAL_RESOURCES = web.AppKey("local_resources", LocalResourceErrors)

@@ -41,6 +41,8 @@ class RequestRecord:
     events: int = 0
     attempts: int = 0
     retries_aborted: int = 0
+    local_retries: int = 0  # attempts the router could not send for want of its own descriptors (re-sent)
+    waiting_for_room: bool = False  # in the router's leg queue (dataplane/leg_room.py) now
     prefill: Worker | None = None
     decode: Worker | None = None
     outcome: RequestOutcome = RequestOutcome.SUCCESS  # set once, by `conclude`, when the request ends

@@ -33,7 +33,8 @@ class LegFailed(Exception):
     failing with the same signature on two pairs is the request's fault (`Proxy`)."""
 
     def __init__(self, worker: Worker, status: int, body: bytes, content_type: str, *, retryable: bool,
-                 reason: str, abort: AbortAction | None = None, signature: bytes | None = None):
+                 reason: str, abort: AbortAction | None = None, signature: bytes | None = None,
+                 local: str | None = None):
         super().__init__(reason)
         self.worker = worker
         self.status = status
@@ -44,12 +45,16 @@ class LegFailed(Exception):
         # The router aborted the attempt's servers: what to do with it (`Dispatcher.router_abort` decides).
         self.abort = abort
         self.signature = signature
+        # The router ran out of its own descriptors or ports (EMFILE, ...) before the leg was sent: no server's
+        # fault; the request waits for a descriptor and is retried on the same pair.
+        self.local = local
 
     @property
     def worker_fault(self) -> bool:
         """Unreachable or 5xx, not caused by the router's own abort nor by the partner leg (a failed KV
         transfer): counts against this worker's breaker."""
-        return self.status >= 500 and self.abort is None and KV_TRANSFER_FAILURE not in self.body
+        return (self.status >= 500 and self.abort is None and self.local is None
+                and KV_TRANSFER_FAILURE not in self.body)
 
     @property
     def blame_now(self) -> bool:

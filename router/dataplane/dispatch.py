@@ -30,8 +30,8 @@ from router.dataplane.live import LiveRequests
 from router.dataplane.logprobs import index_prefill_events, merge_answer
 from router.dataplane.relay import KEEPALIVE_COMMENT, ClientGone, relay
 from router.dataplane.sse import RESPONSE_HEADERS
-from router.dataplane.upstream_http import (UpstreamError, UpstreamPool, UpstreamProtocolError, UpstreamResponse,
-                                            UpstreamSilent)
+from router.dataplane.upstream_http import (LocalResourceError, UpstreamError, UpstreamPool, UpstreamProtocolError,
+                                            UpstreamResponse, UpstreamSilent)
 
 logger = logging.getLogger(__name__)
 
@@ -80,7 +80,8 @@ class Dispatcher:
         """`linger_timeout`: how long a prefill leg may run on after its decode answered (None: no bound).
         `sse_keepalive`: --sse-keepalive-secs on the streams relayed (None: none)."""
         self._sse_keepalive = sse_keepalive
-        self._leg_ended = leg_ended  # SMG's PD admission: a leg's end frees room on its worker
+        self._leg_ended = leg_ended  # the leg queue and SMG's PD admission: a leg's end frees room
+        self.open_legs = 0  # legs in flight (lingering prefill legs included): LegRoom's bound
         self.registry = registry
         self.upstream = upstream  # the legs and their aborts
         self.policies = policies
@@ -108,11 +109,13 @@ class Dispatcher:
     # ---- legs --------------------------------------------------------------------------------------
     def _open_leg(self, worker: Worker, role: Role, coro, attempt: Attempt) -> Leg:
         self.registry.acquire(worker)
+        self.open_legs += 1
         trace = None if attempt.traces is None else attempt.traces[role is Role.DECODE]
         return Leg(self, worker, role, asyncio.get_running_loop().create_task(coro), trace)
 
     def leg_done(self, worker: Worker, role: Role, outcome: LegOutcome, fault: bool = True) -> None:
         self.registry.release(worker)
+        self.open_legs -= 1
         if self._leg_ended is not None:
             self._leg_ended(role)
         if outcome is LegOutcome.SUCCESS:
@@ -159,6 +162,9 @@ class Dispatcher:
         if exc is not None:
             if not isinstance(exc, (UpstreamError, asyncio.TimeoutError, OSError, asyncio.CancelledError)):
                 raise exc
+            if isinstance(exc, LocalResourceError):  # the router's own limit: nothing reached the server
+                return LegFailed(worker, 503, b"", "", retryable=True, abort=abort, local=exc.kind,
+                                 reason=f"{role} {worker.url} not reached: {exc}")
             # Closed before answering what it was sent (a request that crashes the server looks like this):
             # the request may be why; refused, silent or slow servers are the servers' state.
             closed = isinstance(exc, UpstreamProtocolError) and CLOSED_BEFORE_ANSWER in str(exc)
@@ -179,6 +185,8 @@ class Dispatcher:
         failure = self._failure(leg, attempt)
         if failure is None:
             leg.finish(LegOutcome.SUCCESS)
+        elif failure.local is not None:  # never sent: neither the policy nor the worker's counts learn of it
+            leg.finish(LegOutcome.CANCELLED)
         else:
             leg.finish(LegOutcome.ERROR, fault=failure.blame_now)
         return failure
@@ -375,7 +383,10 @@ class Dispatcher:
                         raise failure
             failure = self._failure(d, attempt)
             if failure is not None:
-                d.finish(LegOutcome.ERROR, fault=failure.blame_now)
+                if failure.local is not None:
+                    d.finish(LegOutcome.CANCELLED)
+                else:
+                    d.finish(LegOutcome.ERROR, fault=failure.blame_now)
                 p.cancel(attempt.rids)
                 raise failure
             d_resp, events, splitter = d.task.result()[3]

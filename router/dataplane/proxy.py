@@ -33,6 +33,7 @@ from router.dataplane.admission import Admission
 from router.dataplane.attempt import Attempt, LegFailed
 from router.dataplane.dispatch import Dispatcher
 from router.dataplane.dp_ranks import RankPlacer, complete_client_ranks, has_client_ranks
+from router.dataplane.leg_room import LegRoom
 from router.dataplane.live import LiveRequests
 from router.dataplane.pd_admission import PdAdmission
 from router.dataplane.relay import ClientGone, end_stream_with_error
@@ -45,6 +46,9 @@ logger = logging.getLogger(__name__)
 FORWARDED_HEADERS = ("Authorization", "X-Request-Id")
 UNTRACED_FORWARDED_HEADERS = FORWARDED_HEADERS + TRACE_HEADERS
 MAX_ABORT_RETRIES = 16
+# A leg that could not be sent for want of the router's own descriptors waits for one of the legs' connections
+# to close, at most this long (the shortage may be another part's), then goes again on the same pair.
+LOCAL_RETRY_WAIT_S = 0.5
 
 
 class Proxy:
@@ -68,6 +72,7 @@ class Proxy:
         self.live = live = LiveRequests()  # attempts in flight, by rid (abort endpoint, flows)
         pd = PdAdmission(config.pd_admission, registry)  # SMG's PD admission gates (None when both are off)
         self.pd_admission = pd if pd.enabled else None
+        self._legs = upstream
         self._dispatcher = dispatcher = Dispatcher(
             registry=registry, upstream=upstream, spawn=spawn,
             policies=policies,
@@ -76,7 +81,10 @@ class Proxy:
             retry_aborted=config.retry.retry_aborted, live=live,
             linger_timeout=config.upstream_idle_timeout_secs or None,
             sse_keepalive=config.connections.sse_keepalive_secs or None,
-            leg_ended=self.pd_admission.leg_ended if self.pd_admission is not None else None)
+            leg_ended=self._leg_ended)
+        # The legs' descriptors: at most the pool's bound in flight, --max-connections-per-worker on one server.
+        self.leg_room = LegRoom(config.max_connections_per_worker, upstream.max_connections, registry,
+                                lambda: dispatcher.open_legs)
         self.policies = policies
         self.leg_observers = dispatcher.leg_observers  # (worker, verdict) of every leg: passive health
         # Bound once: the attempt loop calls them without a hop through the dispatcher.
@@ -91,6 +99,11 @@ class Proxy:
         self._body_stall = config.connections.stream_body_stall_timeout_secs  # 0: a body may stall for ever
         self._limits = config.admission  # --max-n, --max-batch-size
         self._ranks = ranks
+
+    def _leg_ended(self, role: Role) -> None:
+        self.leg_room.room_freed()
+        if self.pd_admission is not None:
+            self.pd_admission.leg_ended(role)
 
     # ---- entry point -----------------------------------------------------------------------------
     async def handle(self, request: web.Request, route: str, upstream_path: str) -> web.StreamResponse:
@@ -120,6 +133,10 @@ class Proxy:
                                                         info, record, deadline)
                 except TimeoutError:
                     message = f"request did not finish within {self._timeout:g} s"
+                    if record.response is None and record.waiting_for_room:  # no server has seen it
+                        raise ServiceUnavailable(f"no room for the request's legs within its deadline "
+                                                 f"({self._timeout:g} s): the router is at its connection limits",
+                                                 headers={"Retry-After": "1"}) from None
                     if record.response is None:
                         raise GatewayTimeout(message, **_pair_of(record)) from None
                     record.error = message
@@ -189,11 +206,18 @@ class Proxy:
         return parse_json_object(raw)
 
     # ---- pair selection ----------------------------------------------------------------------------
-    def select_pair(self, info: RequestInfo, avoid: set[Worker] | None = None) -> tuple[Worker, Worker]:
+    def select_pair(self, info: RequestInfo, avoid: set[Worker] | None = None,
+                    pinned: tuple[Worker, Worker] | None = None) -> tuple[Worker, Worker]:
         """Pick one routable prefill and decode; `avoid` holds workers that already failed this request
-        (used only while the pool has others)."""
+        (used only while the pool has others); `pinned`: the pair to go again on while both stay routable (a
+        leg the router could not send for want of its own descriptors)."""
         prefills = self.registry.routable(Role.PREFILL)
         decodes = self.registry.routable(Role.DECODE)
+        if pinned is not None and pinned[0] in prefills and pinned[1] in decodes:
+            return pinned
+        if (room := self.leg_room).per_worker is not None:
+            prefills = room.with_room(prefills) or prefills
+            decodes = room.with_room(decodes) or decodes
         if (pd := self.pd_admission) is not None:
             if pd.prefill is not None:
                 prefills = pd.prefill.with_room(prefills) or prefills
@@ -220,6 +244,7 @@ class Proxy:
         max_attempts = 1 + (retry.max_retries if retry.enabled else 0)
         aborted_retries = 0
         attempt_no = 0
+        pinned: tuple[Worker, Worker] | None = None  # go again on this pair: its legs could not be sent here
         failed: set[Worker] = set()
         # Failures the request itself may have caused (LegFailed.signature): counted against their workers once
         # the request ends, unless another pair failed on it the same way.
@@ -235,7 +260,12 @@ class Proxy:
                     await self._traced_wait_open(trace, deadline)
                 if self.pd_admission is not None:  # room on a prefill (FIFO) and a decode, or 429/503
                     await self.pd_admission.enter()
-                prefill, decode = self.select_pair(info, failed)  # no await from here until the legs hold them
+                if not self.leg_room.can_enter_now():  # the router's connection bounds: wait, FIFO, no worker held
+                    record.waiting_for_room = True
+                    await self.leg_room.wait()
+                    record.waiting_for_room = False
+                prefill, decode = self.select_pair(info, failed, pinned)  # no await from here until the legs hold them
+                pinned = None
                 payload_body = dict(body)
                 inject_bootstrap(payload_body, shape, prefill)
                 rids = assign_rid(payload_body, shape, self.config.inject_rid)
@@ -266,6 +296,11 @@ class Proxy:
                         return await self._stream(request, upstream_path, attempt, shape, headers, record)
                     return await self._unary(upstream_path, attempt, shape, headers, record)
                 except LegFailed as failure:
+                    if failure.local is not None:  # the router's own descriptors ran out: no server's fault
+                        record.local_retries += 1
+                        await self._legs.wait_descriptor(LOCAL_RETRY_WAIT_S)
+                        pinned = (prefill, decode)
+                        continue
                     if failure.abort is not None:  # the router aborted its servers (a flow, an operator)
                         if failure.abort is AbortAction.RETRY and aborted_retries < MAX_ABORT_RETRIES:
                             # Before any token reached the client: re-sent, once the fleet is open again.

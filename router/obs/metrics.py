@@ -27,8 +27,10 @@ from prometheus_client.utils import floatToGoString
 
 from router.core.config import RouterConfig
 from router.core.errors import ListenError
+from router.core.local_resources import DescriptorBudget, LocalResourceErrors
 from router.core.registry import Registry, Role, Worker, WorkerState, rank_rows
 from router.dataplane.admission import Admission
+from router.dataplane.leg_room import LegRoom
 
 logger = logging.getLogger(__name__)
 
@@ -269,6 +271,32 @@ class _StateCollector:
                                   value=a.rejected_total)
         yield CounterMetricFamily(f"{PREFIX}_admission_queued", "requests that had to wait for admission",
                                   value=a.held_total)
+
+
+class BurstLimitsCollector:
+    """The router's own limits (docs/ROLLOUT_BURSTS.md), read at scrape time: its open-files budget, its leg
+    queue, and the times it ran out of its own resources (by errno name: EMFILE, ENFILE, EADDRNOTAVAIL,
+    ENOBUFS)."""
+
+    def __init__(self, errors: LocalResourceErrors, budget: DescriptorBudget, leg_room: LegRoom) -> None:
+        self.errors, self.budget, self.leg_room = errors, budget, leg_room
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        errors = CounterMetricFamily(f"{PREFIX}_local_resource_errors",
+                                     "the router ran out of its own descriptors, ports or buffers (no server "
+                                     "blamed)", labels=["kind"])
+        for kind, count in sorted(self.errors.counts.items()):
+            errors.add_metric([kind], count)
+        yield errors
+        yield GaugeMetricFamily(f"{PREFIX}_open_files_limit", "the router's soft RLIMIT_NOFILE at start-up",
+                                value=self.budget.limit)
+        yield GaugeMetricFamily(f"{PREFIX}_leg_queue_length", "requests waiting for room for their legs "
+                                "(--max-connections, --max-connections-per-worker)", value=self.leg_room.waiting)
+        yield CounterMetricFamily(f"{PREFIX}_leg_queue_waited", "requests that had to wait for room for their legs",
+                                  value=self.leg_room.waited_total)
 
 
 # ---- wiring -------------------------------------------------------------------------------------------------

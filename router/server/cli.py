@@ -100,7 +100,11 @@ SETTING_FLAGS: list[Flag] = [
     flag("--upstream-idle-timeout-secs",
          help="cut a leg whose server sends nothing for this long mid-answer (not while the fleet is paused in "
               "place), and a prefill leg still open this long after decode answered; 0: never"),
-    flag("--max-connections", help="upstream connection pool size"),
+    flag("--max-connections", help="upstream connection pool size (legs in flight; capped by the open-files "
+                                   "limit: docs/ROLLOUT_BURSTS.md)"),
+    flag("--max-connections-per-worker",
+         help="this router's legs on one server at once; more requests wait in the router's queue until their "
+              "deadline; 0: no bound per worker"),
     # SMG's connection bounds (README: Connections); 0 turns each off
     flag("--upstream-pool-idle-timeout-secs", path="connections.upstream_pool_idle_timeout_secs",
          help="close pooled connections to the workers idle this long (below SGLang's 5 s keep-alive)"),

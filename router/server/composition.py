@@ -50,9 +50,10 @@ from router.core.allowlists import WorkerAllowList
 from router.core.config import DISCOVER, RouterConfig
 from router.core.coordination import Coordinator, LocalCoordinator
 from router.core.errors import RouterError
-from router.core.keys import (CONFIG, COORDINATOR, LIFECYCLE, POLICIES, REGISTRY, SESSION, TASKS, TRAFFIC,
-                              WORKER_ALLOW)
+from router.core.keys import (CONFIG, COORDINATOR, DESCRIPTORS, LIFECYCLE, LOCAL_RESOURCES, POLICIES, REGISTRY,
+                              SESSION, TASKS, TRAFFIC, WORKER_ALLOW)
 from router.core.lifecycle import Lifecycle
+from router.core.local_resources import DescriptorBudget, LocalResourceErrors
 from router.core.registry import Registry, Role
 from router.core.tasks import BackgroundTasks
 from router.core.traffic import RequestPathControl
@@ -72,7 +73,7 @@ from router.flows.pauses import PAUSES, Pauses
 from router.flows.request_aborts import ABORTS, RequestAborts
 from router.flows.weight_updates import UPDATE_KINDS, UPDATES, WeightUpdates
 from router.obs import logs
-from router.obs.metrics import METRICS, RouterMetrics, metrics_port
+from router.obs.metrics import METRICS, BurstLimitsCollector, RouterMetrics, metrics_port
 from router.obs.policy_metrics import PolicyCollector
 from router.server import policy_runtime, worker_sources
 from router.server.replica_info import REPLICA
@@ -91,12 +92,15 @@ async def assemble(app: web.Application, stack: contextlib.AsyncExitStack) -> No
     admission = app[ADMISSION] = Admission(config.admission)
     metrics = app[METRICS] = RouterMetrics(registry, admission, config.prometheus_duration_buckets)
     spawn = tasks.spawn
+    # What the open-files limit allows (`__main__` raised it to the hard limit) and the router running out anyway.
+    budget = app[DESCRIPTORS] = DescriptorBudget.current()
+    local_errors = app[LOCAL_RESOURCES] = LocalResourceErrors()
 
     # ---- the control plane's client ----------------------------------------------------------------------
     worker_tls = worker_ssl_context(config.client_cert_path, config.client_key_path, config.ca_cert_paths)
     session = app[SESSION] = make_session(config, worker_tls)
     stack.push_async_callback(session.close)
-    upstream = app[UPSTREAM] = Upstream(session, api_key=config.worker_api_key)
+    upstream = app[UPSTREAM] = Upstream(session, api_key=config.worker_api_key, local_errors=local_errors)
     upstream.follow_credentials(registry)
 
     # ---- traces (--enable-trace): OpenTelemetry imported only then; closed last, after the legs -----------------
@@ -112,6 +116,7 @@ async def assemble(app: web.Application, stack: contextlib.AsyncExitStack) -> No
                                     Role.DECODE: make_policy(config.decode_policy, config.policy_params)}
     app[POLICIES] = policies
     legs = UpstreamPool(max_connections=config.max_connections, connect_timeout=config.connect_timeout_secs,
+                        max_open=budget.legs, local_errors=local_errors,
                         silence_timeout=config.upstream_idle_timeout_secs, ssl_context=worker_tls,
                         idle_timeout=config.connections.upstream_pool_idle_timeout_secs or float("inf"))  # 0: ever
     stack.push_async_callback(legs.close)
@@ -122,6 +127,7 @@ async def assemble(app: web.Application, stack: contextlib.AsyncExitStack) -> No
     proxy = app[PROXY] = Proxy(config=config, registry=registry, upstream=legs, policies=policies,
                                admission=admission, spawn=spawn,
                                tracer=tracing.requests if tracing is not None else None, ranks=ranks)
+    metrics.prometheus.register(BurstLimitsCollector(local_errors, budget, proxy.leg_room))
     if proxy.pd_admission is not None:  # SMG's PD admission: its queue and refusals on /metrics
         metrics.prometheus.register(PdAdmissionCollector(proxy.pd_admission))
     traffic: RequestPathControl = DataplaneControl(admission, proxy.live, legs, abort_on=proxy.abort_on)

@@ -22,6 +22,7 @@ import asyncio
 import logging
 import time
 from http import HTTPStatus
+from typing import Callable
 
 import orjson
 from aiohttp import web
@@ -148,8 +149,15 @@ class HeadWatch:
 
 
 class JsonErrorServer(Server):
+    on_connection_lost: Callable[[], None] | None = None  # the listening site counts its open connections
+
     def __call__(self) -> RequestHandler:
         return JsonErrorRequestHandler(self, loop=self._loop, **self._kwargs)
+
+    def connection_lost(self, handler: RequestHandler, exc: BaseException | None = None) -> None:
+        super().connection_lost(handler, exc)
+        if self.on_connection_lost is not None:
+            self.on_connection_lost()
 
 
 class RouterRunner(web.AppRunner):

@@ -27,7 +27,9 @@ from typing import Awaitable, Callable
 from aiohttp import web
 
 from router.core.errors import ListenError
-from router.server.http_errors import HeadWatch, RouterRunner
+from router.core.keys import LOCAL_RESOURCES
+from router.core.local_resources import LocalResourceErrors, local_resource_kind
+from router.server.http_errors import HeadWatch, JsonErrorServer, RouterRunner
 
 logger = logging.getLogger(__name__)
 
@@ -71,14 +73,34 @@ class StopSignals:
             os._exit(1)
 
 
-class EagerAcceptSite(web.BaseSite):
-    """A TCP site like aiohttp's TCPSite that drains the accept queue on each readiness event."""
+def listen_backlog(backlog: int) -> int:
+    """The accept queue asked of the kernel: at least the machine's own maximum (net.core.somaxconn), so that
+    a burst beyond the connections the router accepts waits there instead of in SYN retries."""
+    try:
+        with open("/proc/sys/net/core/somaxconn") as f:
+            return max(backlog, int(f.read()))
+    except (OSError, ValueError):
+        return backlog
 
-    __slots__ = ("_host", "_port", "_reuse_port", "_ssl", "_listeners", "_loop", "_paused", "accepted_total")
+
+class EagerAcceptSite(web.BaseSite):
+    """A TCP site like aiohttp's TCPSite that drains the accept queue on each readiness event.
+
+    `max_clients`: client connections open at once (`DescriptorBudget.clients`); at that many it stops
+    accepting, and new clients wait in the listen backlog until a connection closes."""
+
+    __slots__ = ("_host", "_port", "_reuse_port", "_ssl", "_listeners", "_loop", "_paused", "accepted_total",
+                 "max_clients", "clients", "_full", "_local_errors", "full_total")
 
     def __init__(self, runner: web.BaseRunner, host: str | None, port: int, *, backlog: int = 2048,
-                 reuse_port: bool = False, ssl_context: "ssl.SSLContext | None" = None) -> None:
+                 reuse_port: bool = False, ssl_context: "ssl.SSLContext | None" = None,
+                 max_clients: int | None = None, local_errors: LocalResourceErrors | None = None) -> None:
         super().__init__(runner, backlog=backlog)
+        self.max_clients = max_clients
+        self.clients = 0  # accepted and not closed yet
+        self._full = False  # not accepting: max_clients are open
+        self.full_total = 0  # times it stopped accepting for that
+        self._local_errors = local_errors if local_errors is not None else LocalResourceErrors()
         self._host = host
         self._port = port
         # SO_REUSEPORT: several processes (the replicas of `--replicas N`) listen on one port, each with its own
@@ -124,10 +146,15 @@ class EagerAcceptSite(web.BaseSite):
                 if family == socket.AF_INET6:
                     sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)  # as asyncio's create_server
                 sock.bind(address)
-                sock.listen(self._backlog)
+                sock.listen(listen_backlog(self._backlog))
                 sock.setblocking(False)
             for sock in self._listeners:
                 loop.add_reader(sock.fileno(), self._accept, sock)
+            server = self._runner.server
+            if isinstance(server, JsonErrorServer):  # the count of open client connections follows their ends
+                server.on_connection_lost = self._client_closed
+            else:
+                self.max_clients = None
         except BaseException:
             self._close_listeners()
             raise
@@ -153,25 +180,51 @@ class EagerAcceptSite(web.BaseSite):
     def _accept(self, listener: socket.socket) -> None:
         """Accept what is waiting (at most a backlog's worth, so that a flood cannot starve the loop)."""
         for _ in range(self._backlog):
+            if self.max_clients is not None and self.clients >= self.max_clients:
+                self._stop_accepting()
+                return
             try:
                 conn, _ = listener.accept()
             except (BlockingIOError, InterruptedError):
                 return
             except OSError as exc:
                 if exc.errno in RESOURCE_ERRORS:
-                    logger.error("cannot accept connections (%s); pausing %g s", exc, RESOURCE_PAUSE_S)
+                    kind = local_resource_kind(exc)
+                    if kind is not None:
+                        self._local_errors.note(kind, "accepting a client connection", exc)
+                    else:
+                        logger.error("cannot accept connections (%s); pausing %g s", exc, RESOURCE_PAUSE_S)
                     self._loop.remove_reader(listener.fileno())
                     self._paused[listener] = self._loop.call_later(RESOURCE_PAUSE_S, self._resume, listener)
                 return  # e.g. ECONNABORTED: the client gave up; the next readiness event brings the rest
             self.accepted_total += 1
+            self.clients += 1
             conn.setblocking(False)
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             self._loop.create_task(self._serve(conn))
 
     def _resume(self, listener: socket.socket) -> None:
         self._paused.pop(listener, None)
-        if listener.fileno() >= 0:
+        if listener.fileno() >= 0 and not self._full:
             self._loop.add_reader(listener.fileno(), self._accept, listener)
+
+    def _stop_accepting(self) -> None:
+        """max_clients are open: new clients wait in the listen backlog until one closes."""
+        if self._full:
+            return
+        self._full = True
+        self.full_total += 1
+        for sock in self._listeners:
+            if sock not in self._paused and sock.fileno() >= 0:
+                self._loop.remove_reader(sock.fileno())
+
+    def _client_closed(self) -> None:
+        self.clients -= 1
+        if self._full and self.clients < self.max_clients:
+            self._full = False
+            for sock in self._listeners:
+                if sock not in self._paused and sock.fileno() >= 0:
+                    self._loop.add_reader(sock.fileno(), self._accept, sock)
 
     async def _serve(self, conn: socket.socket) -> None:
         try:
@@ -183,6 +236,7 @@ class EagerAcceptSite(web.BaseSite):
         except Exception as exc:  # the client left at once, or the runner is shutting down
             logger.debug("accepted connection dropped: %s", exc)
             conn.close()
+            self._client_closed()  # no protocol was made for it: its end is counted here
 
 
 IDLE_FOR_EVER_S = 365 * 24 * 3600.0
@@ -193,12 +247,13 @@ def run(app: web.Application, *, host: str, port: int, loop: asyncio.AbstractEve
         wind_down: Callable[[StopSignals], Awaitable[None]] | None = None, reuse_port: bool = False,
         on_listening: Callable[[EagerAcceptSite], None] | None = None,
         ssl_context: "ssl.SSLContext | None" = None, header_read_timeout: float = 0.0,
-        idle_connection_timeout: float = 0.0) -> None:
+        idle_connection_timeout: float = 0.0, max_clients: int | None = None) -> None:
     """`web.run_app`'s job (signals, graceful shutdown, cancelling what is left) with EagerAcceptSite.
 
     On SIGTERM/SIGINT: stop listening, `await wind_down(signals)`, then close: handlers still running get
     `shutdown_timeout` seconds before they are cancelled. `header_read_timeout`, `idle_connection_timeout`: SMG's
-    client connection bounds (0: none)."""
+    client connection bounds (0: none). `max_clients`: client connections open at once (the rest wait in the
+    listen backlog)."""
     runner = RouterRunner(app, handler_cancellation=True,  # a client that disconnects cancels its handler
                           access_log=None, shutdown_timeout=shutdown_timeout,
                           # aiohttp closes at once when 0: "never" is a year
@@ -211,7 +266,8 @@ def run(app: web.Application, *, host: str, port: int, loop: asyncio.AbstractEve
         await runner.setup()
         heads = HeadWatch(runner.server, header_read_timeout) if header_read_timeout else None
         try:
-            site = EagerAcceptSite(runner, host, port, backlog=backlog, reuse_port=reuse_port, ssl_context=ssl_context)
+            site = EagerAcceptSite(runner, host, port, backlog=backlog, reuse_port=reuse_port, ssl_context=ssl_context,
+                                   max_clients=max_clients, local_errors=app.get(LOCAL_RESOURCES))
             try:
                 await site.start()
             except OSError as exc:

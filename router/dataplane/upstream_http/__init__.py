@@ -19,6 +19,7 @@ connections it runs on.
 
 from router.dataplane.upstream_http.pool import UpstreamPool, header_lines
 from router.dataplane.upstream_http.response import (
+    LocalResourceError,
     UpstreamConnectError,
     UpstreamError,
     UpstreamProtocolError,
@@ -26,5 +27,5 @@ from router.dataplane.upstream_http.response import (
     UpstreamSilent,
 )
 
-__all__ = ["UpstreamConnectError", "UpstreamError", "UpstreamPool", "UpstreamProtocolError", "UpstreamResponse",
+__all__ = ["LocalResourceError", "UpstreamConnectError", "UpstreamError", "UpstreamPool", "UpstreamProtocolError", "UpstreamResponse",
            "UpstreamSilent", "header_lines"]

@@ -11,7 +11,9 @@ import ssl as ssl_module
 import time
 from urllib.parse import urlsplit
 
+from router.core.local_resources import LocalResourceErrors, local_resource_kind
 from router.dataplane.upstream_http.response import (
+    LocalResourceError,
     StaleConnection,
     UpstreamConnectError,
     UpstreamResponse,
@@ -66,7 +68,10 @@ class _Connection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.lost = True
-        self.pool._connections.discard(self)
+        pool = self.pool
+        pool._connections.discard(self)
+        if pool._descriptor_freed is not None:
+            pool._free_descriptor()
         response = self.response
         if response is not None:
             self.response = None
@@ -126,11 +131,18 @@ class UpstreamPool:
 
     def __init__(self, *, max_connections: int = 8192, connect_timeout: float | None = 10.0,
                  idle_timeout: float = IDLE_TIMEOUT_S, max_body_size: int = MAX_BODY_SIZE,
-                 ssl_context: ssl_module.SSLContext | None = None, silence_timeout: float | None = None) -> None:
+                 ssl_context: ssl_module.SSLContext | None = None, silence_timeout: float | None = None,
+                 max_open: int | None = None, local_errors: LocalResourceErrors | None = None) -> None:
         """`silence_timeout`: cut an answer (its reader gets `UpstreamSilent`) once its server has sent
-        nothing for this long after the answer's head; None or 0: never."""
+        nothing for this long after the answer's head; None or 0: never. `max_open`: connections open at once,
+        idle ones included (the descriptors the legs may take: `DescriptorBudget.legs`); a new one beyond it
+        closes an idle one of another server first. `local_errors`: where the router's own resource failures
+        are counted (`LocalResourceError`)."""
         self.loop = asyncio.get_running_loop()
-        self.max_connections = max_connections
+        self.max_open = max_open if max_open is not None else max_connections
+        self.max_connections = min(max_connections, self.max_open)
+        self.local_errors = local_errors if local_errors is not None else LocalResourceErrors()
+        self._descriptor_freed: asyncio.Future | None = None  # set while a leg waits for one (wait_descriptor)
         self.connect_timeout = connect_timeout
         self.idle_timeout = idle_timeout  # --upstream-pool-idle-timeout-secs; swept at least twice per timeout
         self._sweep_every = min(IDLE_SWEEP_S, max(self.idle_timeout / 2, 0.05))
@@ -138,6 +150,7 @@ class UpstreamPool:
         self._ssl_context = ssl_context
         self._endpoints: dict[str, _Endpoint] = {}
         self._connections: set[_Connection] = set()
+        self._connecting = 0  # connections being made (not in _connections yet)
         self._in_use = 0
         self._slot_waiters: collections.deque[asyncio.Future] = collections.deque()
         self._sweeper: asyncio.TimerHandle | None = None
@@ -205,6 +218,8 @@ class UpstreamPool:
     async def _connect(self, endpoint: _Endpoint) -> _Connection:
         if self._closed:
             raise UpstreamConnectError("client is closed")
+        if len(self._connections) + self._connecting >= self.max_open:
+            self._close_oldest_idle()
         conn = _Connection(self, endpoint)
         ssl = None
         if endpoint.ssl:
@@ -212,6 +227,7 @@ class UpstreamPool:
                 self._ssl_context = ssl_module.create_default_context()
             ssl = self._ssl_context
         where = f"{endpoint.host}:{endpoint.port}"
+        self._connecting += 1
         try:
             async with asyncio.timeout(self.connect_timeout):
                 await self.loop.create_connection(lambda: conn, endpoint.host, endpoint.port, ssl=ssl,
@@ -220,9 +236,44 @@ class UpstreamPool:
             raise UpstreamConnectError(f"cannot connect to {where}: no connection within "
                                        f"{self.connect_timeout:g} s") from None
         except (OSError, ssl_module.SSLError) as exc:
+            kind = local_resource_kind(exc)
+            if kind is not None:  # the router's own limit, not the server's state
+                self.local_errors.note(kind, f"connecting to {where}", exc)
+                raise LocalResourceError(kind, f"cannot connect to {where}: {exc}") from exc
             raise UpstreamConnectError(f"cannot connect to {where}: {exc}") from exc
+        finally:
+            self._connecting -= 1
         self.connects_total += 1
         return conn
+
+    def _close_oldest_idle(self) -> None:
+        """Make room for a new connection: close the idle connection unused the longest (any server)."""
+        oldest: _Connection | None = None
+        for endpoint in self._endpoints.values():
+            for conn in endpoint.idle:
+                if not conn.lost and (oldest is None or conn.idle_since < oldest.idle_since):
+                    oldest = conn
+        if oldest is not None:
+            oldest.endpoint.idle.remove(oldest)
+            oldest.close()
+
+    # ---- waiting for a descriptor after a local resource error ----------------------------------------
+    async def wait_descriptor(self, timeout: float) -> bool:
+        """Wait until one of the pool's connections closes (a descriptor is free again), at most `timeout`
+        seconds (the exhaustion may be another part's: the caller tries again then). True if one closed."""
+        if self._descriptor_freed is None:
+            self._descriptor_freed = self.loop.create_future()
+        try:
+            async with asyncio.timeout(timeout):
+                await asyncio.shield(self._descriptor_freed)
+            return True
+        except TimeoutError:
+            return False
+
+    def _free_descriptor(self) -> None:
+        freed, self._descriptor_freed = self._descriptor_freed, None
+        if not freed.done():
+            freed.set_result(None)
 
     # ---- the in-use bound -----------------------------------------------------------------------------
     async def _take_slot(self) -> None:

@@ -33,6 +33,15 @@ class UpstreamConnectError(UpstreamError):
     """No connection could be made (refused, unresolvable, connect timeout): the request was not sent."""
 
 
+class LocalResourceError(UpstreamConnectError):
+    """The router ran out of its own descriptors, ephemeral ports or socket buffers (`kind`: EMFILE, ENFILE,
+    EADDRNOTAVAIL, ENOBUFS) before the request was sent: its failure, never the server's."""
+
+    def __init__(self, kind: str, message: str) -> None:
+        super().__init__(message)
+        self.kind = kind
+
+
 class UpstreamProtocolError(UpstreamError):
     """The answer is not HTTP/1.x we can read: garbled, oversized, or cut before its end."""
 
