@@ -157,17 +157,33 @@ class RebalanceState:
     look_moves: int = 0  # conversions decided at last_look_at (the same look: see `same_look`)
     last_decode_counts: tuple[int, int, int] | None = None  # rebalance_signals.decode_counts at the last look
     decode_overload: float = 1.0  # rebalance_signals.decode_overload read at the last look
+    # the model core's (policies/rebalance_model.py): the last look's counters, the intervals since, the last
+    # fitted mix, and the recent conversions' durations per direction ((to_prefill...), (to_decode...))
+    last_counters: tuple | None = None
+    intervals: tuple = ()
+    mix: object | None = None
+    conversion_secs: tuple[tuple[float, ...], tuple[float, ...]] = ((), ())
 
 
 def initial_state(now: float) -> RebalanceState:
     return RebalanceState(started_at=now)
 
 
-def conversion_ended(state: RebalanceState, now: float, ok: bool) -> RebalanceState:
+RECENT_CONVERSIONS = 5  # conversions per direction whose durations the model's cost averages
+
+
+def conversion_ended(state: RebalanceState, now: float, ok: bool, to_role: str | None = None,
+                     secs: float | None = None) -> RebalanceState:
     """After a conversion finished (or failed): cooldowns run from now, and what was seen during the
-    transition does not count towards the next proposal."""
+    transition does not count towards the next proposal; a successful one's duration (`secs`, into `to_role`)
+    is what the model charges the next move that way."""
     if ok:
-        return replace(state, last_conversion_at=now, streak=0, streak_direction=None)
+        durations = state.conversion_secs
+        if secs is not None and to_role in (PREFILL, DECODE):
+            side = 0 if to_role == PREFILL else 1
+            recent = (*durations[side], secs)[-RECENT_CONVERSIONS:]
+            durations = (recent, durations[1]) if side == 0 else (durations[0], recent)
+        return replace(state, last_conversion_at=now, streak=0, streak_direction=None, conversion_secs=durations)
     return replace(state, last_failure_at=now, streak=0, streak_direction=None)
 
 
@@ -188,6 +204,8 @@ class Decision:
     refill: bool = False  # rule 1: a pool was empty
     conversion_mode: str | None = None  # how to empty the server ("drain" | "shed" | "abort"); None: the config's
     state: RebalanceState | None = None
+    workers: tuple[str, ...] = ()  # every server to convert (the model core moves several at once); () = worker_id
+    model: dict | None = None  # the model core's reading: the fitted mix, each candidate split, the choice
 
     @property
     def convert(self) -> bool:

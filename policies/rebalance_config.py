@@ -20,6 +20,18 @@ class RebalanceMode(str, enum.Enum):
 @dataclass(frozen=True, slots=True)
 class RebalanceConfig:
     mode: RebalanceMode = RebalanceMode.ADVISORY
+    # The decision core: "model" chooses the split a fitted fleet model predicts serves the SLOs best
+    # (policies/rebalance_model.py); "rules" is the pressure-ratio core (policies/rebalance.py).
+    core: str = "rules"
+    # model: the share of requests meeting both SLO targets that is enough (a split predicted to reach it holds)
+    attainment_target: float = 0.9
+    # model: how far ahead a split is valued (the mix measured over window_secs is expected to last this long)
+    horizon_secs: float = 120.0
+    # model: the least predicted gain in attainment over the horizon worth a conversion (what the fit's noise
+    # could make up)
+    min_gain: float = 0.02
+    # model: a conversion's duration (drain and switch) before any was measured; then the recent ones' mean
+    conversion_secs: float = 10.0
     interval_secs: float = 5.0  # one observation and decision per interval
     window_secs: float = 15.0  # latency samples older than this are forgotten
     warmup_secs: float = 30.0
@@ -63,7 +75,9 @@ class RebalanceConfig:
         if not isinstance(self.mode, RebalanceMode):
             found.append(f"rebalance mode must be one of {', '.join(m.value for m in RebalanceMode)}, "
                          f"got {self.mode!r}")
-        for name in ("interval_secs", "window_secs", "ttft_target_secs", "itl_target_secs", "queue_target",
+        if self.core not in ("rules", "model"):
+            found.append(f"rebalance core must be rules or model, got {self.core!r}")
+        for name in ("horizon_secs", "conversion_secs", "interval_secs", "window_secs", "ttft_target_secs", "itl_target_secs", "queue_target",
                      "kv_target", "busy_target", "min_pressure"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
@@ -86,6 +100,10 @@ class RebalanceConfig:
             found.append(f"rebalance refill_empty_pool must be true or false, got {self.refill_empty_pool!r}")
         if self.conversion_mode not in ("drain", "abort"):
             found.append(f"rebalance conversion_mode must be drain or abort, got {self.conversion_mode!r}")
+        for name in ("attainment_target", "min_gain"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 <= value <= 1:
+                found.append(f"rebalance {name} must be in [0, 1], got {value!r}")
         if not isinstance(self.min_improvement, (int, float)) or not 0 <= self.min_improvement < 1:
             found.append(f"rebalance min_improvement must be in [0, 1), got {self.min_improvement!r}")
         return found

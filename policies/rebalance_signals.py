@@ -59,10 +59,8 @@ its `num_waiting_reqs` counts for its own pool.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from .rebalance import RebalanceConfig
+from .rebalance_config import RebalanceConfig
 
 PREFILL, DECODE = "prefill", "decode"
 TTFT_MIN_WAITING = 2  # requests waiting before TTFT is charged to a pool
@@ -95,6 +93,8 @@ class WorkerView:
     decode_step_per_request_s: float | None = None
     row_age_s: float | None = None  # how old the row it reported was when it answered
     started: int = 0  # the router's count of requests it sent to the server (since it was registered)
+    busy_total_s: float | None = None  # prefill: seconds in forwards since the server started (cumulative)
+    tokens_total: float | None = None  # decode: tokens decoded since the server started (decode_moments)
 
     @property
     def busy(self) -> int:
@@ -122,6 +122,10 @@ class Observation:
     pending: tuple[str, ...] = ()  # roles with servers not read yet (they may still join their pool)
     joining: tuple[str, ...] = ()  # the role each of the rebalancer's own conversions in progress moves into
     others_busy: str | None = None  # the conversions in progress that are not the rebalancer's (an operator's)
+    # the requests that arrived in the window as the router saw them (arrived at, prompt size, answer size): in
+    # its own units (tokens when it has them, else a proxy); only ratios of sizes count (rebalance_estimate)
+    request_sizes: tuple[tuple[float, float, float], ...] = ()
+    finished_sizes: tuple[tuple[float, float], ...] = ()  # (prompt, answer) of the requests that ended in it
 
     def pool(self, role: str) -> tuple[WorkerView, ...]:
         return self.prefill if role == PREFILL else self.decode
@@ -263,7 +267,7 @@ def ttft_charged_to(wp: float | None, wd: float | None) -> str | None:
     return None
 
 
-def pool_terms(obs: Observation, config: "RebalanceConfig") -> tuple[dict[str, float], dict[str, float], dict]:
+def pool_terms(obs: Observation, config: RebalanceConfig) -> tuple[dict[str, float], dict[str, float], dict]:
     """Both pools' terms, and how they were read (`notes`: the waiting counts and where TTFT went)."""
     prefill: dict[str, float] = {}
     decode: dict[str, float] = {}

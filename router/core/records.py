@@ -52,6 +52,9 @@ class RequestRecord:
     abort_answered: bool = False  # answered with SGLang's abort answer (the router aborted its servers)
     response: web.StreamResponse | None = None  # set once a stream has started
     trace: RequestTrace | None = None  # the request's span, with --enable-trace (core/tracing.py)
+    # the request's size as the router reads it (request_shape.request_sizes): the rebalancer's mix
+    prompt_size: int = 0
+    answer_size: int = 0
 
     def conclude(self) -> RequestOutcome:
         """The request's outcome, from what was recorded of it: the one place that names it."""

@@ -152,3 +152,34 @@ def prompt_text(route: str, body: dict) -> str | None:
                 parts.append(content)
         return "\n".join(parts)
     return None
+
+
+def _answer_budget(body: dict, route: str) -> int:
+    if route == "/generate":
+        params = body.get("sampling_params")
+        value = params.get("max_new_tokens") if isinstance(params, dict) else None
+    else:
+        value = body.get("max_completion_tokens", body.get("max_tokens"))
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0
+
+
+def request_sizes(route: str, body: dict) -> tuple[int, int]:
+    """(prompt, answer) sizes of a request as the router can read them cheaply, for the rebalancer's mix: the
+    first prompt's token ids when given, else its characters / 4; the answer's token budget. 0: unknown. Only
+    their ratios are used (the servers' counters give the scale), so a proxy serves."""
+    answer = _answer_budget(body, route)
+    if route == "/generate":
+        ids = body.get("input_ids")
+        if isinstance(ids, list) and ids:
+            return len(ids[0]) if isinstance(ids[0], list) else len(ids), answer
+    if route == "/v1/chat/completions":
+        messages = body.get("messages")
+        chars = sum(len(m["content"]) for m in messages if isinstance(m, dict) and isinstance(m.get("content"), str)) \
+            if isinstance(messages, list) else 0
+        return chars // 4, answer
+    prompt = body.get("text" if route == "/generate" else "prompt")
+    if isinstance(prompt, list) and prompt:
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        return len(prompt) // 4, answer
+    return (len(prompt) if isinstance(prompt, list) else 0), answer  # a completion's prompt as token ids

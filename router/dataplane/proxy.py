@@ -27,7 +27,7 @@ from router.core.registry import Registry, Role, Worker
 from router.core.router_identity import HOP_LINE
 from router.core.tracing import TRACE_HEADERS, RequestTracer
 from router.core.traffic import AbortAction
-from router.core.request_shape import assign_rid, inject_bootstrap, prompt_text, shape_of
+from router.core.request_shape import assign_rid, inject_bootstrap, prompt_text, request_sizes, shape_of
 from router.dataplane.aborts import abort_response
 from router.dataplane.admission import Admission
 from router.dataplane.attempt import Attempt, LegFailed
@@ -114,6 +114,7 @@ class Proxy:
             body = await self._read_body(request)
             shape = shape_of(route, body, self._limits)
             record.stream = shape.stream
+            record.prompt_size, record.answer_size = request_sizes(route, body)
             forwarded = {h: v for h in self._forwarded_headers if (v := request.headers.get(h)) is not None}
             if self._worker_auth is not None:
                 forwarded["Authorization"] = self._worker_auth

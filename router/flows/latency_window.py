@@ -38,10 +38,14 @@ class LatencyWindow:
         self.clock = clock
         # (ended at, ttft or None, itl or None, ended without a first token, started at)
         self._samples: deque[tuple[float, float | None, float | None, bool, float]] = deque(maxlen=max_samples)
+        # (ended at, started at, prompt size, answer size) of requests whose sizes the router read: the mix
+        self._sizes: deque[tuple[float, float, int, int]] = deque(maxlen=max_samples)
 
     def observe(self, record: RequestRecord) -> None:
         if record.decode is None:
             return  # never reached a pair
+        if record.prompt_size > 0 and record.answer_size > 0:
+            self._sizes.append((self.clock(), record.started, record.prompt_size, record.answer_size))
         if 400 <= record.status < 500 and record.status not in _CLIENT_ERRORS_THAT_COUNT:
             return
         ttft, censored = record.ttft_s, False
@@ -50,6 +54,17 @@ class LatencyWindow:
         if ttft is None and record.itl_s is None:
             return
         self._samples.append((self.clock(), ttft, record.itl_s, censored, record.started))
+
+    def sizes(self, now: float) -> tuple[tuple[tuple[float, float, float], ...], tuple[tuple[float, float], ...]]:
+        """The sizes of the requests that started in the window (started at, prompt, answer), and of those that
+        ended in it (prompt, answer). Both are of requests that ended: one still in flight is not seen yet."""
+        horizon = now - self.window_secs
+        sizes = self._sizes
+        while sizes and sizes[0][0] < now - LOOKBACK_WINDOWS * self.window_secs:
+            sizes.popleft()
+        started = tuple((s[1], s[2], s[3]) for s in sizes if s[1] >= horizon)
+        ended = tuple((s[2], s[3]) for s in sizes if s[0] >= horizon)
+        return started, ended
 
     def summary(self, now: float, min_samples: int, since: float | None = None) -> dict:
         """p90 TTFT and ITL (None: too few samples), how many requests the window holds and how many of them

@@ -32,6 +32,7 @@ from typing import Awaitable, Callable, Protocol
 
 from aiohttp import web
 
+from policies import rebalance_model
 from policies.rebalance import (
     Decision,
     Observation,
@@ -153,7 +154,10 @@ class Rebalancer:
             used_tokens=r.used_tokens if r else None, prefill_busy=load.prefill_busy,
             row_age_s=r.age_s if r else None,
             decode_step_s=load.decode_step_s, decode_batch=load.decode_batch,
-            decode_step_fixed_s=load.decode_step_fixed_s, decode_step_per_request_s=load.decode_step_per_request_s)
+            decode_step_fixed_s=load.decode_step_fixed_s, decode_step_per_request_s=load.decode_step_per_request_s,
+            busy_total_s=r.prefill_busy_us / 1e6 if r is not None and r.prefill_busy_us is not None else None,
+            tokens_total=r.decode_moments[5] if r is not None and r.decode_moments and len(r.decode_moments) > 5
+            else None)
 
     @property
     def applying(self) -> dict | None:
@@ -189,10 +193,11 @@ class Rebalancer:
         # ours in progress have left their pool, even before the flow took them out of routing
         pools = {role: tuple(self._view(w) for w in self.registry.routable(role) if w.id not in self._applying)
                  for role in (Role.PREFILL, Role.DECODE)}
+        arrived, ended = self.window.sizes(now)
         return Observation(now=now, prefill=pools[Role.PREFILL], decode=pools[Role.DECODE],
                            ttft_s=latency["ttft_s"], itl_s=latency["itl_s"], samples=latency["samples"],
                            busy=busy, converting_into=converting_into, pending=pending, joining=joining,
-                           others_busy=others)
+                           others_busy=others, request_sizes=arrived, finished_sizes=ended)
 
     # ---- decide ----------------------------------------------------------------------------------------
     def tick(self) -> Decision | None:
@@ -209,10 +214,13 @@ class Rebalancer:
             decision = refill(obs, self.state)
             if decision is None:
                 return None
+        elif config.core == "model":
+            decision = rebalance_model.decide(obs, self.state, config)
         else:
             decision = decide(obs, self.state, config)
         self._record(obs, decision)
-        self._more_in_this_look(decision)
+        if config.core != "model":  # the model core names every server a look moves at once
+            self._more_in_this_look(decision)
         return decision
 
     def _more_in_this_look(self, decision: Decision) -> None:
@@ -275,7 +283,8 @@ class Rebalancer:
                                 "guards": list(decision.guards), "to_role": decision.to_role,
                                 "worker_id": decision.worker_id}
         if decision.convert:
-            entry["applied"] = self._act(decision)
+            applied = [self._act(decision, worker_id) for worker_id in decision.workers or (decision.worker_id,)]
+            entry["applied"] = applied[0] if len(set(applied)) == 1 else applied
             if decision.refill:
                 self.last_refill["applied"] = entry["applied"]
         else:
@@ -283,18 +292,18 @@ class Rebalancer:
         self.decisions.append(entry)
         self._emit("decision", entry)
 
-    def _act(self, decision: Decision) -> str:
-        worker = self.registry.find(decision.worker_id)
+    def _act(self, decision: Decision, worker_id: str) -> str:
+        worker = self.registry.find(worker_id)
         acts = self.config.mode is RebalanceMode.ENABLED or (decision.refill and self.config.refills)
         what = "refill" if decision.refill else "convert"
         if not acts:
             self.counters["would_refill" if decision.refill else "would_convert"] += 1
-            logger.info("rebalancer (%s) would %s %s %s -> %s: %s", self.config.mode, what, decision.worker_id,
+            logger.info("rebalancer (%s) would %s %s %s -> %s: %s", self.config.mode, what, worker_id,
                         decision.from_role, decision.to_role, decision.reason)
             return "advisory"
         if self.converter is None or worker is None:
             why = "no conversion flow is available" if self.converter is None else "the worker is gone"
-            logger.warning("rebalancer cannot convert %s: %s", decision.worker_id, why)
+            logger.warning("rebalancer cannot convert %s: %s", worker_id, why)
             self.counters["conversions_failed"] += 1
             self.state = conversion_ended(self.state, self.clock(), ok=False)
             return f"not applied: {why}"
@@ -327,7 +336,8 @@ class Rebalancer:
         finally:
             now = self.clock()
             self._applying.pop(worker.id, None)
-            self.state = conversion_ended(self.state, now, ok=result.ok)
+            self.state = conversion_ended(self.state, now, ok=result.ok, to_role=to_role.value,
+                                          secs=now - record["started_at"] if "started_at" in record else None)
             if not result.ok:
                 self._failed_at[worker.id] = now
             self.counters["conversions_succeeded" if result.ok else "conversions_failed"] += 1

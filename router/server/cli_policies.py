@@ -21,6 +21,13 @@ _POLICY_HELP = {
 
 
 _REBALANCE_HELP = {
+    "core": "the decision core: model (the split a fitted fleet model predicts serves the SLOs best) or rules "
+            "(the pressure-ratio rules)",
+    "attainment_target": "model: the share of requests meeting both SLO targets that is enough (a split "
+                         "predicted to reach it holds)",
+    "horizon_secs": "model: how far ahead a split is valued (how long a measured mix is expected to last)",
+    "min_gain": "model: the least predicted attainment gain over the horizon worth a conversion",
+    "conversion_secs": "model: a conversion's duration before any was measured (then the recent ones' mean)",
     "interval_secs": "seconds between two observations and decisions",
     "window_secs": "latency samples older than this are forgotten",
     "warmup_secs": "no conversion this long after start",

@@ -1,0 +1,276 @@
+"""A model of a P/D fleet: the SLO attainment each split of its servers is predicted to reach (pure; no I/O).
+
+The rebalancer's objective is the operator's: **SLO attainment**, the share of requests that meet both the TTFT
+and the TPOT target. This module predicts it for a split (n prefill, m decode servers) from what the fleet is
+measured to be doing (`Mix`, fitted online by `policies/rebalance_estimate.py`, or given by a replay), and
+values every split the fleet could move to over a horizon, the conversions' cost included (`plan`).
+
+The model (each part the simplest that keeps the tail, not only the mean):
+
+- **Prefill** is one forward at a time per server: a queue. A request costs `s_i` seconds of prefill compute
+  (`Mix.prefill_s` times its relative size); a server's load is rho = lambda / n x E[s]. The wait is that of an
+  M/G/1 queue: mean Wq = rho E[s^2] / (2 E[s] (1 - rho)) (Pollaczek-Khinchine), a request waits at all with
+  probability rho, and, when it does, for an exponential time of mean Wq / rho. A request meets its TTFT when
+  its wait, its own forward and its first decode step fit in the target.
+- **Decode** is a continuously batched step loop: a step takes `fixed + per_request x batch` (the servers'
+  fitted step line) and gives every member one token. A request stays for its answer's tokens, so by Little's
+  law a server's mean batch B solves B = lambda / m x E[O] x step(B): B = lambda_m E[O] fixed / (1 - u) with
+  u = lambda_m E[O] per_request (u >= 1: the batch grows without end). A request meets its TPOT when the steps
+  it sees average under the target: the batch it shares is itself plus the others, Poisson of mean B
+  (M/G/infinity), averaged over its own tokens against the batch's turnover (a long answer sees the mean,
+  a short one the batch of its moment): a normal of mean fixed + per_request (B + 1) and variance
+  per_request^2 B E[O] / (E[O] + O_i).
+- **Attainment** is the mean over the mix's requests (its sampled shapes: the spread of prompt and answer
+  lengths, not only their means) of P(TTFT ok) x P(TPOT ok). A saturated pool (rho or u >= `SATURATED`) serves
+  nobody within its targets: its queue grows for as long as the split lasts.
+- **A backlog** (requests already waiting on a pool) delays everyone who arrives until it clears: a request
+  arriving while the backlog per server is longer than its target misses it. It clears at the pool's spare
+  capacity, so the split that clears it fastest wins back the time the backlog would cost.
+- **A move costs** its servers for the conversion's duration (`Costs`: drain and switch, measured per direction):
+  the donor pool loses them at once, the other pool gains them at the end. `plan` values each split as the
+  attainment it is predicted to deliver over the horizon, transition included, less nothing else: hysteresis is
+  the cost of going and of coming back, not a rule.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+PREFILL, DECODE = "prefill", "decode"
+SATURATED = 0.98  # a pool this loaded is read as saturated (the queueing formulas diverge near 1)
+MAX_SHAPES = 256  # request shapes a prediction averages over (a sample of the mix)
+
+
+@dataclass(frozen=True, slots=True)
+class Mix:
+    """What arrives and what it costs the servers, fleet-wide. Per-request costs are the servers' own
+    measurements (seconds of prefill compute, decode tokens); `shapes` are the requests' sizes relative to the
+    mean (prefill, decode), each pair one request, from the router's own counts (mean 1 on both sides)."""
+
+    rate: float  # requests per second arriving
+    prefill_s: float  # mean seconds of prefill compute per request
+    decode_tokens: float  # mean tokens decoded per request
+    step_fixed_s: float  # a decode step = fixed + per_request x batch
+    step_per_request_s: float
+    shapes: tuple[tuple[float, float], ...] = ((1.0, 1.0),)
+    waiting_prefill: float = 0.0  # requests waiting on prefill compute now (a backlog)
+    waiting_decode: float = 0.0  # requests waiting on decode (a batch slot, KV room, or an overgrown batch)
+
+    def to_dict(self) -> dict:
+        return {"rate": round(self.rate, 4), "prefill_s": round(self.prefill_s, 6),
+                "decode_tokens": round(self.decode_tokens, 3), "step_fixed_s": round(self.step_fixed_s, 6),
+                "step_per_request_s": round(self.step_per_request_s, 6), "shapes": len(self.shapes),
+                "prefill_scv": round(scv(s for s, _ in self.shapes), 3),
+                "decode_scv": round(scv(o for _, o in self.shapes), 3),
+                "waiting_prefill": round(self.waiting_prefill, 2), "waiting_decode": round(self.waiting_decode, 2)}
+
+
+@dataclass(frozen=True, slots=True)
+class Slo:
+    ttft_s: float
+    tpot_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class Prediction:
+    """One split's steady state under the mix."""
+
+    prefills: int
+    decodes: int
+    attainment: float  # share of requests predicted to meet both targets
+    prefill_load: float  # rho
+    decode_load: float  # u
+    prefill_wait_s: float  # mean queueing wait (inf: saturated)
+    decode_batch: float  # mean batch per decode server (inf: saturated)
+    tpot_s: float  # mean step a request sees
+
+    def to_dict(self) -> dict:
+        def r(x: float) -> float | None:
+            return None if math.isinf(x) else round(x, 4)
+        return {"split": f"{self.prefills}P{self.decodes}D", "attainment": round(self.attainment, 4),
+                "prefill_load": round(self.prefill_load, 3), "decode_load": round(self.decode_load, 3),
+                "prefill_wait_s": r(self.prefill_wait_s), "decode_batch": r(self.decode_batch),
+                "tpot_s": r(self.tpot_s)}
+
+
+def scv(values) -> float:
+    """Squared coefficient of variation (variance / mean^2) of `values`; 0 for fewer than two."""
+    xs = list(values)
+    if len(xs) < 2:
+        return 0.0
+    mean = sum(xs) / len(xs)
+    if mean <= 0:
+        return 0.0
+    return sum((x - mean) ** 2 for x in xs) / len(xs) / (mean * mean)
+
+
+def _normal_cdf(z: float) -> float:
+    return 0.5 * (1.0 + math.erf(z / math.sqrt(2.0)))
+
+
+def predict(mix: Mix, prefills: int, decodes: int, slo: Slo) -> Prediction:
+    """The steady state of `prefills` P and `decodes` D servers under `mix` (see the module docstring)."""
+    inf = float("inf")
+    if prefills < 1 or decodes < 1:
+        return Prediction(prefills, decodes, 0.0, inf, inf, inf, inf, inf)
+    shapes = mix.shapes[:MAX_SHAPES] or ((1.0, 1.0),)
+    mean_s = mix.prefill_s
+    second_moment = mean_s * mean_s * sum(r * r for r, _ in shapes) / len(shapes)
+    rho = mix.rate / prefills * mean_s
+    u = mix.rate / decodes * mix.decode_tokens * mix.step_per_request_s
+    fixed, per_request = mix.step_fixed_s, mix.step_per_request_s
+    if rho >= SATURATED or u >= SATURATED:
+        return Prediction(prefills, decodes, 0.0, rho, u, inf if rho >= SATURATED else 0.0,
+                          inf if u >= SATURATED else 0.0, inf)
+    wait = (mix.rate / prefills) * second_moment / (2.0 * (1.0 - rho)) if rho > 0 else 0.0
+    batch = mix.rate / decodes * mix.decode_tokens * fixed / (1.0 - u)
+    step_seen = fixed + per_request * (batch + 1.0)
+    total = 0.0
+    for r_prefill, r_decode in shapes:
+        slack = slo.ttft_s - mean_s * r_prefill - step_seen
+        if slack < 0:
+            continue
+        p_ttft = 1.0 - rho * math.exp(-rho * slack / wait) if wait > 0 else 1.0
+        tokens = max(1.0, mix.decode_tokens * r_decode)
+        spread = per_request * math.sqrt(batch * mix.decode_tokens / (mix.decode_tokens + tokens))
+        if spread > 0:
+            p_tpot = _normal_cdf((slo.tpot_s - step_seen) / spread)
+        else:
+            p_tpot = 1.0 if step_seen <= slo.tpot_s else 0.0
+        total += p_ttft * p_tpot
+    return Prediction(prefills, decodes, total / len(shapes), rho, u, wait, batch, step_seen)
+
+
+# ---- over a horizon: backlogs, transitions, costs ----------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class Costs:
+    """What a move costs: the seconds its servers serve in neither pool (drain + switch), per direction."""
+
+    to_prefill_s: float
+    to_decode_s: float
+
+    def of(self, direction: str) -> float:
+        return self.to_prefill_s if direction == PREFILL else self.to_decode_s
+
+
+def _late_secs(backlog_s: float, servers: int, growth: float, secs: float, target_s: float) -> tuple[float, float]:
+    """Over `secs` with `servers` servers, of a pool holding `backlog_s` server-seconds of queued work that grows
+    by `growth` per second (arrivals' work less the pool's capacity, negative when it clears): how long a new
+    arrival waits longer than `target_s` behind the backlog, and the backlog left at the end."""
+    limit = servers * target_s  # the backlog a newcomer can wait behind and still meet its target
+    left = max(0.0, backlog_s + growth * secs)
+    if growth == 0:
+        late = secs if backlog_s > limit else 0.0
+    elif growth > 0:
+        late = secs - min(secs, max(0.0, (limit - backlog_s) / growth))
+    else:
+        late = min(secs, max(0.0, (backlog_s - limit) / -growth))
+    return late, left
+
+
+@dataclass(frozen=True, slots=True)
+class Segment:
+    secs: float
+    prefills: int  # routable in the segment
+    decodes: int
+
+
+def value(mix: Mix, segments: list[Segment], slo: Slo) -> tuple[float, list[Prediction]]:
+    """The attainment predicted over `segments` (time-weighted), the backlogs now included: a request arriving
+    while a backlog per server exceeds its target is late."""
+    total_secs = sum(s.secs for s in segments)
+    if total_secs <= 0:
+        return 0.0, []
+    backlog_p = mix.waiting_prefill * mix.prefill_s
+    per_decode = mix.decode_tokens * mix.step_per_request_s  # a request's marginal decode work
+    backlog_d = mix.waiting_decode * per_decode
+    good = 0.0
+    predictions = []
+    for seg in segments:
+        p = predict(mix, seg.prefills, seg.decodes, slo)
+        predictions.append(p)
+        late_p, backlog_p = _late_secs(backlog_p, seg.prefills, mix.rate * mix.prefill_s - seg.prefills, seg.secs,
+                                       slo.ttft_s)
+        late_d, backlog_d = _late_secs(backlog_d, seg.decodes, mix.rate * per_decode - seg.decodes, seg.secs,
+                                       slo.ttft_s)
+        good += p.attainment * max(0.0, seg.secs - max(late_p, late_d))
+    return good / total_secs, predictions
+
+
+@dataclass(frozen=True, slots=True)
+class Candidate:
+    """A split the fleet could move to, and what the model says of it."""
+
+    prefills: int
+    decodes: int
+    moves: int  # servers converted (0: hold)
+    direction: str | None  # the pool the moved servers go to
+    steady: float  # attainment of the split once reached
+    value: float  # attainment over the horizon, the transition included
+    cost_s: float  # how long the moved servers serve in neither pool
+
+    def to_dict(self) -> dict:
+        return {"split": f"{self.prefills}P{self.decodes}D", "moves": self.moves, "to": self.direction,
+                "steady": round(self.steady, 4), "value": round(self.value, 4), "cost_s": round(self.cost_s, 2)}
+
+
+def plan(mix: Mix, prefills: int, decodes: int, slo: Slo, costs: Costs, horizon_s: float, *,
+         min_prefill: int = 1, min_decode: int = 1, arriving: tuple[str, int, float] | None = None,
+         ) -> list[Candidate]:
+    """Every split within the floors, valued over `horizon_s` from now, best first (holding wins ties). The
+    fleet has `prefills` and `decodes` routable servers; `arriving` = (pool, count, seconds left) for servers
+    of ours already on their way into a pool: every split counts them, and a split that moves more does so
+    alongside them (the other way would undo them: not offered)."""
+    out = []
+    total = prefills + decodes
+    arrive_pool, arrive_n, arrive_s = arriving if arriving else (None, 0, 0.0)
+    for target_p in range(min_prefill, total + arrive_n + 1):
+        final_p = target_p
+        final_d = total + arrive_n - final_p
+        if final_d < min_decode:
+            continue
+        now_p = prefills + (arrive_n if arrive_pool == PREFILL else 0)
+        moves = final_p - now_p
+        direction = PREFILL if moves > 0 else DECODE if moves < 0 else None
+        if arrive_n and direction not in (None, arrive_pool):
+            continue
+        k = abs(moves)
+        if k > (decodes if direction == PREFILL else prefills):
+            continue
+        cost = costs.of(direction) if direction else 0.0
+        segments = []
+        # those of ours on their way arrive first (their time left), then the moves made now
+        base_p, base_d = prefills, decodes
+        if arrive_n and arrive_s > 0:
+            take_p = base_p - (k if direction == DECODE else 0)
+            take_d = base_d - (k if direction == PREFILL else 0)
+            segments.append(Segment(min(arrive_s, horizon_s), take_p, take_d))
+        after_arrival_p = base_p + (arrive_n if arrive_pool == PREFILL else 0)
+        after_arrival_d = base_d + (arrive_n if arrive_pool == DECODE else 0)
+        spent = sum(s.secs for s in segments)
+        if k:
+            mid_p = after_arrival_p - (k if direction == DECODE else 0)
+            mid_d = after_arrival_d - (k if direction == PREFILL else 0)
+            segments.append(Segment(max(0.0, min(cost, horizon_s) - spent), mid_p, mid_d))
+            spent = sum(s.secs for s in segments)
+        segments.append(Segment(max(0.0, horizon_s - spent), final_p, final_d))
+        segments = [s for s in segments if s.secs > 0]
+        v, predictions = value(mix, segments, slo)
+        steady = predict(mix, final_p, final_d, slo).attainment
+        out.append(Candidate(final_p, final_d, k, direction, steady, v, cost))
+    out.sort(key=lambda c: (-c.value, c.moves))
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class Choice:
+    """The split `plan` picks, against holding."""
+
+    best: Candidate
+    hold: Candidate
+    candidates: list[Candidate] = field(default_factory=list)
+
+    @property
+    def gain(self) -> float:
+        return self.best.value - self.hold.value

@@ -1,0 +1,191 @@
+"""The fleet model's inputs, fitted online from what the servers and the router report (pure; no I/O).
+
+Each look reads every routable server's cumulative counters (`Counters`): the requests the router sent it and
+has open on it (its own counts), a prefill's forward time (`total_prefill_busy_us`) and a decode's tokens
+(`decode_moments`). Between two looks at the same server in the same role, their differences say what arrived
+and what it cost (`Interval`): requests that arrived, prefill forwards' seconds per request that left its
+prefill, decode tokens per request that left its decode. These are properties of the workload, not of the
+split: moving a server does not change what a request costs, so a conversion does not disturb the fit.
+`fit` sums the intervals of the last `window_secs` into a `fleet_model.Mix`, with the decodes' fitted step
+line, the backlogs the signals read (`rebalance_signals`: which queue waits on which pool), and the spread
+of request sizes the router saw (`Observation.request_sizes`: relative shapes; the servers' figures set the
+scale).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .fleet_model import Mix
+from .rebalance_signals import DECODE, PREFILL, Observation, decoding_now, step_line, waits_on_decode, waits_on_prefill
+
+MIN_DONE = 3  # requests that left a pool before its per-request cost counts
+MAX_INTERVALS = 512  # intervals kept (a bound: the window decides what counts)
+
+
+@dataclass(frozen=True, slots=True)
+class Counters:
+    """One routable server's cumulative counters at a look."""
+
+    id: str
+    role: str
+    started: int  # requests the router sent it (since it joined its pool)
+    inflight: int  # requests the router has open on it
+    busy_s: float | None  # prefill: seconds in forwards, since the server started
+    tokens: float | None  # decode: tokens decoded, since the server started
+
+
+@dataclass(frozen=True, slots=True)
+class Interval:
+    """What happened between two looks, over the servers seen at both in the same role."""
+
+    secs: float
+    arrivals: int  # requests sent to the prefill pool
+    prefill_done: int  # requests that left a prefill (their forward done)
+    prefill_busy_s: float  # forward seconds spent
+    busy_known: bool  # every prefill counted reports its forward time
+    decode_done: int
+    decode_tokens: float
+    tokens_known: bool
+
+
+def counters(obs: Observation) -> tuple[Counters, ...]:
+    return tuple(Counters(w.id, role, w.started, w.inflight, w.busy_total_s, w.tokens_total)
+                 for role in (PREFILL, DECODE) for w in obs.pool(role))
+
+
+def interval(before: tuple[Counters, ...], after: tuple[Counters, ...], secs: float) -> Interval:
+    """The differences between two looks' counters (a server whose counters went back restarted: skipped)."""
+    then = {(c.id, c.role): c for c in before}
+    arrivals = prefill_done = decode_done = 0
+    busy = tokens = 0.0
+    busy_known = tokens_known = True
+    for c in after:
+        old = then.get((c.id, c.role))
+        if old is None or c.started < old.started:
+            continue
+        started = c.started - old.started
+        done = max(0, started - (c.inflight - old.inflight))
+        if c.role == PREFILL:
+            arrivals += started
+            prefill_done += done
+            if c.busy_s is None or old.busy_s is None or c.busy_s < old.busy_s:
+                busy_known = busy_known and done == 0
+            else:
+                busy += c.busy_s - old.busy_s
+        else:
+            decode_done += done
+            if c.tokens is None or old.tokens is None or c.tokens < old.tokens:
+                tokens_known = tokens_known and done == 0
+            else:
+                tokens += c.tokens - old.tokens
+    return Interval(secs, arrivals, prefill_done, busy, busy_known, decode_done, tokens, tokens_known)
+
+
+@dataclass(frozen=True, slots=True)
+class Fit:
+    """The mix fitted at a look, or why it could not be (`missing`)."""
+
+    mix: Mix | None
+    missing: str = ""
+    window_secs: float = 0.0
+
+
+def _shapes(sizes: tuple[tuple[float, float, float], ...]) -> tuple[tuple[float, float], ...]:
+    """Request sizes relative to their means (each side 1 on average); ((1, 1),) when none are known."""
+    known = [(p, d) for _, p, d in sizes if p > 0 and d > 0]
+    if not known:
+        return ((1.0, 1.0),)
+    mean_p = sum(p for p, _ in known) / len(known)
+    mean_d = sum(d for _, d in known) / len(known)
+    return tuple((p / mean_p, d / mean_d) for p, d in known)
+
+
+def _median(values: list[float]) -> float:
+    """The median of per-interval rates: a burst shorter than half the window is not a new rate (its backlog is
+    read as a backlog)."""
+    ordered = sorted(values)
+    mid = len(ordered) // 2
+    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
+
+
+SIZE_BINS = 8  # the window's arrivals are read in this many slices, and the median slice's work counts
+
+
+def _rescaled(cost: float | None, obs: Observation, secs: float, rate: float, side: int) -> float | None:
+    """A per-request cost measured on the requests that finished, for those that arrive: in proportion to the
+    sizes the router saw of each (the servers give the scale, the router the mix). The work arriving is the
+    median of the window's slices, as the rate is: a burst shorter than half the window is a backlog, not the
+    mix."""
+    arrived, finished = obs.request_sizes, obs.finished_sizes
+    if cost is None or len(arrived) < MIN_DONE or len(finished) < MIN_DONE or rate <= 0 or secs <= 0:
+        return cost
+    mean_finished = sum(s[side - 1] for s in finished) / len(finished)
+    if mean_finished <= 0:
+        return cost
+    width = secs / SIZE_BINS
+    work = [0.0] * SIZE_BINS
+    for entry in arrived:
+        index = int((obs.now - entry[0]) / width)
+        if 0 <= index < SIZE_BINS:
+            work[index] += entry[side]
+    per_request = _median([w / width for w in work]) / rate
+    return cost * per_request / mean_finished if per_request > 0 else cost
+
+
+def fit(obs: Observation, intervals: tuple[Interval, ...], window_secs: float, previous: Mix | None) -> Fit:
+    """The mix over the newest intervals covering `window_secs`. A figure with too few requests behind it keeps
+    its previous value (a pool that finished nothing in the window says nothing new of what a request costs)."""
+    secs = arrivals = prefill_done = decode_done = 0
+    busy = tokens = 0.0
+    busy_ok = tokens_ok = True
+    rates = []
+    for iv in reversed(intervals):
+        if secs >= window_secs:
+            break
+        rates.append(iv.arrivals / iv.secs if iv.secs > 0 else 0.0)
+        secs += iv.secs
+        arrivals += iv.arrivals
+        prefill_done += iv.prefill_done
+        busy += iv.prefill_busy_s
+        busy_ok = busy_ok and iv.busy_known
+        decode_done += iv.decode_done
+        tokens += iv.decode_tokens
+        tokens_ok = tokens_ok and iv.tokens_known
+    if secs <= 0:
+        return Fit(None, "no interval yet (one look so far)")
+    rate = _median(rates)
+    prefill_s = busy / prefill_done if busy_ok and prefill_done >= MIN_DONE else None
+    decode_tokens = tokens / decode_done if tokens_ok and decode_done >= MIN_DONE else None
+    # what finished is a lagging sample of what arrives: scaled by the sizes the router saw of each
+    prefill_s = _rescaled(prefill_s, obs, secs, rate, 1)
+    decode_tokens = _rescaled(decode_tokens, obs, secs, rate, 2)
+    line = step_line(obs)
+    fixed, per_request = line if line else (None, None)
+    if fixed is None:
+        steps = [w.decode_step_s for w in obs.decode if w.decode_step_s is not None]
+        if steps:  # no fitted line yet: the step as it is, as if it did not grow with the batch
+            fixed, per_request = sum(steps) / len(steps), 0.0
+    if previous is not None:
+        prefill_s = previous.prefill_s if prefill_s is None else prefill_s
+        decode_tokens = previous.decode_tokens if decode_tokens is None else decode_tokens
+        if fixed is None:
+            fixed, per_request = previous.step_fixed_s, previous.step_per_request_s
+    if decode_tokens is not None and decode_tokens <= 1.0 and fixed is None:
+        fixed, per_request = 0.0, 0.0  # answers of a token or none: the decode pool's speed does not matter
+    missing = [name for name, v in (("prefill seconds per request", prefill_s),
+                                    ("decode tokens per request", decode_tokens), ("decode step", fixed)) if v is None]
+    if missing:
+        return Fit(None, f"not measured yet: {', '.join(missing)}", secs)
+    wait_p = waits_on_prefill(obs) or 0.0
+    wait_d = waits_on_decode(obs) or 0.0
+    mix = Mix(rate=rate, prefill_s=prefill_s, decode_tokens=decode_tokens, step_fixed_s=fixed,
+              step_per_request_s=per_request, shapes=_shapes(obs.request_sizes), waiting_prefill=wait_p,
+              waiting_decode=wait_d)
+    return Fit(mix, "", secs)
+
+
+def overgrown_batch(obs: Observation, steady_batch: float) -> float:
+    """Requests decoding beyond the batch the decodes would hold in a steady state: a backlog the decode pool
+    carries in its batch (an overload grows the batch, not a queue)."""
+    return max(0.0, decoding_now(obs) - steady_batch * len(obs.decode))

@@ -1,0 +1,147 @@
+"""The model core (policies/rebalance_model.py) on the virtual fleet (bench/replay.py) and on observations
+built by hand: its choices, its guards, its record, and that recorded observations replay to the same
+decisions."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from bench import replay, workload_suite as ws
+from policies import rebalance_model
+from policies.rebalance import RebalanceConfig, RebalanceMode, initial_state
+from policies.rebalance_estimate import Counters, interval, fit
+from policies.rebalance_guards import GUARDS, guard_table
+from policies.rebalance_signals import Observation, WorkerView
+
+
+def _suite(name: str) -> ws.Workload:
+    return next(w for w in ws.suite() if w.name == name)
+
+
+def _driven(workload: ws.Workload, record: bool = False) -> replay.Run:
+    plan, phases = ws.arrivals(workload, 7)
+    half = workload.servers // 2
+    return replay.run(plan, phases, half, workload.servers - half, workload.capacity,
+                      config=ws.suite_config(workload, "model"), decide=rebalance_model.decide, record=record)
+
+
+def test_a_shifting_mix_is_followed_several_servers_at_once_without_flapping():
+    workload = _suite("shift8")
+    result = ws.evaluate(workload, "model")
+    assert result.vs_best >= ws.TARGETS["changing"], ws.render([(workload, result)])
+    assert result.flaps == 0
+    run = _driven(workload, record=True)
+    several = [d for d in run.decisions if d["action"] == "convert" and len(d["workers"]) > 1]
+    assert several, "8 servers turning from prefill- to decode-heavy need several moves in one look"
+
+
+def test_bursts_shorter_than_a_conversion_are_held_through():
+    workload = _suite("burst4")
+    result = ws.evaluate(workload, "model")
+    assert result.vs_best >= ws.TARGETS["steady"], ws.render([(workload, result)])
+    assert result.flaps == 0
+
+
+def test_recorded_observations_replay_to_the_same_decisions():
+    workload = _suite("shift4")
+    run = _driven(workload, record=True)
+    assert any(d["action"] == "convert" for d in run.decisions)
+    again = replay.redecide(run.observations, ws.suite_config(workload, "model"), rebalance_model.decide,
+                            run.conversions)
+    strip = [(d["action"], d["reason"], tuple(d["workers"])) for d in run.decisions]
+    assert [(d["action"], d["reason"], tuple(d["workers"])) for d in again] == strip
+
+
+def test_a_decision_shows_each_candidate_split_and_the_cost_charged():
+    run = _driven(_suite("shift4"), record=True)
+    convert = next(d for d in run.decisions if d["action"] == "convert")
+    model = convert["model"]
+    splits = {c["split"] for c in model["candidates"]}
+    assert splits == {"1P3D", "2P2D", "3P1D"}
+    assert all({"steady", "value", "cost_s", "moves"} <= set(c) for c in model["candidates"])
+    assert model["choice"]["why"] == "best" and model["choice"]["gain"] > 0
+    assert model["mix"]["rate"] > 0 and model["costs_s"]["to_prefill"] > 0
+
+
+# ---- the fit and the guards on observations built by hand -------------------------------------------------
+def _obs(now: float, started: int, busy_s: float, tokens: float, *, others_busy: str | None = None,
+         prefills: int = 2, decodes: int = 2) -> Observation:
+    p = tuple(WorkerView(id=f"p{i}", started=started, inflight=0, busy_total_s=busy_s, waiting_queue=0, bootstrap=0,
+                         inflight_queue=0) for i in range(prefills))
+    d = tuple(WorkerView(id=f"d{i}", started=started, inflight=0, tokens_total=tokens, waiting_queue=0, prealloc=0,
+                         decode_step_fixed_s=0.04, decode_step_per_request_s=0.008) for i in range(decodes))
+    return Observation(now=now, prefill=p, decode=d, others_busy=others_busy, busy=others_busy)
+
+
+def test_the_fit_reads_rate_and_costs_from_the_counters_between_looks():
+    before, after = _obs(0.0, 0, 0.0, 0.0), _obs(10.0, 50, 10.0, 750.0)
+    from policies.rebalance_estimate import counters
+    iv = interval(counters(before), counters(after), 10.0)
+    assert (iv.arrivals, iv.prefill_done, iv.decode_done) == (100, 100, 100)
+    got = fit(after, (iv,), 10.0, None)
+    assert got.mix.rate == pytest.approx(10.0)
+    assert got.mix.prefill_s == pytest.approx(0.2)  # 20 s of forwards for 100 requests
+    assert got.mix.decode_tokens == pytest.approx(15.0)
+
+
+def test_a_server_in_another_role_since_the_last_look_is_not_read_as_new_work():
+    before = (Counters("a", "prefill", 100, 0, 50.0, None),)
+    after = (Counters("a", "decode", 3, 0, 50.0, 30.0),)
+    iv = interval(before, after, 5.0)
+    assert (iv.arrivals, iv.prefill_done, iv.decode_done) == (0, 0, 0)
+
+
+def _decide_over(looks: list[Observation], config: RebalanceConfig, state=None):
+    state = state or initial_state(0.0)
+    decision = None
+    for obs in looks:
+        decision = rebalance_model.decide(obs, state, config)
+        state = decision.state
+    return decision
+
+
+DECODE_HEAVY_LOOKS = [_obs(t, int(8.5 * t), 0.0096 * 8.5 * t, 15 * 8.5 * t) for t in (0.0, 5.0, 10.0, 15.0)]
+CONFIG = RebalanceConfig(mode=RebalanceMode.ENABLED, core="model", warmup_secs=0, window_secs=15,
+                         ttft_target_secs=2.0, itl_target_secs=0.2, conversion_secs=2.0)
+
+
+def test_a_decode_heavy_mix_on_a_split_that_cannot_serve_it_converts_prefills():
+    # 17 requests/s of 15 decode tokens: two decodes saturate (u = 1.02), three serve them
+    decision = _decide_over(DECODE_HEAVY_LOOKS, CONFIG)
+    assert decision.convert and decision.to_role == "decode", decision.reason
+    assert decision.workers == ("p0",)
+    assert decision.model["choice"]["split"] == "1P3D"
+
+
+@pytest.mark.parametrize("why, change, guard", [
+    ("warming up", dict(warmup_secs=100), "warmup"),
+    ("failed lately", dict(), "failure_cooldown"),
+    ("an operator's conversion", dict(), "busy"),
+])
+def test_guards_hold_what_the_model_would_do(why, change, guard):
+    config = replace(CONFIG, **change)
+    looks = list(DECODE_HEAVY_LOOKS)
+    state = initial_state(0.0)
+    if guard == "failure_cooldown":
+        state = replace(state, last_failure_at=1.0)
+    if guard == "busy":
+        looks[-1] = replace(looks[-1], others_busy="d1 draining")
+    decision = _decide_over(looks, config, state)
+    assert not decision.convert and guard in decision.guards, decision.reason
+    assert decision.model["choice"]["split"] == "1P3D"  # the model's choice stands, held
+
+
+def test_a_split_predicted_to_meet_the_target_holds():
+    steady = [_obs(t, int(6 * t), 0.107 * 6 * t, 9 * 6 * t) for t in (0.0, 5.0, 10.0, 15.0)]
+    decision = _decide_over(steady, CONFIG)
+    assert not decision.convert
+    assert decision.model["choice"]["why"] in ("meets_target", "no_gain"), decision.reason
+
+
+def test_the_guard_table_is_generated_from_the_guards():
+    table = guard_table()
+    for name, guard in GUARDS:
+        assert f"`{name}` ({guard.__name__})" in table
+        assert " ".join(guard.__doc__.split())[:40] in table
