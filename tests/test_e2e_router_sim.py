@@ -140,3 +140,34 @@ async def test_stale_bootstrap_port_fails_cleanly_not_hangs(aiohttp_client):
             state = await fleet.state(fleet.prefill[0])
             return not state["running_rids"] and not state["waiting_rids"] and not state["inflight_calls"]
         await wait_for(prefill_idle, message="prefill leg aborted, not left waiting for decode")
+
+
+CHAT = [{"role": "user", "content": "hi"}]
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/v1/chat/completions", {"messages": CHAT, "n": "2", "max_tokens": 2}),
+    ("/v1/chat/completions", {"messages": CHAT, "n": 2, "max_tokens": 2, "stream": True}),
+    ("/v1/completions", {"prompt": "hi", "n": "2", "max_tokens": 2}),
+    ("/v1/completions", {"prompt": "hi", "n": 2.0, "max_tokens": 2}),
+    ("/generate", {"text": "hi", "sampling_params": {"n": 2, "max_new_tokens": 2}}),
+], ids=["chat-text", "chat-stream", "completions-text", "completions-float", "generate"])
+async def test_n_above_one_is_a_400_saying_why_not_the_servers_500(fleet, router, path, body):
+    """SGLang 0.5.23's decode server waits for the KV of an n > 1 request's warm-up, which no prefill sends: the
+    servers' answer is a 500 after the KV timeout, whatever the router sends. The client gets a 400 at once."""
+    resp = await router.post(path, json=body)
+    assert resp.status == 400, await resp.text()
+    error = (await resp.json())["error"]
+    assert error["param"] in ("n", "sampling_params.n") and "n > 1" in error["message"]
+    reached = [(await fleet.state(h))["counters"]["requests_by_route"] for h in fleet.workers]
+    assert reached == [{}] * len(fleet.workers)  # refused before anything was sent
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/v1/chat/completions", {"messages": CHAT, "n": "1", "max_tokens": 2}),
+    ("/v1/completions", {"prompt": "hi", "n": 1.0, "max_tokens": 2}),
+    ("/generate", {"text": "hi", "sampling_params": {"n": 1, "max_new_tokens": 2}}),
+])
+async def test_n_of_one_written_any_way_is_served(router, path, body):
+    resp = await router.post(path, json=body)
+    assert resp.status == 200, await resp.text()

@@ -11,7 +11,7 @@ import orjson
 import pytest
 from aiohttp import web
 
-from router.core.config import RouterConfig, WorkerSpec
+from router.core.config import AdmissionConfig, RouterConfig, WorkerSpec
 from router.core.keys import REGISTRY
 from router.core.registry import Role
 from router.server.app import create_app
@@ -66,7 +66,7 @@ async def test_rooms_are_distinct_per_request(fake_fleet, make_router):
 ])
 async def test_batches_get_one_distinct_room_per_sequence(fake_fleet, make_router, body, count):
     p, d = await fake_fleet(1, 1)
-    client = await make_router([p], [d])
+    client = await make_router([p], [d], admission=AdmissionConfig(max_n=128))  # servers that serve n > 1
     resp = await client.post("/generate", json=body)
     assert resp.status == 200
     (sent,) = p.bodies()
@@ -82,7 +82,7 @@ async def test_batches_get_one_distinct_room_per_sequence(fake_fleet, make_route
 ])
 async def test_openai_list_prompts_and_n_get_distinct_rooms(fake_fleet, make_router, path, body, count):
     p, d = await fake_fleet(1, 1)
-    client = await make_router([p], [d])
+    client = await make_router([p], [d], admission=AdmissionConfig(max_n=128))  # servers that serve n > 1
     resp = await client.post(path, json=body)
     assert resp.status == 200
     (sent,) = p.bodies(path)

@@ -110,9 +110,12 @@ class AdmissionConfig:
     # carries serialized tensors, keeps max_payload_size.
     max_admin_payload_size: int = 1024 * 1024
     # What one generation request may ask for, checked before anything is done per sequence: n (parallel
-    # samples; OpenAI's own bound is 128) and sequences (prompts x n: the batch SGLang runs, one bootstrap
-    # room each). SGLang, sgl-router and SMG bound neither: 10^9 sequences would be built, then run.
-    max_n: int = 128
+    # samples) and sequences (prompts x n: the batch SGLang runs, one bootstrap room each). SGLang, sgl-router
+    # and SMG bound neither: 10^9 sequences would be built, then run. n is 1 by default: SGLang 0.5.23 does not
+    # serve n > 1 across a prefill/decode pair (its decode server first runs a warm-up of the prompt and waits
+    # for that warm-up's KV, which no prefill sends: a 500 after the KV timeout, whatever the router does), so
+    # a client asking for it gets a 400 saying so; --max-n raises it for servers that serve it (OpenAI's 128).
+    max_n: int = 1
     max_batch_size: int = 4096
 
 

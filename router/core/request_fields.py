@@ -13,8 +13,9 @@ the rid), and an empty prompt in a batch (`input_ids: [[]]`) kills the server's 
 serves. The OpenAI routes are parsed by pydantic in lax mode, so there `"2"`, `2.0` and `true` are integers
 and `"false"`, `"no"`, `0` booleans: the router reads them the same way (a `stream: "false"` is not a
 stream) and forwards the fields it reads (`stream`, `n`) written as JSON's own, so that no server, whatever
-its parser, reads them otherwise. Bounds of the router's own: `n` at most `--max-n`, prompts × n at most
-`--max-batch-size`, checked before anything is done per sequence. `n` below 1 is refused (SGLang's
+its parser, reads them otherwise. Bounds of the router's own: `n` at most `--max-n` (1 by default: 0.5.23 cannot serve
+n > 1 across a prefill/decode pair, core/config.py), prompts × n at most `--max-batch-size`, checked before
+anything is done per sequence. `n` below 1 is refused (SGLang's
 `/generate` reads it as 1 for a single prompt; OpenAI's API refuses it).
 
 Cost: a few dictionary reads per request; what is looked at per prompt (a batch's prompts, its rids, its
@@ -105,6 +106,10 @@ def count(body: dict, name: str, limits: AdmissionConfig, *, param: str | None =
     if n < 1:
         raise BadRequest(f"{param} must be a positive integer, got {_shown(value)}", param=param)
     if n > limits.max_n:
+        if limits.max_n == 1:
+            raise BadRequest(f"{param} must be 1, got {n}: SGLang 0.5.23 does not serve n > 1 across a "
+                             f"prefill/decode pair (its decode server waits for a warm-up's KV transfer that never "
+                             f"comes); send {n} requests, or raise --max-n for servers that serve it", param=param)
         raise BadRequest(f"{param} must be at most {limits.max_n} (--max-n), got {n}", param=param)
     return n
 

@@ -175,7 +175,8 @@ SETTING_FLAGS: list[Flag] = [
     flag("--max-payload-size", path="admission.max_payload_size", help="bytes"),
     flag("--max-admin-payload-size", path="admission.max_admin_payload_size",
          help="bytes; the bound of admin calls' bodies (but /update_weights_from_tensor's: --max-payload-size)"),
-    flag("--max-n", path="admission.max_n", help="the largest n (parallel samples) a request may ask for: 400 beyond"),
+    flag("--max-n", path="admission.max_n", help="the largest n (parallel samples) a request may ask for: 400 beyond. Default 1: SGLang "
+         "0.5.23 does not serve n > 1 across a prefill/decode pair (its decode waits for a warm-up's KV)"),
     flag("--max-batch-size", path="admission.max_batch_size",
          help="the most sequences (prompts x n) one request may ask for: 400 beyond"),
     # flows

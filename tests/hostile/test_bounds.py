@@ -85,7 +85,7 @@ async def test_a_request_at_the_bounds_is_served(router, rooms_built, path, body
 
 def test_the_bounds_are_flags_with_sane_defaults():
     config = config_from_args([], env={})
-    assert (config.admission.max_n, config.admission.max_batch_size) == (128, 4096)
+    assert (config.admission.max_n, config.admission.max_batch_size) == (1, 4096)  # n: 0.5.23's PD serves 1
     config = config_from_args(["--max-n", "16", "--max-batch-size", "64"], env={})
     assert (config.admission.max_n, config.admission.max_batch_size) == (16, 64)
     with pytest.raises(ConfigError) as refused:

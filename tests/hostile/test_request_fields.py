@@ -11,6 +11,7 @@ from __future__ import annotations
 import orjson
 import pytest
 
+from router.core.config import AdmissionConfig
 from router.dataplane.admission import ADMISSION
 
 from ..helpers import wait_for
@@ -81,8 +82,9 @@ REFUSED = [
 
 @pytest.fixture
 async def router(fake_fleet, make_router):
+    """A router in front of servers that serve n > 1 (--max-n 128): what is refused here is the fields' form."""
     p, d = await fake_fleet(1, 1)
-    client = await make_router([p], [d])
+    client = await make_router([p], [d], admission=AdmissionConfig(max_n=128))
     client.workers = (p, d)
     yield client
     await wait_for(lambda: all(w.inflight == 0 for w in client.registry.workers()), message="in-flight back to 0")
