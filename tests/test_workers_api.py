@@ -79,6 +79,16 @@ async def test_legacy_add_remove_list(fake_fleet, make_router):
     assert d2.url not in (await (await client.get("/list_workers")).json())["urls"]
 
 
+async def test_legacy_remove_of_a_url_that_is_no_worker_is_404_naming_it(fake_fleet, make_router):
+    p, d = await fake_fleet(1, 1)
+    client = await make_router([p], [d])
+    for url in ("http://10.9.9.9:30000", p.url + "1", "w99"):
+        resp = await client.post("/remove_worker", params={"url": url})
+        assert resp.status == 404
+        assert url in (await resp.json())["error"]["message"]
+    assert {w.url for w in client.registry.workers()} == {p.url, d.url}
+
+
 async def test_register_mini_lb(fake_fleet, make_router):
     p, p2, d, d2 = await fake_fleet(2, 2)
     client = await make_router([p], [d])
