@@ -35,7 +35,7 @@ from router.cluster.replica import Membership
 from router.core.coordination import FLEET, StopAction, StopReport, Ticket, stop_here
 from router.core.errors import Conflict, ServiceUnavailable
 from router.core.registry import Registry, Worker
-from router.core.traffic import RequestPathControl
+from router.core.traffic import MarkTally, RequestPathControl
 
 logger = logging.getLogger(__name__)
 
@@ -397,9 +397,10 @@ class EtcdCoordinator:
 
     async def stop_routing(self, ticket: Ticket | None, workers: Sequence[Worker] | None,
                            action: StopAction) -> StopReport:
-        marked_here, here = stop_here(self.registry, self.traffic, workers, action)  # this replica first, at once
+        tally = MarkTally()
+        marked_here, here = stop_here(self.registry, self.traffic, workers, action, tally)  # this replica first
         if ticket is None:
-            return StopReport(marked=marked_here, here=tuple(here))
+            return StopReport(marked=marked_here, here=tuple(here), tally=tally)
         await self.publisher.flush(self.flush_timeout_s)
         owned = self._of(ticket)
         if owned is None:
@@ -419,7 +420,8 @@ class EtcdCoordinator:
                                      replicas=missing)
         return StopReport(replicas=len(acks),
                           marked=marked_here + sum(int(a.get("marked", 0)) for a in acks.values()),
-                          inflight=sum(int(a.get("inflight", 0)) for a in acks.values()), here=tuple(here))
+                          inflight=sum(int(a.get("inflight", 0)) for a in acks.values()), here=tuple(here),
+                          tally=tally)
 
     def inflight_elsewhere(self, ticket: Ticket, worker: Worker) -> int:
         return sum(int(ack.get("counts", {}).get(worker.url, 0)) for ack in self._acks(ticket).values())

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Awaitable, Callable, Protocol, Sequence, TypeVar
 
 from router.core.errors import RouterError
-from router.core.traffic import AbortAction, LiveRequest, RequestPathControl
+from router.core.traffic import AbortAction, LiveRequest, MarkTally, RequestPathControl
 
 if TYPE_CHECKING:
     from router.core.registry import Registry, Worker
@@ -82,14 +82,27 @@ class StopReport:
     marked: int = 0  # requests marked (to be retried or answered with their abort): this replica's and theirs
     inflight: int = 0  # the other replicas' requests still on the servers when they confirmed
     here: tuple[LiveRequest, ...] = ()  # this replica's requests marked by StopAction.ALL or SHED (to wait for them)
+    tally: MarkTally | None = None  # how this replica's requests marked by RETRY or ANSWER end, as they end
+
+    async def wait_all_ended(self, timeout: float) -> None:
+        if self.tally is not None:
+            await self.tally.wait_all_ended(timeout)
+
+    def ended(self) -> tuple[int, int]:
+        """(aborted, finished first) of the requests marked, once they ended: this replica's as counted; the
+        other replicas' are not seen from here, so counted as aborted."""
+        if self.tally is None:
+            return self.marked, 0
+        return self.tally.aborted + (self.marked - self.tally.marked), self.tally.finished
 
 
 def stop_here(registry: Registry, traffic: RequestPathControl, workers: Sequence[Worker] | None,
-              action: StopAction) -> tuple[int, list[LiveRequest]]:
+              action: StopAction, tally: MarkTally | None = None) -> tuple[int, list[LiveRequest]]:
     """What one replica does for a `stop_routing`, the operation's own replica and every other alike, at once
     (nothing of it runs in between): per `action`, mark its requests on `workers` (None: every worker) and
     bump the workers' abort epochs, before any server is asked to abort. Returns how many requests it marked
-    (EPOCH: how many it has on them) and, for ALL and SHED, the requests marked (the caller aborts them)."""
+    (EPOCH: how many it has on them) and, for ALL and SHED, the requests marked (the caller aborts them).
+    `tally` counts how the requests RETRY or ANSWER marks end."""
     workers = registry.workers() if workers is None else list(workers)
     if action is StopAction.ALL:
         marked = traffic.mark_all(AbortAction.ANSWER)
@@ -98,7 +111,7 @@ def stop_here(registry: Registry, traffic: RequestPathControl, workers: Sequence
         marked = traffic.mark_waiting_on_prefill(workers, AbortAction.RETRY)
         return len(marked), marked
     if action in (StopAction.RETRY, StopAction.ANSWER):
-        count = traffic.mark_on(workers, AbortAction(action.value))
+        count = traffic.mark_on(workers, AbortAction(action.value), tally)
         registry.mark_aborted(workers)
         return count, []
     if action is StopAction.EPOCH:
@@ -198,8 +211,9 @@ class LocalCoordinator:
 
     async def stop_routing(self, ticket: Ticket | None, workers: Sequence[Worker] | None,
                            action: StopAction) -> StopReport:
-        marked, here = stop_here(self.registry, self.traffic, workers, action)
-        return StopReport(marked=marked, here=tuple(here))
+        tally = MarkTally()
+        marked, here = stop_here(self.registry, self.traffic, workers, action, tally)
+        return StopReport(marked=marked, here=tuple(here), tally=tally)
 
     def inflight_elsewhere(self, ticket: Ticket, worker: Worker) -> int:
         return 0

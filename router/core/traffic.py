@@ -7,7 +7,10 @@ request path implements it (`router/dataplane/traffic.py`), so flows never reach
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import enum
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Iterable, Protocol, Sequence
 
 if TYPE_CHECKING:
@@ -22,6 +25,32 @@ class AbortAction(str, enum.Enum):
 
     def __str__(self) -> str:
         return self.value
+
+
+@dataclass(slots=True)
+class MarkTally:
+    """What became of the requests one operation marked before aborting their servers, counted by the request
+    path as each ends: the ones in flight when it began are not all aborted, some finish first."""
+
+    marked: int = 0
+    aborted: int = 0  # ended by the router's abort: answered with it, or re-sent (their client saw nothing)
+    finished: int = 0  # ended as they would have without it (the abort came too late), or otherwise
+    _all_ended: asyncio.Event = field(default_factory=asyncio.Event, repr=False)
+
+    def ended(self, aborted: bool) -> None:
+        if aborted:
+            self.aborted += 1
+        else:
+            self.finished += 1
+        if self.aborted + self.finished >= self.marked:
+            self._all_ended.set()
+
+    async def wait_all_ended(self, timeout: float) -> None:
+        """Until every marked request was counted (a request leaves its servers a moment before its end is
+        counted), or `timeout`."""
+        if self.aborted + self.finished < self.marked:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._all_ended.wait(), max(timeout, 0.0))
 
 
 class LiveRequest(Protocol):
@@ -64,8 +93,9 @@ class RequestPathControl(Protocol):
     def count_on(self, workers: Iterable[Worker]) -> int:
         """Requests the router has in flight with a leg on any of these workers."""
 
-    def mark_on(self, workers: Iterable[Worker], action: AbortAction) -> int:
-        """Before the router aborts these workers: mark their requests; return how many there were."""
+    def mark_on(self, workers: Iterable[Worker], action: AbortAction, tally: MarkTally | None = None) -> int:
+        """Before the router aborts these workers: mark their requests; return how many there were. `tally`
+        counts how each of them ends (aborted, or finished first)."""
 
     def mark_waiting_on_prefill(self, workers: Iterable[Worker], action: AbortAction) -> list[LiveRequest]:
         """Mark the requests on these workers that still wait on their prefill (its leg still runs, their client

@@ -88,6 +88,19 @@ def some_sequence_aborted(body: bytes) -> bool:
         answer = orjson.loads(body)
     except orjson.JSONDecodeError:
         return False
+    return _answer_aborted(answer)
+
+
+def last_event_aborted(stream_end: bytes) -> bool:
+    """The last data event of a stream's end (before its [DONE]) says some sequence ended with abort."""
+    for block in reversed(stream_end.split(b"\n\n")):
+        block = block.strip()
+        if block.startswith(b"data:") and not sse.is_done(block + b"\n\n"):
+            return some_sequence_aborted(block[5:])
+    return False
+
+
+def _answer_aborted(answer: object) -> bool:
     for item in answer if isinstance(answer, list) else [answer]:
         if not isinstance(item, dict):
             continue

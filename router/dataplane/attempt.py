@@ -17,7 +17,7 @@ from aiohttp import web
 
 from policies import LegOutcome
 from router.core.registry import Role, Worker
-from router.core.traffic import AbortAction
+from router.core.traffic import AbortAction, MarkTally
 
 # SGLang's message for a KV transfer that failed: it implicates the pair, not necessarily this server.
 KV_TRANSFER_FAILURE = b"KVTransferError"
@@ -120,6 +120,8 @@ class Attempt:
     streaming: bool = False  # the client has seen bytes of this attempt: it can no longer be re-sent
     # Set (through `Proxy.live`) when an operator or a flow aborts this attempt.
     abort_action: AbortAction | None = None
+    tally: MarkTally | None = None  # the marking operation's count of how its requests end
+    ended_aborted: bool = False  # its answer (a whole one, or a stream's last event) says the abort ended it
     # A prefill leg still runs after decode answered (`Dispatcher.linger`), and the client's request is over:
     # the attempt stays live (abortable by rid, counted by the flows) until both are true of it no more.
     lingering: bool = False

@@ -294,7 +294,10 @@ class Dispatcher:
                             other.cancel(attempt.rids)
                             raise failure
             status, body, content_type = d.task.result()
-            if self.router_abort(attempt) is AbortAction.RETRY and some_sequence_aborted(body):
+            router_abort = self.router_abort(attempt)
+            if router_abort is not None and some_sequence_aborted(body):
+                attempt.ended_aborted = True
+            if router_abort is AbortAction.RETRY and attempt.ended_aborted:
                 # Nothing has reached the client yet, so even a partial answer can be re-sent whole.
                 p.cancel(attempt.rids)
                 raise LegFailed(d.worker, status, body, content_type, retryable=False, abort=AbortAction.RETRY,
@@ -414,7 +417,8 @@ class Dispatcher:
             first_at = time.monotonic()
             record.ttft_s = first_at - record.started
             attempt.relaying = d_resp
-            ok = await relay(response, d_resp, events, splitter, prefill_first, record, first_at, self._sse_keepalive)
+            ok = await relay(response, d_resp, events, splitter, prefill_first, record, first_at, self._sse_keepalive,
+                             attempt)
             if not ok:  # cut mid-stream (silent, closed early): the server may still hold the request
                 self.abort_on(d.worker, attempt.rids)
             d.finish(LegOutcome.SUCCESS if ok else LegOutcome.ERROR)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Iterable, Iterator
 
-from router.core.traffic import AbortAction
+from router.core.traffic import AbortAction, MarkTally
 
 if TYPE_CHECKING:
     from router.core.registry import Worker
@@ -70,13 +70,18 @@ class LiveRequests:
         return attempt, [r for r in attempt.rids if r == rid or _is_sequence_of(r, rid)]
 
     @staticmethod
-    def mark(attempts: Iterable["Attempt"], action: AbortAction) -> int:
-        """Tell the request path what to do when these attempts come back aborted (ANSWER wins over RETRY)."""
+    def mark(attempts: Iterable["Attempt"], action: AbortAction, tally: MarkTally | None = None) -> int:
+        """Tell the request path what to do when these attempts come back aborted (ANSWER wins over RETRY);
+        `tally` counts how each ends (the last operation that marked an attempt counts it)."""
         count = 0
         for attempt in attempts:
             if attempt.abort_action is None or action is AbortAction.ANSWER:
                 attempt.abort_action = action
+            if tally is not None:
+                attempt.tally = tally
             count += 1
+        if tally is not None:
+            tally.marked += count
         return count
 
 

@@ -303,6 +303,7 @@ class Proxy:
                         pinned = (prefill, decode)
                         continue
                     if failure.abort is not None:  # the router aborted its servers (a flow, an operator)
+                        attempt.ended_aborted = True
                         if failure.abort is AbortAction.RETRY and aborted_retries < MAX_ABORT_RETRIES:
                             # Before any token reached the client: re-sent, once the fleet is open again.
                             aborted_retries += 1
@@ -340,6 +341,8 @@ class Proxy:
                     record.error = failure.reason
                     return failure.response()
                 finally:
+                    if attempt.tally is not None:  # marked by an operation that counts how they end
+                        attempt.tally.ended(attempt.ended_aborted)
                     if attempt.ranks is not None:
                         self._ranks.leave(prefill, attempt.ranks[0])
                         self._ranks.leave(decode, attempt.ranks[1])

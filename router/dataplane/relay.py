@@ -15,10 +15,14 @@ from aiohttp import web
 
 from router.core.records import RequestRecord
 from router.dataplane import sse
+from router.dataplane.aborts import last_event_aborted
+from router.dataplane.attempt import Attempt
 from router.dataplane.logprobs import merge_meta
 from router.dataplane.upstream_http import UpstreamError, UpstreamResponse
 
 logger = logging.getLogger(__name__)
+# How much of a marked stream's end is kept to read its last event (a /generate event carries the text so far)
+LAST_EVENT_BYTES = 1 << 20
 
 
 class ClientGone(Exception):
@@ -69,13 +73,21 @@ class KeepAlive:
 
 async def relay(response: web.StreamResponse, d_resp: UpstreamResponse, events: list[bytes],
                 splitter: sse.EventSplitter, prefill_first: dict[int, dict], record: RequestRecord,
-                first_at: float, keepalive_s: float | None = None) -> bool:
+                first_at: float, keepalive_s: float | None = None, attempt: Attempt | None = None) -> bool:
     """Relay decode's stream; True if it ended with [DONE]. Mid-stream failure → error event + [DONE].
-    `keepalive_s`: --sse-keepalive-secs (None: no comments)."""
+    `keepalive_s`: --sse-keepalive-secs (None: no comments). Once `attempt` is marked by an operation that
+    aborts it, the stream's end is kept, and its last event tells whether the abort ended it
+    (`attempt.ended_aborted`)."""
     merge = bool(prefill_first)
     keep = KeepAlive(response, keepalive_s) if keepalive_s else None
     last_at = first_at
     saw_done = False
+    end = b""  # the stream's last bytes, kept while the attempt is marked
+
+    def keep_end(data: bytes) -> None:
+        nonlocal end
+        if attempt is not None and attempt.abort_action is not None:
+            end = (end + data)[-LAST_EVENT_BYTES:]
 
     async def write(data: bytes) -> None:
         try:
@@ -98,7 +110,9 @@ async def relay(response: web.StreamResponse, d_resp: UpstreamResponse, events: 
         return b"".join(out)
 
     try:
-        await write(rewrite(events))
+        head = rewrite(events)
+        keep_end(head)
+        await write(head)
         record.events = len(events)
         if merge:
             async for chunk in d_resp:
@@ -106,19 +120,23 @@ async def relay(response: web.StreamResponse, d_resp: UpstreamResponse, events: 
                 if new:
                     last_at = time.monotonic()
                     record.events += len(new)
-                    await write(rewrite(new))
+                    out = rewrite(new)
+                    keep_end(out)
+                    await write(out)
                     if keep is not None:
                         keep.last = last_at
         else:
             # Relay bytes as they come; only the tail is inspected for the final [DONE].
             tail = splitter.rest()
             if tail:
+                keep_end(tail)
                 await write(tail)
                 if keep is not None:
                     keep.boundary = tail.endswith(b"\n\n")
             async for chunk in d_resp:
                 last_at = time.monotonic()
                 record.events += chunk.count(b"data:")
+                keep_end(chunk)
                 await write(chunk)
                 tail = (tail + chunk)[-64:]
                 if keep is not None:
@@ -134,6 +152,8 @@ async def relay(response: web.StreamResponse, d_resp: UpstreamResponse, events: 
     finally:
         if keep is not None:  # nothing after the last event: the stream's end is written next
             keep.close()
+    if end and attempt is not None:
+        attempt.ended_aborted = last_event_aborted(end)
     if record.events > 1:
         record.itl_s = (last_at - first_at) / (record.events - 1)
     if not saw_done:

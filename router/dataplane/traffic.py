@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Callable, Iterable
 
 from router.core.registry import Worker
-from router.core.traffic import AbortAction, LiveRequest
+from router.core.traffic import AbortAction, LiveRequest, MarkTally
 from router.dataplane.admission import Admission
 from router.dataplane.live import LiveRequests
 from router.dataplane.upstream_http import UpstreamError, UpstreamPool
@@ -52,8 +52,8 @@ class DataplaneControl:
     def count_on(self, workers: Iterable[Worker]) -> int:
         return len(self._live.on(workers))
 
-    def mark_on(self, workers: Iterable[Worker], action: AbortAction) -> int:
-        return self._live.mark(self._live.on(workers), action)
+    def mark_on(self, workers: Iterable[Worker], action: AbortAction, tally: MarkTally | None = None) -> int:
+        return self._live.mark(self._live.on(workers), action, tally)
 
     def mark_waiting_on_prefill(self, workers: Iterable[Worker], action: AbortAction) -> list[LiveRequest]:
         attempts = self._live.waiting_on_prefill(workers)

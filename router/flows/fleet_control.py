@@ -182,10 +182,13 @@ class FleetControl:
         # every replica, this one first, holds and marks its own requests (re-sent or answered with their abort,
         # before the servers abort them), and tells what it still has on the servers
         action = StopAction.ROUTING if not abort else StopAction.RETRY if retry else StopAction.ANSWER
-        op.aborted_requests = (await self.coordinator.stop_routing(op.ticket, workers, action)).marked
+        stopped = await self.coordinator.stop_routing(op.ticket, workers, action)
         quiet = await wait_quiet(self.registry, self.upstream, workers, time.monotonic() + timeout, abort=abort,
                                  elsewhere=lambda w: self.coordinator.inflight_elsewhere(op.ticket, w))
         op.quiesce_s = time.monotonic() - op.started
+        if abort:
+            await stopped.wait_all_ended(op.started + timeout - time.monotonic())
+            op.aborted_requests, op.finished_requests = stopped.ended()
         how = f"abort_all sent {quiet.aborts_sent} times; " if abort else ""
         if quiet.ok:
             silent = f"; no load reported by {', '.join(quiet.silent)}" if quiet.silent else ""

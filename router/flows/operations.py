@@ -35,7 +35,10 @@ class Operation:
     message: str = ""
     hold_s: float | None = None  # how long new requests were held
     quiesce_s: float | None = None  # from the call to a quiet fleet
+    # of the router's requests on the servers when it began (marked before their servers were aborted): those
+    # the abort ended, and those that finished first, as counted once the fleet was quiet
     aborted_requests: int = 0
+    finished_requests: int = 0
     held_requests: int = 0
     weight_version: str | None = None
     workers: list[dict] = field(default_factory=list)
@@ -79,6 +82,7 @@ class Operation:
                 "options": self.options, "started_at": self.started_at, "duration_s": _round(self.duration_s),
                 "status": self.status, "message": self.message, "hold_s": _round(self.hold_s),
                 "quiesce_s": _round(self.quiesce_s), "aborted_requests": self.aborted_requests,
+                "finished_requests": self.finished_requests,
                 "held_requests": self.held_requests, "weight_version": self.weight_version,
                 "steps": [s.to_dict() for s in self.steps], "workers": self.workers,
                 "cluster_op": self.ticket.op_id if self.ticket is not None else None}

@@ -45,7 +45,6 @@ class Pauses:
         # every replica, this one first, marks its requests (abort mode) and tells what it has on the servers
         action = StopAction.ROUTING if mode != "abort" else StopAction.RETRY if retry else StopAction.ANSWER
         stopped = await fleet.coordinator.stop_routing(op.ticket, workers, action)
-        op.aborted_requests = stopped.marked
         step = op.step("pause", timeout)
         results = await fleet.sent(fan_out(workers, lambda w: fleet.call(w, "/pause_generation", body, timeout)))
         step.end("ok" if all(o.success for o in results) else "failed", summary(results, "pause_generation"))
@@ -54,6 +53,8 @@ class Pauses:
             quiet = await wait_quiet(fleet.registry, fleet.upstream, workers, time.monotonic() + timeout, abort=True,
                                      elsewhere=lambda w: fleet.coordinator.inflight_elsewhere(op.ticket, w))
             op.quiesce_s = time.monotonic() - op.started
+            await stopped.wait_all_ended(op.started + timeout - time.monotonic())
+            op.aborted_requests, op.finished_requests = stopped.ended()
             step.end("ok" if quiet.ok else "timeout", f"busy: {quiet.busy}" if quiet.busy else "")
             paused_requests = 0
         else:  # the router's requests now stalled in the servers (every replica's)
@@ -63,6 +64,7 @@ class Pauses:
         message = "Generation paused successfully." if status == 200 else summary(results, "pause_generation")
         return status, {"success": status == 200, "message": message, "status": "ok" if status == 200 else "error",
                         "num_paused_requests": paused_requests, "num_aborted_requests": op.aborted_requests,
+                        "num_finished_requests": op.finished_requests,
                         "workers": op.workers}
 
     async def resume(self, body: dict) -> tuple[int, dict]:

@@ -110,6 +110,7 @@ class WeightUpdates:
                 "message": message,
                 "num_paused_requests": _paused_count(results),
                 "num_aborted_requests": op.aborted_requests,
+                "num_finished_requests": op.finished_requests,  # in flight at the start, finished before the abort
                 "weight_version": self.registry.fleet_version,
                 "update_id": op.id,
                 "workers": op.workers,
