@@ -13,7 +13,7 @@ from bench.procs import free_port
 REPO_ROOT = Path(__file__).resolve().parent.parent
 PEERS_VENV = REPO_ROOT / ".bench-venv"
 
-ROUTER_NAMES = ("pd-router", "mini_lb", "sgl-router")
+ROUTER_NAMES = ("pd-router", "mini_lb", "sgl-router", "smg")
 # pd-router from another checkout (`--baseline-checkout`): a change's before and after, measured in one run.
 PD_ROUTER_BASE = "pd-router-base"
 # In a variant's arguments: the client URL of the etcd the benchmark starts for the run.
@@ -32,7 +32,7 @@ class Contender:
         argv = [self.python, *self.module_args, *fleet.mini_lb_args(), "--host", "127.0.0.1", "--port", str(port)]
         if policy:
             argv += ["--policy", policy]
-        if self.name == "sgl-router":
+        if self.name in ("sgl-router", "smg"):
             # Its metrics exporter binds 29000 by default: two sgl-routers on one machine would collide.
             argv += ["--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())]
         return argv + list(self.extra_args)
@@ -82,4 +82,6 @@ def contender(name: str, *, pd_router_checkout: Path = REPO_ROOT, pd_router_pyth
                          ("-m", "sglang_router.launch_router", "--pd-disaggregation", "--mini-lb"))
     if name == "sgl-router":
         return Contender(name, peers_python(), ("-m", "sglang_router.launch_router", "--pd-disaggregation"))
+    if name == "smg":  # SMG 1.13 (lightseekorg/smg), sgl-router's successor, from the same venv
+        return Contender(name, peers_python(), ("-m", "smg.launch_router", "--pd-disaggregation"))
     raise ValueError(f"unknown router {name!r}; choose from {', '.join(ROUTER_NAMES)}")

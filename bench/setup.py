@@ -1,7 +1,7 @@
 """Install what the router benchmark needs: `python -m bench.setup`.
 
 - `.bench-venv/`: a venv of its own with the peers (the `bench` extra of pyproject.toml: sglang-router 0.3.2,
-  whose mini_lb and Rust router we compare against), so the project's own venv stays small;
+  whose mini_lb and Rust router we compare against, and SMG 1.13), so the project's own venv stays small;
 - Debian's nginx (the ceiling setup's instant backends) and wrk (its load), with apt-get, if missing.
 Safe to run again: it only adds what is missing.
 """
@@ -38,7 +38,7 @@ def ensure_venv(python: str) -> None:
           *bench_requirements()])
     # The peers must start: import both entry points the benchmark uses.
     _run([str(venv_python), "-c", "import sglang_router.launch_router, sglang_router.mini_lb, "
-                                  "sglang_router.router; print('sglang-router ok')"])
+                                  "sglang_router.router, smg.launch_router; print('sglang-router and smg ok')"])
 
 
 def ensure_apt_packages() -> None:

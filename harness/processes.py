@@ -319,11 +319,11 @@ def cpu_seconds(pid: int, *, tree: bool = False) -> float | None:
     return round(ticks / CLOCK_TICKS, 2) if found else None
 
 
-def rss_kib(pid: int) -> int | None:
-    """The process's resident memory (VmRSS, KiB); None if it is gone."""
+def rss_kib(pid: int, field: str = "VmRSS") -> int | None:
+    """The process's resident memory (KiB; `field` "VmHWM": its peak so far); None if it is gone."""
     try:
         for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
+            if line.startswith(field + ":"):
                 return int(line.split()[1])
     except OSError:
         return None

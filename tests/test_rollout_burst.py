@@ -119,11 +119,13 @@ async def test_past_its_deadline_a_request_waiting_for_room_gets_503_with_retry_
 
 def test_the_descriptor_budget_keeps_a_request_in_flight_within_the_limit():
     for limit in (256, 1024, 20000, 1 << 20):
-        budget = DescriptorBudget.of(limit)
+        budget = DescriptorBudget.of(limit, max_legs=8192)
         assert budget.reserve + budget.clients + budget.legs <= limit
-        assert budget.concurrency * 2 <= budget.legs and budget.concurrency >= 1
+        assert budget.concurrency * 2 <= budget.legs <= 8192 and budget.concurrency >= 1
         assert budget.clients >= budget.concurrency  # every request on the servers has its client's connection
-    assert DescriptorBudget.of(1024).concurrency < DescriptorBudget.of(20000).concurrency
+    assert DescriptorBudget.of(1024, 8192).concurrency < DescriptorBudget.of(20000, 8192).concurrency
+    assert DescriptorBudget.of(20000, 64).legs == 64  # --max-connections bounds the legs; clients get the rest
+    assert DescriptorBudget.of(20000, 64).clients > DescriptorBudget.of(20000, 8192).clients
 
 
 SIM = dict(health_check_s=0.0, decode_step_s=0.002, bootstrap_retries=3, bootstrap_retry_interval_s=0.02,

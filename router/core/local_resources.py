@@ -95,19 +95,22 @@ class DescriptorBudget:
         return self.legs // 2
 
     @classmethod
-    def of(cls, limit: int) -> "DescriptorBudget":
+    def of(cls, limit: int, max_legs: int) -> "DescriptorBudget":
+        """`max_legs`: --max-connections, the legs' own bound."""
         reserve = min(max(limit // RESERVE_SHARE, RESERVE_MIN), RESERVE_MAX)
         usable = max(limit - reserve, DESCRIPTORS_PER_REQUEST)
-        # A request on the servers takes a client connection and two legs; a queued one, only its client's.
-        # Half to each: as many requests queued in the router as run on the servers.
-        legs = max(2, (usable // 2) & ~1)
+        # A request on the servers takes a client connection and two legs; a queued one, only its client's. A
+        # third to the legs: as many requests again wait in the router, accepted, as run on the servers, and
+        # every client connection beyond the legs' bound is one fewer client left in the listen backlog (whose
+        # overflow costs a client seconds of SYN retries).
+        legs = min(max(2, (usable // DESCRIPTORS_PER_REQUEST) & ~1), max(2, max_legs))
         return cls(limit=limit, reserve=reserve, clients=max(1, usable - legs), legs=legs)
 
     @classmethod
-    def current(cls) -> "DescriptorBudget":
+    def current(cls, max_legs: int) -> "DescriptorBudget":
         soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
         return cls.of(soft if soft != resource.RLIM_INFINITY else hard if hard != resource.RLIM_INFINITY
-                      else 1 << 20)
+                      else 1 << 20, max_legs)
 
 
 def raise_open_files_limit(max_connections: int) -> DescriptorBudget:
@@ -120,12 +123,13 @@ def raise_open_files_limit(max_connections: int) -> DescriptorBudget:
             logger.info("open-files limit raised from %s to the hard limit %s", soft, hard)
         except (ValueError, OSError) as exc:
             logger.warning("cannot raise the open-files limit from %s to %s: %s", soft, hard, exc)
-    budget = DescriptorBudget.current()
-    logger.log(logging.WARNING if budget.legs < max_connections else logging.INFO,
+    budget = DescriptorBudget.current(max_connections)
+    capped = budget.legs < max_connections
+    logger.log(logging.WARNING if capped else logging.INFO,
                "open-files limit %d: at most %d requests on the servers at once (%d leg connections), %d client "
                "connections accepted at once; more clients wait in the listen backlog, more requests in the "
                "router's queue until their deadline%s",
                budget.limit, budget.concurrency, budget.legs, budget.clients,
                f" (the hard limit caps --max-connections {max_connections}: raise it, `ulimit -Hn`, to serve more)"
-               if budget.legs < max_connections else "")
+               if capped else "")
     return budget

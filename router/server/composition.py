@@ -93,7 +93,7 @@ async def assemble(app: web.Application, stack: contextlib.AsyncExitStack) -> No
     metrics = app[METRICS] = RouterMetrics(registry, admission, config.prometheus_duration_buckets)
     spawn = tasks.spawn
     # What the open-files limit allows (`__main__` raised it to the hard limit) and the router running out anyway.
-    budget = app[DESCRIPTORS] = DescriptorBudget.current()
+    budget = app[DESCRIPTORS] = DescriptorBudget.current(config.max_connections)
     local_errors = app[LOCAL_RESOURCES] = LocalResourceErrors()
 
     # ---- the control plane's client ----------------------------------------------------------------------
