@@ -141,6 +141,9 @@ def router_args(args, mode: str) -> list[str]:
               "--load-poll-interval-secs", str(0.5 * k), "--load-poll-timeout-secs", str(2 * k)]
     if mode != "enabled":
         return [*common, "--rebalance", "off"]
+    if getattr(args, "core", "model") == "model":  # the workload suite's configuration (bench/workload_suite.py)
+        from bench.workload_suite import live_flags
+        return [*common, *live_flags(k, args.ttft_slo, args.tpot_slo)]
     # Tuned to this workload's time scale (phases of a minute or two): decide every second, act on a signal
     # seen twice, go on in the same direction a second after the last conversion, never back within 10 s.
     return [*common, "--rebalance", "enabled", "--rebalance-interval-secs", str(1 * k),
@@ -415,6 +418,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ttft-slo", type=float, default=None, help="default: 2 s x time scale")
     parser.add_argument("--tpot-slo", type=float, default=None, help="default: 0.2 s x time scale")
     parser.add_argument("--seed", type=int, default=7)
+    parser.add_argument("--core", choices=("model", "rules"), default="model", help="the rebalancer's decision core")
     parser.add_argument("--hog", type=int, default=0, help="CPU-bound processes to run beside it (busy machine)")
     parser.add_argument("--drain-timeout", type=float, default=30.0,
                         help="simulated seconds stragglers may run after the last request was sent")

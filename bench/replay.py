@@ -300,6 +300,7 @@ class Fleet:
                 batch = (s.moments[1] - m0[1]) / steps if steps > 0 else None
                 fit = step_fit(tuple(s.moments))
                 view = WorkerView(id=s.id, inflight=s.inflight, started=s.started, running=len(s.batch),
+                                  max_running=self.capacity.max_running,
                                   waiting=len(s.waiting), waiting_queue=len(s.waiting), prealloc=0, prealloc_ready=0,
                                   transfer=len(s.pending), retracted=0, kv_usage=0.0, decode_step_s=step_s,
                                   decode_batch=batch, decode_step_fixed_s=fit.get("decode_step_fixed_s"),

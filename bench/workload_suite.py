@@ -73,7 +73,7 @@ class Workload:
     capacity: replay.Capacity
     ttft_s: float
     tpot_s: float
-    changing: bool  # the mix changes: the rebalancer should win; else it should not lose
+    changing: bool  # the mix changes (whether a static split serves it anyway is measured: see `verdict`)
     start_prefills: int | None = None  # the split the rebalancer starts from (default: half)
 
 
@@ -149,10 +149,21 @@ def suite() -> list[Workload]:
 
 
 def suite_config(workload: Workload, core: str) -> RebalanceConfig:
-    """The one configuration every workload runs with: enabled, the operator's SLOs as the targets."""
-    return RebalanceConfig(mode=RebalanceMode.ENABLED, core=core, interval_secs=2.0, window_secs=20.0,
-                           warmup_secs=10.0, ttft_target_secs=workload.ttft_s, itl_target_secs=workload.tpot_s,
-                           conversion_secs=5.0, failure_cooldown_secs=60.0)
+    """The one configuration every workload runs with: the defaults, enabled, the operator's SLOs as the
+    targets, a decision every 2 s and a 10 s warm-up (the phases last a minute or two)."""
+    return RebalanceConfig(mode=RebalanceMode.ENABLED, core=core, interval_secs=2.0, warmup_secs=10.0,
+                           ttft_target_secs=workload.ttft_s, itl_target_secs=workload.tpot_s)
+
+
+def live_flags(time_scale: float, ttft_s: float, tpot_s: float) -> list[str]:
+    """`suite_config` as a router's flags, its durations `time_scale` times longer (bench/rebalance_splits.py)."""
+    k = time_scale
+    config = RebalanceConfig()
+    return ["--rebalance", "enabled", "--rebalance-core", "model", "--rebalance-interval-secs", str(2.0 * k),
+            "--rebalance-window-secs", str(config.window_secs * k), "--rebalance-warmup-secs", str(10.0 * k),
+            "--rebalance-horizon-secs", str(config.horizon_secs * k),
+            "--rebalance-conversion-secs", str(config.conversion_secs * k),
+            "--rebalance-ttft-target-secs", str(ttft_s), "--rebalance-itl-target-secs", str(tpot_s)]
 
 
 def decide_of(core: str) -> Callable:
@@ -211,7 +222,12 @@ def oracle_split(workload: Workload, plan: list[replay.Arrival], phases: list[tu
 
 
 def verdict(workload: Workload, result: Result) -> tuple[bool, str]:
-    if workload.changing:
+    """Where no static split serves the workload (the oracle is at least 1.3 / 0.85 times the best of them), the
+    rebalancer must win: 1.3x the best static split and 0.85x the oracle. Elsewhere (a steady mix, or changes
+    within what one split serves) it must not lose: 0.95x the best static split."""
+    best = result.statics[result.best_static][0]
+    needs_moves = best <= 0 or result.oracle[0] / best >= TARGETS["changing"] / TARGETS["oracle"]
+    if needs_moves:
         ok = result.vs_best >= TARGETS["changing"] and result.vs_oracle >= TARGETS["oracle"]
         want = f">= {TARGETS['changing']}x best static and >= {TARGETS['oracle']}x oracle"
     else:

@@ -8,10 +8,13 @@ values every split the fleet could move to over a horizon, the conversions' cost
 The model (each part the simplest that keeps the tail, not only the mean):
 
 - **Prefill** is one forward at a time per server: a queue. A request costs `s_i` seconds of prefill compute
-  (`Mix.prefill_s` times its relative size); a server's load is rho = lambda / n x E[s]. The wait is that of an
-  M/G/1 queue: mean Wq = rho E[s^2] / (2 E[s] (1 - rho)) (Pollaczek-Khinchine), a request waits at all with
-  probability rho, and, when it does, for an exponential time of mean Wq / rho. A request meets its TTFT when
-  its wait, its own forward and its first decode step fit in the target.
+  (`Mix.prefill_s` times its relative size); the pool's load is rho = lambda E[s] / n. The router sends each
+  request to a least loaded prefill, which makes the pool behave as one queue in front of n servers (M/G/n): a
+  request waits at all with the Erlang C probability, and, when it does, for an exponential time of mean
+  (1 + scv) / 2 x E[s] / (n (1 - rho)) (Allen-Cunneen: the spread of prompt lengths lengthens the waits). Read
+  as n separate M/G/1 queues, a pool of three serving heavy-tailed prompts at rho 0.57 was predicted to wait
+  0.61 s on average; it waited 0.13 s. A request meets its TTFT when its wait and its own forward fit in the
+  target (the first token comes with the KV).
 - **Decode** is a continuously batched step loop: a step takes `fixed + per_request x batch` (the servers'
   fitted step line) and gives every member one token. A request stays for its answer's tokens, so by Little's
   law a server's mean batch B solves B = lambda / m x E[O] x step(B): B = lambda_m E[O] fixed / (1 - u) with
@@ -20,6 +23,11 @@ The model (each part the simplest that keeps the tail, not only the mean):
   (M/G/infinity), averaged over its own tokens against the batch's turnover (a long answer sees the mean,
   a short one the batch of its moment): a normal of mean fixed + per_request (B + 1) and variance
   per_request^2 B E[O] / (E[O] + O_i).
+- **Decode room**: a decode server holds at most `decode_slots` requests at once (the KV room it reserves for
+  each from the handshake on, or its running cap), each for its whole stay: the prefill's wait and forward,
+  then its tokens. The pool is then also n x slots places (M/M/c per server: Erlang C again), and a request
+  that finds them taken waits for one before its prefill starts (PD reserves the room first); that wait adds
+  to its TTFT. Past the slots (the mean held at or over them) the pool is saturated, whatever its compute.
 - **Attainment** is the mean over the mix's requests (its sampled shapes: the spread of prompt and answer
   lengths, not only their means) of P(TTFT ok) x P(TPOT ok). A saturated pool (rho or u >= `SATURATED`) serves
   nobody within its targets: its queue grows for as long as the split lasts.
@@ -54,6 +62,9 @@ class Mix:
     step_fixed_s: float  # a decode step = fixed + per_request x batch
     step_per_request_s: float
     shapes: tuple[tuple[float, float], ...] = ((1.0, 1.0),)
+    # the requests a decode server holds at once (KV room reserved from the handshake on, or its running cap):
+    # a request waits for room when they are taken; inf: unbounded
+    decode_slots: float = float("inf")
     waiting_prefill: float = 0.0  # requests waiting on prefill compute now (a backlog)
     waiting_decode: float = 0.0  # requests waiting on decode (a batch slot, KV room, or an overgrown batch)
 
@@ -63,6 +74,7 @@ class Mix:
                 "step_per_request_s": round(self.step_per_request_s, 6), "shapes": len(self.shapes),
                 "prefill_scv": round(scv(s for s, _ in self.shapes), 3),
                 "decode_scv": round(scv(o for _, o in self.shapes), 3),
+                "decode_slots": None if math.isinf(self.decode_slots) else round(self.decode_slots, 1),
                 "waiting_prefill": round(self.waiting_prefill, 2), "waiting_decode": round(self.waiting_decode, 2)}
 
 
@@ -105,6 +117,35 @@ def scv(values) -> float:
     return sum((x - mean) ** 2 for x in xs) / len(xs) / (mean * mean)
 
 
+def erlang_c(servers: int, offered: float) -> float:
+    """The probability that an arrival waits in an M/M/n queue offered `offered` servers' worth of work."""
+    if offered <= 0:
+        return 0.0
+    if offered >= servers:
+        return 1.0
+    term, total = 1.0, 1.0  # a^k / k!, summed for k < n
+    for k in range(1, servers):
+        term *= offered / k
+        total += term
+    last = term * offered / servers / (1.0 - offered / servers)
+    return last / (total + last)
+
+
+MAX_SLOTS_EXACT = 512  # more places than this: a wait for one is negligible (and Erlang C's sum is long)
+
+
+def _wait_tail(p1: float, m1: float, p2: float, m2: float, t: float) -> float:
+    """P(W1 + W2 > t) for two independent waits, each 0 with probability 1 - p and else exponential of mean m."""
+    def one(p: float, m: float) -> float:
+        return p * math.exp(-t / m) if p > 0 and m > 0 else 0.0
+    tail = one(p1, m1) * (1 - p2) + one(p2, m2) * (1 - p1)
+    if p1 > 0 and p2 > 0 and m1 > 0 and m2 > 0:
+        both = (m1 * math.exp(-t / m1) - m2 * math.exp(-t / m2)) / (m1 - m2) if abs(m1 - m2) > 1e-12 \
+            else (1 + t / m1) * math.exp(-t / m1)
+        tail += p1 * p2 * both
+    return min(1.0, tail)
+
+
 def _normal_cdf(z: float) -> float:
     return 0.5 * (1.0 + math.erf(z / math.sqrt(2.0)))
 
@@ -116,22 +157,33 @@ def predict(mix: Mix, prefills: int, decodes: int, slo: Slo) -> Prediction:
         return Prediction(prefills, decodes, 0.0, inf, inf, inf, inf, inf)
     shapes = mix.shapes[:MAX_SHAPES] or ((1.0, 1.0),)
     mean_s = mix.prefill_s
-    second_moment = mean_s * mean_s * sum(r * r for r, _ in shapes) / len(shapes)
+    spread_s = sum(r * r for r, _ in shapes) / len(shapes) - 1.0  # scv of the prefill costs (shapes: mean 1)
     rho = mix.rate / prefills * mean_s
     u = mix.rate / decodes * mix.decode_tokens * mix.step_per_request_s
     fixed, per_request = mix.step_fixed_s, mix.step_per_request_s
     if rho >= SATURATED or u >= SATURATED:
         return Prediction(prefills, decodes, 0.0, rho, u, inf if rho >= SATURATED else 0.0,
                           inf if u >= SATURATED else 0.0, inf)
-    wait = (mix.rate / prefills) * second_moment / (2.0 * (1.0 - rho)) if rho > 0 else 0.0
+    waits = erlang_c(prefills, rho * prefills) if rho > 0 else 0.0
+    when_waiting = (1.0 + max(0.0, spread_s)) / 2.0 * mean_s / (prefills * (1.0 - rho))
+    wait = waits * when_waiting
     batch = mix.rate / decodes * mix.decode_tokens * fixed / (1.0 - u)
     step_seen = fixed + per_request * (batch + 1.0)
+    room_waits, room_wait_s = 0.0, 0.0
+    if not math.isinf(mix.decode_slots):
+        stay = wait + mean_s + mix.decode_tokens * step_seen  # a request holds its room this long
+        held = mix.rate / decodes * stay
+        if held >= mix.decode_slots * SATURATED:
+            return Prediction(prefills, decodes, 0.0, rho, u, wait, inf, inf)
+        slots = max(1, int(mix.decode_slots))
+        room_waits = erlang_c(slots, held) if slots <= MAX_SLOTS_EXACT else 0.0
+        room_wait_s = stay / max(1e-9, slots - held)
     total = 0.0
     for r_prefill, r_decode in shapes:
-        slack = slo.ttft_s - mean_s * r_prefill - step_seen
+        slack = slo.ttft_s - mean_s * r_prefill
         if slack < 0:
             continue
-        p_ttft = 1.0 - rho * math.exp(-rho * slack / wait) if wait > 0 else 1.0
+        p_ttft = 1.0 - _wait_tail(waits, when_waiting, room_waits, room_wait_s, slack)
         tokens = max(1.0, mix.decode_tokens * r_decode)
         spread = per_request * math.sqrt(batch * mix.decode_tokens / (mix.decode_tokens + tokens))
         if spread > 0:
@@ -184,6 +236,9 @@ def value(mix: Mix, segments: list[Segment], slo: Slo) -> tuple[float, list[Pred
         return 0.0, []
     backlog_p = mix.waiting_prefill * mix.prefill_s
     per_decode = mix.decode_tokens * mix.step_per_request_s  # a request's marginal decode work
+    if not math.isinf(mix.decode_slots) and mix.decode_slots > 0:  # or its share of a server's room
+        per_decode = max(per_decode, (mix.prefill_s + mix.decode_tokens * (mix.step_fixed_s + mix.step_per_request_s))
+                         / mix.decode_slots)
     backlog_d = mix.waiting_decode * per_decode
     good = 0.0
     predictions = []

@@ -89,6 +89,9 @@ class Fit:
     mix: Mix | None
     missing: str = ""
     window_secs: float = 0.0
+    # the relative standard error of the work arriving at each pool (prefill, decode): how far the mix could be
+    # from what the window's slices say (their spread over the square root of their number)
+    spread: tuple[float, float] = (0.0, 0.0)
 
 
 def _shapes(sizes: tuple[tuple[float, float, float], ...]) -> tuple[tuple[float, float], ...]:
@@ -112,6 +115,28 @@ def _median(values: list[float]) -> float:
 SIZE_BINS = 8  # the window's arrivals are read in this many slices, and the median slice's work counts
 
 
+def _relative_error(values: list[float]) -> float:
+    """The standard error of the mean of `values`, relative to it (0 with fewer than two, or a mean of 0)."""
+    if len(values) < 2:
+        return 0.0
+    mean = sum(values) / len(values)
+    if mean <= 0:
+        return 0.0
+    variance = sum((v - mean) ** 2 for v in values) / (len(values) - 1)
+    return (variance / len(values)) ** 0.5 / mean
+
+
+def _slices(obs: Observation, secs: float, side: int) -> list[float]:
+    """The work (sizes summed) arriving in each of the window's `SIZE_BINS` slices, per second."""
+    width = secs / SIZE_BINS
+    work = [0.0] * SIZE_BINS
+    for entry in obs.request_sizes:
+        index = int((obs.now - entry[0]) / width)
+        if 0 <= index < SIZE_BINS:
+            work[index] += entry[side]
+    return [w / width for w in work]
+
+
 def _rescaled(cost: float | None, obs: Observation, secs: float, rate: float, side: int) -> float | None:
     """A per-request cost measured on the requests that finished, for those that arrive: in proportion to the
     sizes the router saw of each (the servers give the scale, the router the mix). The work arriving is the
@@ -123,13 +148,7 @@ def _rescaled(cost: float | None, obs: Observation, secs: float, rate: float, si
     mean_finished = sum(s[side - 1] for s in finished) / len(finished)
     if mean_finished <= 0:
         return cost
-    width = secs / SIZE_BINS
-    work = [0.0] * SIZE_BINS
-    for entry in arrived:
-        index = int((obs.now - entry[0]) / width)
-        if 0 <= index < SIZE_BINS:
-            work[index] += entry[side]
-    per_request = _median([w / width for w in work]) / rate
+    per_request = _median(_slices(obs, secs, side)) / rate
     return cost * per_request / mean_finished if per_request > 0 else cost
 
 
@@ -179,10 +198,32 @@ def fit(obs: Observation, intervals: tuple[Interval, ...], window_secs: float, p
         return Fit(None, f"not measured yet: {', '.join(missing)}", secs)
     wait_p = waits_on_prefill(obs) or 0.0
     wait_d = waits_on_decode(obs) or 0.0
-    mix = Mix(rate=rate, prefill_s=prefill_s, decode_tokens=decode_tokens, step_fixed_s=fixed,
+    rate_error = _relative_error(rates)
+    if len(obs.request_sizes) >= MIN_DONE:
+        spread = (max(rate_error, _relative_error(_slices(obs, secs, 1))),
+                  max(rate_error, _relative_error(_slices(obs, secs, 2))))
+    else:
+        spread = (rate_error, rate_error)
+    mix = Mix(rate=rate, prefill_s=prefill_s, decode_slots=decode_slots(obs), decode_tokens=decode_tokens, step_fixed_s=fixed,
               step_per_request_s=per_request, shapes=_shapes(obs.request_sizes), waiting_prefill=wait_p,
               waiting_decode=wait_d)
-    return Fit(mix, "", secs)
+    return Fit(mix, "", secs, spread)
+
+
+def decode_slots(obs: Observation) -> float:
+    """The requests a decode server holds at once: where requests wait for KV room now (0.5.23's prealloc
+    queue, handshake done), the ones holding room (running, waiting for a place in the batch, or in transfer:
+    room reserved for KV still to come); else its running cap; inf when nothing tells. The pool's figure is its
+    servers' mean."""
+    readings = []
+    for w in obs.decode:
+        waiting_room = w.prealloc_ready if w.prealloc_ready is not None else w.prealloc
+        holders = (w.running or 0) + (w.waiting_queue or 0) + (w.transfer or 0)
+        if waiting_room and holders:
+            readings.append(float(holders))
+        elif w.max_running:
+            readings.append(float(w.max_running))
+    return sum(readings) / len(readings) if readings else float("inf")
 
 
 def overgrown_batch(obs: Observation, steady_batch: float) -> float:

@@ -33,6 +33,7 @@ __all__ = ["decide", "costs_of", "observe_counters"]
 HOLD = "hold"
 MEETS_TARGET = "meets_target"
 NO_GAIN = "no_gain"
+UNSURE = "within_spread"
 
 
 def costs_of(state: RebalanceState, config: RebalanceConfig) -> Costs:
@@ -59,8 +60,12 @@ def _arriving(obs: Observation, costs: Costs) -> tuple[str, int, float] | None:
     in half a conversion's time on average."""
     if not obs.joining:
         return None
-    pool = obs.joining[0]
-    return pool, len(obs.joining), costs.of(pool) / 2
+    into_prefill = obs.joining.count(PREFILL)
+    net = into_prefill - (len(obs.joining) - into_prefill)  # a refill the other way: the net counts
+    if net == 0:
+        return None
+    pool = PREFILL if net > 0 else DECODE
+    return pool, abs(net), costs.of(pool) / 2
 
 
 def decide(obs: Observation, state: RebalanceState, config: RebalanceConfig) -> Decision:
@@ -105,6 +110,24 @@ def decide(obs: Observation, state: RebalanceState, config: RebalanceConfig) -> 
     # and it is what a move's urgency and cost are weighed on (a move to clear one is a move back later)
     candidates = [c for c in candidates if c.moves == 0 or c.steady - staying.steady >= config.min_gain]
     best = candidates[0]
+    # the mix is an estimate: a move must not lose at either end of what the window's spread allows (one
+    # standard error more work on one pool and less on the other), or it bets on the noise; near an edge that
+    # bet flips look after look
+    error_p, error_d = fitted.spread
+    reading["spread"] = {"prefill": round(error_p, 3), "decode": round(error_d, 3)}
+    if best.moves and (error_p or error_d):
+        for sign in (1, -1):
+            shifted = replace(mix, prefill_s=mix.prefill_s * (1 + sign * error_p),
+                              decode_tokens=mix.decode_tokens * (1 - sign * error_d))
+            again = {(c.prefills, c.decodes): c for c in plan(
+                shifted, n_p, n_d, slo, costs, config.horizon_secs, min_prefill=config.min_prefill,
+                min_decode=config.min_decode, arriving=arriving)}
+            kept = again[(staying.prefills, staying.decodes)]
+            if again[(best.prefills, best.decodes)].value < kept.value:
+                reading["choice"] = {"split": f"{staying.prefills}P{staying.decodes}D", "why": UNSURE}
+                return hold(f"{summary}: {best.prefills}P{best.decodes}D gains under the estimate, but loses within "
+                            f"its spread (prefill work +-{error_p * 100:.0f}%, decode +-{error_d * 100:.0f}%)",
+                            (), seen)
     if best.moves == 0 or best.value - staying.value < config.min_gain:
         why = NO_GAIN
         text = f"{summary}: no split gains {config.min_gain * 100:g} points"

@@ -93,6 +93,7 @@ class WorkerView:
     decode_step_per_request_s: float | None = None
     row_age_s: float | None = None  # how old the row it reported was when it answered
     started: int = 0  # the router's count of requests it sent to the server (since it was registered)
+    max_running: int | None = None  # the most it runs at once (max_running_requests, summed over ranks)
     busy_total_s: float | None = None  # prefill: seconds in forwards since the server started (cumulative)
     tokens_total: float | None = None  # decode: tokens decoded since the server started (decode_moments)
 

@@ -7,7 +7,7 @@ from dataclasses import replace
 
 import pytest
 
-from policies.fleet_model import Costs, Mix, Slo, plan, predict
+from policies.fleet_model import Costs, Mix, Slo, erlang_c, plan, predict
 
 SLO = Slo(ttft_s=2.0, tpot_s=0.2)
 # the live benchmark's kinds on its capacity model: a 1000-token prompt costs 0.2056 s of prefill, 3 decode
@@ -16,15 +16,31 @@ PREFILL_HEAVY = Mix(rate=11.0, prefill_s=0.2056, decode_tokens=3, step_fixed_s=0
 DECODE_HEAVY = Mix(rate=17.0, prefill_s=0.0096, decode_tokens=15, step_fixed_s=0.04, step_per_request_s=0.008)
 
 
-def test_the_wait_is_pollaczek_khinchine_and_a_saturated_pool_serves_nobody():
-    one = predict(PREFILL_HEAVY, 3, 1, SLO)
-    rho = 11.0 / 3 * 0.2056
-    assert one.prefill_load == pytest.approx(rho)
-    # deterministic sizes: Wq = lambda E[s^2] / (2 (1 - rho))
-    assert one.prefill_wait_s == pytest.approx(11.0 / 3 * 0.2056 ** 2 / (2 * (1 - rho)))
+def test_one_prefill_waits_as_pollaczek_khinchine_says_and_a_pool_as_erlang_c_says():
+    one = Mix(rate=4.0, prefill_s=0.2, decode_tokens=3, step_fixed_s=0.04, step_per_request_s=0.008)
+    p = predict(one, 1, 1, SLO)
+    rho = 4.0 * 0.2
+    assert p.prefill_load == pytest.approx(rho)
+    # deterministic sizes, one server: Wq = lambda E[s^2] / (2 (1 - rho))
+    assert p.prefill_wait_s == pytest.approx(4.0 * 0.2 ** 2 / (2 * (1 - rho)))
+    assert erlang_c(3, 2.0) == pytest.approx(4 / 9)  # the textbook value
+    three = predict(replace(one, rate=10.0), 3, 1, SLO)  # offered 2 servers' worth to 3
+    assert three.prefill_wait_s == pytest.approx(4 / 9 * 0.5 * 0.2 / (3 * (1 - 2 / 3)))
     assert predict(PREFILL_HEAVY, 2, 2, SLO).attainment == 0.0  # rho 1.13
     assert predict(DECODE_HEAVY, 2, 2, SLO).attainment == 0.0  # u = 17/2 x 15 x 0.008 = 1.02
     assert predict(DECODE_HEAVY, 1, 3, SLO).attainment > 0.99
+
+
+def test_a_decode_out_of_room_saturates_whatever_its_compute():
+    """Real 0.5.23 on CPU: a 4096-token decode pool reserves 512 tokens a request, eight at once; the step line
+    says the decode is far from busy, the room says it is full."""
+    chatty = Mix(rate=0.3, prefill_s=0.05, decode_tokens=63, step_fixed_s=0.3, step_per_request_s=0.01,
+                 decode_slots=8)
+    assert predict(replace(chatty, decode_slots=float("inf")), 2, 1, Slo(2.0, 1.0)).attainment > 0.9
+    # 0.3/s, each held ~24 s: 7.2 of the one decode's 8 places taken on average, most arrivals wait for one
+    assert predict(chatty, 2, 1, Slo(2.0, 1.0)).attainment < 0.5
+    assert predict(chatty, 1, 2, Slo(2.0, 1.0)).attainment > 0.9
+    assert predict(replace(chatty, rate=0.4), 2, 1, Slo(2.0, 1.0)).attainment == 0.0  # past its places
 
 
 def test_the_decode_batch_follows_littles_law():

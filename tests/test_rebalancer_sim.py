@@ -108,3 +108,58 @@ async def test_two_decodes_go_in_one_look_and_one_killed_on_its_way_loses_no_req
         prefills = {w.url for w in client.registry.routable(Role.PREFILL)}
         assert prefills == {fleet.prefill[0].url, survivor.url}
         assert users.answers and set(users.answers) == {200}, sorted(set(users.answers))
+
+
+# The model core (policies/rebalance_model.py) on the same fleets: its SLOs are the targets, nothing else tuned.
+MODEL = RebalanceConfig(mode=RebalanceMode.ENABLED, core="model", interval_secs=0.25, window_secs=3.0,
+                        warmup_secs=3.0, ttft_target_secs=1.0, itl_target_secs=1.0, conversion_secs=1.0,
+                        min_decode=2)
+
+
+async def test_the_model_core_moves_two_decodes_in_one_look_to_an_overloaded_prefill(make_router):
+    """1P4D under long prompts (one a forward, 0.1 s each; 8 users back to back): the one prefill is saturated
+    (the requests that arrive need ~1 server of forwards, its queue holds the rest), three prefills serve them
+    within a second; the model names two decodes in one look (two decodes must stay), and nothing is lost."""
+    async with Fleet(1, 4, processes=True, prefill_concurrency=1, prefill_overhead_s=0.1, decode_step_s=0.005,
+                     max_prefill_tokens=256, **FAST) as fleet:
+        client = await make_router(fleet.prefill, fleet.decode, rebalance=MODEL,
+                                   load_monitor=LoadMonitorConfig(interval_secs=0.1))
+        rebalancer = client.app[REBALANCER]
+        async with Users(client, LONG_PROMPT, 8) as users:
+            await wait_for(lambda: rebalancer.counters["conversions_succeeded"] >= 2, timeout=60,
+                           message="two conversions done")
+            await wait_for(lambda: len(users.answers) >= 40, timeout=60)
+        moves = [d for d in rebalancer.decisions if d["action"] == "convert"]
+        assert moves and moves[0]["to_role"] == "prefill" and len(moves[0]["workers"]) == 2, \
+            [m["reason"] for m in moves]
+        model = moves[0]["model"]
+        assert model["choice"]["split"] == "3P2D" and model["mix"]["prefill_s"] > 0.05, model
+        assert all(m["to_role"] == "prefill" for m in moves)  # never back
+        assert {w.url for w in client.registry.routable(Role.DECODE)} and \
+            len(client.registry.routable(Role.PREFILL)) == 3
+        assert users.answers and set(users.answers) == {200}, sorted(set(users.answers))
+        # GET /admin/rebalancer shows each candidate split with its predicted attainment and cost
+        snapshot = await (await client.get("/admin/rebalancer")).json()
+        shown = next(d for d in snapshot["decisions"] if d["action"] == "convert")
+        assert {c["split"] for c in shown["model"]["candidates"]} >= {"1P4D", "2P3D", "3P2D"}
+        assert all("value" in c and "cost_s" in c for c in shown["model"]["candidates"])
+
+
+async def test_the_model_core_moves_nothing_to_prefill_under_a_decode_heavy_load(make_router):
+    """The rules core's wrong-direction flip (module docstring), for the model core: it reads work from the
+    counters, not the queues the rows show, and a decode-bound fleet moves nothing to prefill."""
+    async with Fleet(1, 2, processes=True, prefill_concurrency=1, decode_step_s=0.05,
+                     decode_overrides={"max_total_tokens": 4096}, **FAST) as fleet:
+        config = RebalanceConfig(mode=RebalanceMode.ENABLED, core="model", interval_secs=0.25, window_secs=3.0,
+                                 warmup_secs=2.0, ttft_target_secs=30.0, itl_target_secs=1.0, conversion_secs=1.0)
+        client = await make_router(fleet.prefill, fleet.decode, rebalance=config,
+                                   load_monitor=LoadMonitorConfig(interval_secs=0.1))
+        rebalancer = client.app[REBALANCER]
+        async with Users(client, DECODE_HEAVY, 20) as users:
+            await wait_for(lambda: len(users.answers) >= 100, timeout=60)
+        assert set(users.answers) == {200}
+        moved_to_prefill = [d for d in rebalancer.decisions if d["action"] == "convert" and d["to_role"] == "prefill"]
+        assert not moved_to_prefill, moved_to_prefill[0]["reason"]
+        fitted = [d for d in rebalancer.decisions if (d.get("model") or {}).get("mix")]
+        assert fitted, [d["reason"] for d in rebalancer.decisions][-3:]  # it read the fleet, and held
+        assert fitted[-1]["model"]["mix"]["decode_tokens"] > 10

@@ -144,6 +144,7 @@ class Rebalancer:
         r = load.report
         return WorkerView(
             id=worker.id, inflight=worker.inflight, started=worker.requests_total, running=load.running,
+            max_running=r.running_window if r else None,
             waiting=load.waiting,
             kv_usage=load.token_usage, convertible=self.can_convert(worker),
             waiting_queue=r.waiting_queue if r else None, bootstrap=r.bootstrap if r else None,
@@ -156,8 +157,7 @@ class Rebalancer:
             decode_step_s=load.decode_step_s, decode_batch=load.decode_batch,
             decode_step_fixed_s=load.decode_step_fixed_s, decode_step_per_request_s=load.decode_step_per_request_s,
             busy_total_s=r.prefill_busy_us / 1e6 if r is not None and r.prefill_busy_us is not None else None,
-            tokens_total=r.decode_moments[5] if r is not None and r.decode_moments and len(r.decode_moments) > 5
-            else None)
+            tokens_total=_tokens_decoded(r))
 
     @property
     def applying(self) -> dict | None:
@@ -414,6 +414,17 @@ class Rebalancer:
             "decisions": list(self.decisions)[-limit:] if limit else [],
             "conversions": list(self.conversions)[-limit:] if limit else [],
         }
+
+
+def _tokens_decoded(report) -> float | None:
+    """A decode's tokens decoded since it started (`decode_moments`); 0 for a 0.5.23 server that has not run a
+    decode step yet (it reports no moments before the first: answers of one token never make one), None for a
+    server that does not say."""
+    if report is None:
+        return None
+    if report.decode_moments and len(report.decode_moments) > 5:
+        return report.decode_moments[5]
+    return 0.0 if report.prefill_busy_us is not None else None
 
 
 def _age(now: float, then: float | None) -> float | None:
