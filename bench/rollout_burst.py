@@ -30,7 +30,7 @@ from pathlib import Path
 
 import orjson
 
-from bench import procs
+from bench import procs, profile
 from bench.contenders import REPO_ROOT, contender
 from bench.fleet import Fleet
 from bench.routers import HUB_GUARD_ENV, _serves, environment
@@ -141,6 +141,10 @@ def run_one(name: str, fleet: Fleet, limit: tuple[int, int], size: int, args, wo
     try:
         procs.wait_until(lambda: _serves(base_url), timeout=args.start_timeout, what=f"{name} serving /generate",
                          child=child, interval=0.2)
+        sampler = None
+        if name in args.profile:  # py-spy over the burst: where the router's CPU goes (accept, parse, legs, JSON)
+            stacks = workdir / f"{name}-{limit[0]}-{size}.collapsed.txt"
+            sampler = profile.start(child.pid, args.profile_seconds, stacks)
         cpu0 = procs.cpu_seconds(child.pid)
         done = subprocess.run([sys.executable, "-m", "bench.rollout_burst", "--client", "--url", base_url,
                                "--size", str(size), "--tokens", str(args.tokens), "--stream-every",
@@ -149,6 +153,10 @@ def run_one(name: str, fleet: Fleet, limit: tuple[int, int], size: int, args, wo
         if done.returncode != 0:
             raise RuntimeError(f"the burst client failed ({done.returncode}): {done.stderr[-2000:]}")
         result = orjson.loads(done.stdout.strip().splitlines()[-1])
+        if sampler is not None:
+            profile.finish(sampler, timeout=args.profile_seconds + 60)
+            print(f"# profile of {name}, soft {limit[0]}, burst {size} ({stacks}):\n"
+                  f"{profile.render(profile.summarize(stacks.read_text()), top=25)}", flush=True)
         result.update(router=name, soft_limit=limit[0], hard_limit=limit[1],
                       router_cpu_s=round(procs.cpu_seconds(child.pid) - cpu0, 2),
                       peak_rss_mib=tree_peak_rss_mib(child.pid))
@@ -193,11 +201,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--start-timeout", type=float, default=90.0)
     parser.add_argument("--sim-args", default=" ".join(DEFAULT_TIMING_ARGS), help="the simulated fleet's flags")
     parser.add_argument("--router-args", default="", help="flags added to every router's command line")
+    parser.add_argument("--profile", default="", help="routers to sample with py-spy during each burst (comma-separated)")
+    parser.add_argument("--profile-seconds", type=float, default=20.0, help="how long py-spy samples from the burst's start")
     parser.add_argument("--out", default=None, help="the JSON results (default out/bench/rollout_burst-<time>.json)")
     args = parser.parse_args(argv)
     if args.client:
         return client_main(args)
     args.router_args = args.router_args.split()
+    args.profile = [name for name in args.profile.split(",") if name]
     hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
     limits = [(hard, hard) if x == "machine" else (int(x), hard) for x in args.limits.split(",")]
     bursts = [int(x) for x in args.bursts.split(",")]
