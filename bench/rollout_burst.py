@@ -127,6 +127,24 @@ def fleet_idle(fleet: Fleet) -> bool:
     return True
 
 
+def pd_router_health(base_url: str, child: procs.Child) -> dict:
+    """pd-router's own account of the burst: legs counted against workers, breakers opened (its log), workers
+    routable now, and its local resource errors by kind."""
+    with urllib.request.urlopen(f"{base_url}/metrics", timeout=10) as resp:
+        text = resp.read().decode()
+    failures = routable = 0
+    local: dict[str, int] = {}
+    for line in text.splitlines():
+        if line.startswith("pd_router_worker_failures_total{"):
+            failures += int(float(line.rsplit(" ", 1)[1]))
+        elif line.startswith("pd_router_worker_routable{"):
+            routable += int(float(line.rsplit(" ", 1)[1]))
+        elif line.startswith("pd_router_local_resource_errors_total{") and float(line.rsplit(" ", 1)[1]):
+            local[line.split('kind="', 1)[1].split('"', 1)[0]] = int(float(line.rsplit(" ", 1)[1]))
+    return {"worker_failures": failures, "breakers_opened": child.log().count("circuit breaker closed -> open"),
+            "workers_routable": routable, "local_resource_errors": local}
+
+
 def tree_peak_rss_mib(pid: int) -> float:
     return round(sum(rss_kib(p, "VmHWM") or 0 for p in process_tree(pid)) / 1024, 1)
 
@@ -160,24 +178,32 @@ def run_one(name: str, fleet: Fleet, limit: tuple[int, int], size: int, args, wo
         result.update(router=name, soft_limit=limit[0], hard_limit=limit[1],
                       router_cpu_s=round(procs.cpu_seconds(child.pid) - cpu0, 2),
                       peak_rss_mib=tree_peak_rss_mib(child.pid))
+        if name == "pd-router":  # the servers' side of the ledger: nothing blamed on them, no breaker opened
+            result.update(pd_router_health(base_url, child))
     finally:
         procs.stop(child)
     procs.wait_until(lambda: fleet_idle(fleet), timeout=120, what="the fleet idle again", interval=0.5)
     errors = ", ".join(f"{k} x{v}" for k, v in sorted(result["errors"].items())) or "none"
+    health = (f"; worker failures {result['worker_failures']}, breakers opened {result['breakers_opened']}, "
+              f"{result['workers_routable']} routable, local errors {result['local_resource_errors'] or 'none'}"
+              if "worker_failures" in result else "")
     print(f"# {name} soft {limit[0]} burst {size}: {result['answered']}/{size} in {result['wall_s']:.1f} s, "
-          f"CPU {result['router_cpu_s']:.1f} s, RSS {result['peak_rss_mib']:.0f} MiB; errors: {errors}", flush=True)
+          f"CPU {result['router_cpu_s']:.1f} s, RSS {result['peak_rss_mib']:.0f} MiB; errors: {errors}{health}",
+          flush=True)
     return result
 
 
 def table(rows: list[dict]) -> str:
-    """One line per (limit, burst, router), with wall and CPU as ratios to the baseline's of the same round."""
+    """One line per (limit, burst, router), with wall and CPU as ratios to the baseline's of the same round (only
+    where both answered every sample: a router that refuses most of a burst finishes it fast)."""
     lines = ["| soft limit | burst | router | answered in full | errors by kind | wall s | router CPU s | "
              f"peak RSS MiB | wall / {BASELINE} | CPU / {BASELINE} |", "|" + "---|" * 10]
     base = {(r["soft_limit"], r["burst"], r["round"]): r for r in rows if r["router"] == BASELINE}
     for r in sorted(rows, key=lambda r: (-r["soft_limit"], r["burst"], r["round"], ROUTERS.index(r["router"])
                                          if r["router"] in ROUTERS else 9)):
         b = base.get((r["soft_limit"], r["burst"], r["round"]))
-        ratio = (lambda key: f"{r[key] / b[key]:.2f}x" if b and b[key] else "n/a")
+        whole = b is not None and b["answered"] == b["burst"] and r["answered"] == r["burst"]
+        ratio = (lambda key: f"{r[key] / b[key]:.2f}x" if whole and b[key] else "n/a")
         errors = ", ".join(f"{k} x{v}" for k, v in sorted(r["errors"].items())) or "none"
         lines.append(f"| {r['soft_limit']:,} | {r['burst']:,} | {r['router']} | {r['answered']:,}/{r['burst']:,} | "
                      f"{errors} | {r['wall_s']:.1f} | {r['router_cpu_s']:.1f} | {r['peak_rss_mib']:.0f} | "
