@@ -162,3 +162,5 @@ async def test_a_burst_under_a_low_open_files_limit_loses_nothing_and_opens_no_b
         assert value(samples, "pd_router_open_files_limit") == limit[1]  # the soft limit, raised to the hard one
         if hard == "same":  # it could not raise it: it bounded itself, and the queue took the rest
             assert value(samples, "pd_router_leg_queue_waited_total") > 0
+        for kind in ("EMFILE", "ENFILE", "EADDRNOTAVAIL", "ENOBUFS"):  # within its budget: it never ran out
+            assert value(samples, "pd_router_local_resource_errors_total", kind=kind) == 0, router.log()[-3000:]
