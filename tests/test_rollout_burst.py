@@ -21,6 +21,7 @@ import aiohttp
 import orjson
 import pytest
 
+from router.control.health import HEALTH
 from router.core.config import ConnectionTimeouts, HealthConfig
 from router.core.keys import LOCAL_RESOURCES
 from router.core.local_resources import DescriptorBudget
@@ -87,6 +88,26 @@ async def test_a_leg_the_router_cannot_open_blames_no_worker_and_goes_again_on_t
     samples = parse(await (await client.get("/metrics")).text())
     assert value(samples, "pd_router_local_resource_errors_total", kind="EMFILE") == errors.counts["EMFILE"]
     assert value(samples, "pd_router_worker_failures_total", worker=d.url, role="decode") == 0
+
+
+async def test_a_health_probe_the_router_cannot_open_gives_no_verdict(fake_fleet, make_router):
+    p, d = await fake_fleet(1, 1)
+    client = await make_router([p], [d], health=HealthConfig(interval_secs=3600, failure_threshold=1),
+                               connections=ConnectionTimeouts(upstream_pool_idle_timeout_secs=NOT_REUSED))
+    errors, monitor = client.app[LOCAL_RESOURCES], client.app[HEALTH]
+    decode = client.registry.routable(Role.DECODE)[0]
+    record = monitor.record(decode)
+    await wait_for(lambda: record.probe_task is not None and record.probe_task.done() and record.probes == 1,
+                   message="the first probe (its connection closed after it: not reused)")
+    with descriptors_exhausted():
+        failed = errors.counts["EMFILE"]
+        await monitor._probe(record)  # the probe a round would make now, its connection refused here
+        assert errors.counts["EMFILE"] == failed + 1
+        # one failed probe would take it out (failure_threshold 1): this one says nothing of the server
+        assert decode.healthy and decode.routable, decode.health_reason
+        assert record.probe.failures == 0 and record.probes == 1
+    await monitor._probe(record)
+    assert record.probes == 2 and decode.healthy
 
 
 async def test_past_its_deadline_a_request_waiting_for_room_gets_503_with_retry_after(fake_fleet, make_router):
