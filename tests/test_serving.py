@@ -148,3 +148,34 @@ async def test_a_port_taken_is_one_error_line_and_exit_1_not_a_traceback(flag):
     assert proc.returncode == 1, text
     assert "Traceback" not in text, text
     assert f"cannot listen on 127.0.0.1:{port} ({'--host/--port' if flag == '--port' else flag})" in text, text
+
+
+async def test_at_max_clients_new_clients_wait_in_the_backlog_until_one_closes():
+    from router.server.http_errors import RouterRunner
+
+    app = web.Application()
+
+    async def hello(request: web.Request) -> web.Response:
+        return web.Response(text="hello")
+
+    app.router.add_get("/hello", hello)
+    runner = RouterRunner(app, handler_cancellation=True, access_log=None)
+    await runner.setup()
+    site = EagerAcceptSite(runner, "127.0.0.1", 0, backlog=64, max_clients=2)
+    await site.start()
+    streams = []
+    try:
+        for _ in range(3):  # the kernel completes all three from the listen backlog
+            streams.append(await asyncio.open_connection("127.0.0.1", site.port))
+        await wait_for(lambda: site.clients == 2 and site.full_total == 1, message="two accepted, then full")
+        assert site.accepted_total == 2
+        reader, writer = streams[2]
+        writer.write(b"GET /hello HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        streams[0][1].close()  # one closes: the third is accepted and answered
+        answer = await asyncio.wait_for(reader.read(), 10)
+        assert answer.startswith(b"HTTP/1.1 200") and answer.endswith(b"hello")
+        assert site.accepted_total == 3
+    finally:
+        for _, writer in streams:
+            writer.close()
+        await runner.cleanup()
