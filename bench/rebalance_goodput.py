@@ -52,17 +52,15 @@ def sim_args(time_scale: float) -> list[str]:
             "--decode-step-per-running-s", str(0.008 * k), "--max-total-tokens", "400000", "--health-check-s", "0"]
 
 
-# Both runs route the same way; only the rebalancer's mode differs. Its knobs are tuned to this workload's
-# time scale (phases of a minute): decide every second, act on a signal seen twice, 5 s cooldown.
+# Both runs route the same way; only the rebalancer's mode differs. Its configuration is the workload suite's
+# (bench/workload_suite.py: the defaults, the SLOs as the targets, at this time scale).
 def router_args(time_scale: float, ttft_slo: float, tpot_slo: float) -> list[str]:
+    from bench.workload_suite import live_flags
     k = time_scale
+    flags = live_flags(k, ttft_slo, tpot_slo)
+    del flags[:2]  # "--rebalance enabled": each run sets its own mode
     return ["--prefill-policy", "power_of_two", "--decode-policy", "power_of_two",
-            "--load-poll-interval-secs", str(0.5 * k), "--rebalance-interval-secs", str(1 * k),
-            "--rebalance-window-secs", str(5 * k), "--rebalance-warmup-secs", str(5 * k),
-            "--rebalance-confirmations", "2", "--rebalance-cooldown-secs", str(5 * k),
-            "--rebalance-min-pressure", "0.8", "--rebalance-queue-target", "2",
-            "--rebalance-ttft-target-secs", str(ttft_slo), "--rebalance-itl-target-secs", str(tpot_slo),
-            "--log-level", "warning"]
+            "--load-poll-interval-secs", str(0.5 * k), *flags, "--log-level", "warning"]
 
 
 @dataclass(frozen=True)

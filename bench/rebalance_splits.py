@@ -141,17 +141,9 @@ def router_args(args, mode: str) -> list[str]:
               "--load-poll-interval-secs", str(0.5 * k), "--load-poll-timeout-secs", str(2 * k)]
     if mode != "enabled":
         return [*common, "--rebalance", "off"]
-    if getattr(args, "core", "model") == "model":  # the workload suite's configuration (bench/workload_suite.py)
-        from bench.workload_suite import live_flags
-        return [*common, *live_flags(k, args.ttft_slo, args.tpot_slo)]
-    # Tuned to this workload's time scale (phases of a minute or two): decide every second, act on a signal
-    # seen twice, go on in the same direction a second after the last conversion, never back within 10 s.
-    return [*common, "--rebalance", "enabled", "--rebalance-interval-secs", str(1 * k),
-            "--rebalance-window-secs", str(4 * k), "--rebalance-warmup-secs", str(3 * k),
-            "--rebalance-confirmations", "2", "--rebalance-cooldown-secs", str(10 * k),
-            "--rebalance-step-cooldown-secs", str(1 * k), "--rebalance-min-pressure", "1.0",
-            "--rebalance-queue-target", "2", "--rebalance-ttft-target-secs", str(args.ttft_slo / 2),
-            "--rebalance-itl-target-secs", str(args.tpot_slo * 0.75)]
+    # the workload suite's configuration (bench/workload_suite.py): the defaults, the SLOs as the targets
+    from bench.workload_suite import live_flags
+    return [*common, *live_flags(k, args.ttft_slo, args.tpot_slo)]
 
 
 @dataclass
@@ -284,6 +276,33 @@ def measure(args) -> dict:
                            "cpu_hogs": args.hog})
 
 
+def replayed(variants: list[Variant], phases: list[Phase], targets: list[int], args) -> dict[str, float]:
+    """Every variant's goodput in replay (bench/replay.py: the same capacity model in virtual time, the same
+    decision core) on the same seeded arrivals: what the live run is checked against."""
+    from bench import replay
+    from bench.workload_suite import suite_config_for
+    k = args.time_scale
+    arrivals = [(t / k, phases[i].kinds[kind].prompt_words + 2, phases[i].kinds[kind].max_new_tokens, i)
+                for t, i, kind in schedule(phases, args.seed)]
+    bounds, start = [], 0.0
+    for p in phases:
+        bounds.append((p.name, start / k, (start + p.secs) / k))
+        start += p.secs
+    ttft, tpot = args.ttft_slo / k, args.tpot_slo / k
+    out = {}
+    for v in variants:
+        extra: dict = {}
+        if v.mode == "enabled":
+            from policies.rebalance import decide
+            extra = dict(config=suite_config_for(ttft, tpot), decide=decide)
+        elif v.mode == "oracle":
+            extra = dict(schedule=[(b[1], t) for b, t in zip(bounds, targets)][1:])
+        run = replay.run(arrivals, bounds, v.prefills, v.decodes, replay.Capacity(), abandon_s=None,
+                         drain_s=args.drain_timeout, **extra)
+        out[v.name] = round(run.goodput(ttft, tpot), 4)
+    return out
+
+
 def report(variants: list[Variant], phases: list[Phase], targets: list[int], timing: dict, snapshot: dict,
            args, machine: dict) -> dict:
     shapes = [rg.Phase(p.name, p.secs, p.rate, 0, 0) for p in phases]
@@ -304,7 +323,10 @@ def report(variants: list[Variant], phases: list[Phase], targets: list[int], tim
                             "first_proposed_s": _first_proposed(snapshot, c, timing["t0"]),
                             "reason": c.get("reason"), "signals": _signals_at(snapshot, c["started_at"])})
     good = {name: r["overall"]["goodput"] or 0.0 for name, r in results.items()}
+    replay_good = replayed(variants, phases, targets, args)
     return {
+        "replay": replay_good,
+        "live_minus_replay_points": {n: round((good[n] - replay_good[n]) * 100, 1) for n in good},
         "bench": "rebalance_splits", "at": dt.datetime.now().isoformat(timespec="seconds"),
         "workload": args.workload, "servers": args.servers, "time_scale": args.time_scale, "seed": args.seed,
         "slo": {"ttft_s": args.ttft_slo, "tpot_s": args.tpot_slo}, "machine": machine,
@@ -322,14 +344,11 @@ def report(variants: list[Variant], phases: list[Phase], targets: list[int], tim
 
 
 def _compact(decision: dict, t0: float) -> dict:
-    """One decision of the run, small enough to keep them all (the terms each pool's pressure came from)."""
-    pressures = decision.get("pressures") or {}
+    """One decision of the run, small enough to keep them all (the model's mix, its pools' load, its choice)."""
+    model = decision.get("model") or {}
     return {"at_s": round(decision["at"] - t0, 1), "action": decision["action"], "guards": decision["guards"],
-            "direction": decision.get("direction"), "streak": decision.get("streak"),
-            "prefill": {k: v for k, v in (pressures.get("prefill") or {}).items()},
-            "decode": {k: v for k, v in (pressures.get("decode") or {}).items()},
-            "waiting": {k: (pressures.get("signals") or {}).get(k)
-                        for k in ("waiting_on_prefill", "waiting_on_decode", "ttft_charged_to")}}
+            "direction": decision.get("direction"), "pools": decision.get("pools"), "mix": model.get("mix"),
+            "now": model.get("now"), "choice": model.get("choice")}
 
 
 def _first_proposed(snapshot: dict, conversion: dict, t0: float) -> float | None:
@@ -372,7 +391,7 @@ def timeline(result: dict) -> list[str]:
 def _signals_at(snapshot: dict, at: float) -> dict | None:
     """What the rebalancer read when it decided the conversion that started at `at` (to explain a flap)."""
     decided = [d for d in snapshot.get("decisions", []) if d["action"] == "convert" and d["at"] <= at]
-    return decided[-1]["pressures"] if decided else None
+    return decided[-1].get("model") if decided else None
 
 
 def render(result: dict) -> str:
@@ -399,6 +418,10 @@ def render(result: dict) -> str:
         ok = vs_best is not None and vs_best >= t["vs_best_static"] and (vs_oracle or 0) >= t["vs_oracle"]
         lines.append(f"rebalancer / best static ({result['best_static']}): {vs_best}x, / oracle: {vs_oracle}x "
                      f"({'meets' if ok else 'misses'} >= {t['vs_best_static']}x and >= {t['vs_oracle']:.0%})")
+    if result.get("replay"):
+        lines.append("replay of the same arrivals (bench/replay.py): " + ", ".join(
+            f"{n} {result['replay'][n] * 100:.1f}% ({result['live_minus_replay_points'][n]:+.1f} live)"
+            for n in names))
     lines.append(f"rebalancer conversions: {len(result['conversions'])} ({result['flaps']} flaps)")
     for c in result["conversions"]:
         lines.append(f"  t={c['at_s']:>7}s  {c['worker']} -> {c['to_role']:<8} ok={c['ok']}  took {c['secs']} s"
@@ -418,7 +441,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ttft-slo", type=float, default=None, help="default: 2 s x time scale")
     parser.add_argument("--tpot-slo", type=float, default=None, help="default: 0.2 s x time scale")
     parser.add_argument("--seed", type=int, default=7)
-    parser.add_argument("--core", choices=("model", "rules"), default="model", help="the rebalancer's decision core")
     parser.add_argument("--hog", type=int, default=0, help="CPU-bound processes to run beside it (busy machine)")
     parser.add_argument("--drain-timeout", type=float, default=30.0,
                         help="simulated seconds stragglers may run after the last request was sent")

@@ -2,7 +2,6 @@
 
     python -m bench.workload_suite                     # the whole suite in replay (bench/replay.py), ~a minute
     python -m bench.workload_suite --only drift6 burst4
-    python -m bench.workload_suite --core rules        # the same suite for the pressure-ratio core
 
 The suite, not any one workload, is the target: phase shifts (4 and 8 servers), a gradual drift (6 servers,
 other constants and SLOs, lognormal lengths), heavy-tailed lengths, bursts shorter than a conversion (the
@@ -29,7 +28,7 @@ from pathlib import Path
 from typing import Callable
 
 from bench import replay
-from policies import rebalance, rebalance_model
+from policies import rebalance
 from policies.rebalance import RebalanceConfig, RebalanceMode
 
 TARGETS = {"changing": 1.3, "oracle": 0.85, "steady": 0.95}
@@ -135,7 +134,7 @@ def suite() -> list[Workload]:
                 for h in range(0, 24, 4))
     slow = replace(BASE, switch_s=15.0)
     return [
-        Workload("shift4", 4, _shift(4, 120), BASE, 2.0, 0.2, True),
+        Workload("shift4", 4, _shift(4, 90), BASE, 2.0, 0.2, True),  # the live benchmark's (bench.rebalance_splits)
         Workload("shift8", 8, _shift(8, 120), BASE, 2.0, 0.2, True),
         Workload("shift4-slow", 4, _shift(4, 120), slow, 2.0, 0.2, True),
         Workload("drift6", 6, drift, other, 2.0, 0.125, True),
@@ -148,26 +147,28 @@ def suite() -> list[Workload]:
     ]
 
 
-def suite_config(workload: Workload, core: str) -> RebalanceConfig:
-    """The one configuration every workload runs with: the defaults, enabled, the operator's SLOs as the
-    targets, a decision every 2 s and a 10 s warm-up (the phases last a minute or two)."""
-    return RebalanceConfig(mode=RebalanceMode.ENABLED, core=core, interval_secs=2.0, warmup_secs=10.0,
-                           ttft_target_secs=workload.ttft_s, itl_target_secs=workload.tpot_s)
+def suite_config(workload: Workload) -> RebalanceConfig:
+    """The one configuration every workload runs with (`suite_config_for` its SLOs)."""
+    return suite_config_for(workload.ttft_s, workload.tpot_s)
+
+
+def suite_config_for(ttft_s: float, tpot_s: float) -> RebalanceConfig:
+    """The defaults, enabled, the operator's SLOs as the targets, a 10 s warm-up (the phases last a minute or
+    two)."""
+    return RebalanceConfig(mode=RebalanceMode.ENABLED, warmup_secs=10.0, ttft_target_secs=ttft_s,
+                           itl_target_secs=tpot_s)
 
 
 def live_flags(time_scale: float, ttft_s: float, tpot_s: float) -> list[str]:
     """`suite_config` as a router's flags, its durations `time_scale` times longer (bench/rebalance_splits.py)."""
     k = time_scale
-    config = RebalanceConfig()
-    return ["--rebalance", "enabled", "--rebalance-core", "model", "--rebalance-interval-secs", str(2.0 * k),
-            "--rebalance-window-secs", str(config.window_secs * k), "--rebalance-warmup-secs", str(10.0 * k),
+    config = suite_config_for(ttft_s, tpot_s)
+    return ["--rebalance", "enabled", "--rebalance-interval-secs", str(config.interval_secs * k),
+            "--rebalance-window-secs", str(config.window_secs * k),
+            "--rebalance-warmup-secs", str(config.warmup_secs * k),
             "--rebalance-horizon-secs", str(config.horizon_secs * k),
             "--rebalance-conversion-secs", str(config.conversion_secs * k),
             "--rebalance-ttft-target-secs", str(ttft_s), "--rebalance-itl-target-secs", str(tpot_s)]
-
-
-def decide_of(core: str) -> Callable:
-    return rebalance_model.decide if core == "model" else rebalance.decide
 
 
 @dataclass
@@ -190,7 +191,7 @@ class Result:
         return self.rebalancer[0] / self.oracle[0] if self.oracle[0] > 0 else float("inf")
 
 
-def evaluate(workload: Workload, core: str = "model", seed: int = 7) -> Result:
+def evaluate(workload: Workload, seed: int = 7) -> Result:
     plan, phases = arrivals(workload, seed)
     n = workload.servers
     slo = (workload.ttft_s, workload.tpot_s)
@@ -204,8 +205,8 @@ def evaluate(workload: Workload, core: str = "model", seed: int = 7) -> Result:
     oracle = scores(replay.run(plan, phases, per_phase_best[0], n - per_phase_best[0], workload.capacity,
                                schedule=schedule, seed=seed))
     start = workload.start_prefills or n // 2
-    config = suite_config(workload, core)
-    driven = replay.run(plan, phases, start, n - start, workload.capacity, config=config, decide=decide_of(core),
+    config = suite_config(workload)
+    driven = replay.run(plan, phases, start, n - start, workload.capacity, config=config, decide=rebalance.decide,
                         seed=seed)
     return Result(workload.name, statics, oracle, scores(driven), driven.conversions, driven.flaps(), best_static)
 
@@ -252,7 +253,6 @@ def render(results: list[tuple[Workload, Result]]) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--only", nargs="*", help="workload names (default: all)")
-    parser.add_argument("--core", choices=("model", "rules"), default="model")
     parser.add_argument("--seed", type=int, default=7)
     parser.add_argument("--out", type=Path, default=Path("out/bench"))
     args = parser.parse_args(argv)
@@ -260,14 +260,14 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     for w in chosen:
         t0 = time.monotonic()
-        r = evaluate(w, args.core, args.seed)
+        r = evaluate(w, args.seed)
         results.append((w, r))
         print(f"{w.name}: {r.rebalancer[0] * 100:.1f}% vs best static {r.statics[r.best_static][0] * 100:.1f}% "
               f"({r.best_static}P), oracle {r.oracle[0] * 100:.1f}%, {len(r.conversions)} conversions, "
               f"{r.flaps} flaps ({time.monotonic() - t0:.1f} s)", file=sys.stderr)
     print(render(results))
     args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"workload_suite_{args.core}.json"
+    path = args.out / "workload_suite.json"
     path.write_text(json.dumps([{"workload": w.name, "statics": r.statics, "oracle": r.oracle,
                                  "rebalancer": r.rebalancer, "conversions": r.conversions, "flaps": r.flaps,
                                  "verdict": verdict(w, r)[0]} for w, r in results], indent=1, default=str))

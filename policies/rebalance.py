@@ -1,167 +1,71 @@
-"""The P/D rebalancer's decision core: `decide(observation, state, config) -> Decision`, with no I/O.
+"""The P/D rebalancer's decision core: `decide(observation, state, config) -> Decision`, pure (no I/O), the same
+live (router/flows/rebalancer.py), in replay (bench/replay.py) and in tests. It chooses the split of the fleet
+that a model fitted to it predicts serves the operator's SLOs best. One look:
 
-Two rules, in this order:
+1. **Refill an empty pool** (`refill`). When one pool has no routable server left (its servers died, failed or
+   were removed) and the other can spare one, convert the cheapest of the other pool at once: no model, warm-up
+   or guard is waited for (with no prefill, or no decode, nothing is served at all). Drain mode when the chosen
+   server has nothing in flight, else abort mode (its requests are aborted and re-sent by the router). Held
+   only while a conversion into that pool is already under way, while servers of that role are still being
+   read at start-up, or when the other pool has a single server.
+2. **Fit the model** (`rebalance_estimate.fit`): what arrives and what it costs, from the counters between this
+   look and the last ones within `window_secs` (the router's requests sent and open on each server, the
+   prefills' forward seconds, the decodes' tokens and step lines), the backlogs the signals read
+   (`rebalance_signals`: which queue waits on which pool) and the spread of request sizes the router saw.
+3. **Value every split** (`fleet_model.plan`): each split within the floors, its predicted SLO attainment (the
+   share of requests meeting both the TTFT and the TPOT target) over `horizon_secs`, the backlogs now and the
+   conversions' cost (their measured duration per direction) included. Several servers move at once when the
+   best split is several away.
+4. **Choose**: the best split, unless holding is predicted to meet `attainment_target` already, the best gains
+   less than `min_gain` over holding, or it would lose at either end of the fit's spread. The split changes
+   for the workload (its steady attainment must gain too), not for a backlog alone. Hysteresis is the
+   model's: a move costs its conversion's duration, and a move back costs it again.
+5. **Guards** (`rebalance_guards`), each a small named function, for what is not the model's job.
 
-1. **Refill an empty pool.** When one pool has no routable server left (its servers died, failed or were
-   removed) and the other can spare one, convert the cheapest of the other pool at once: no load signal,
-   warm-up, cooldown or confirmation is waited for (with no prefill, or no decode, nothing is served at all).
-   Drain mode when the chosen server has nothing in flight (nothing to wait for), else abort mode (its
-   requests are aborted and re-sent by the router; waiting for them would keep the fleet down). Held only
-   while a conversion into that pool is already under way, while servers of that role are still being read
-   at start-up, or when the other pool has a single server.
-2. **Follow the load.** Compare the pressure on the prefill pool with the pressure on the decode pool and
-   move one server from the cold pool to the hot one. Which signal stands for which bottleneck, and why, is
-   in `policies/rebalance_signals.py`: queues are attributed to the pool whose capacity they wait on (a decode
-   server's transfer queue waits on prefill compute, a prefill's bootstrap queue on decode KV room), TTFT is
-   charged only to a pool whose waiting requests clearly dominate, latency is measured on failed and abandoned
-   requests too, and a pool that is idle now is charged no latency left from before.
-
-The same code runs live, in replay and in tests: time comes in the observation, and the state is a value
-returned inside the decision. Every decision, a refusal included, names the guards that held it back:
-
-  no_signal      a pool has no data at all (no reports, no latency samples); the streak is kept
-  deadband       the hot pool is below `min_pressure`: nothing is worth a conversion; the streak restarts
-  margin         moving one server is predicted to improve the worst pressure by less than `min_improvement`
-                 (it would only move the bottleneck); the streak is kept, not counted. Waived for a pool short
-                 of capacity (see below)
-  draining       the hot pool's backlog shrank by a quarter or more since the last look: what it has copes
-                 (after a conversion, the backlog it left is draining); the streak is kept, not counted
-  warmup         less than `warmup_secs` since the rebalancer started
-  busy           a conversion is in progress (an operator's, one the other way, or ours while the servers on
-                 their way are predicted to bring the hot pool under `min_pressure`): one at a time, except
-                 that a hot pool still over `min_pressure` once ours in progress have arrived gets the
-                 next server at once, its drain beside theirs (a decode converted to prefill drains requests
-                 that wait on the very prefill backlog it is to relieve: one after the other, the drains added
-                 up to most of a phase)
-  cooldown       less than `cooldown_secs` since a conversion the other way ended (no flapping)
-  step_cooldown  less than `step_cooldown_secs` (default: a quarter of `cooldown_secs`) since a conversion the
-                 same way ended (let it act first); not beside ours still on their way (busy). A look less
-                 than half an interval before its end counts as after it: looks come once an interval, and a
-                 step cooldown of one interval, run from a conversion's end, held every next look (one move
-                 every two looks)
-  failure_cooldown  less than `failure_cooldown_secs` since a conversion failed
-  floor          the donor pool would fall below its minimum size (refill: the donor has one server)
-  confirmations  the proposal has not yet held for `confirmations` intervals (those that passed the margin); one
-                 is enough when the hot pool's pressure is at least `urgent_pressure` (3.0): an overload that
-                 large grows while it is being confirmed; and one is enough after a conversion the same way
-                 (within `cooldown_secs` of it, its step cooldown over): the overload was confirmed before it,
-                 and the pool still hot says one server was not enough. Not to undo the last conversion within
-                 twice the cooldown, though: the moments after one (the server converted admits a backlog at once, the
-                 other pool's queues settle) look urgent for a poll or two, and undoing on one sighting of that
-                 is a flap. Nor, for prefill, a queue that appeared since the last look while the prefills
-                 were mostly idle (busy under `BURST_BUSY` of `busy_target`): a burst of arrivals the next
-                 forward clears (a batch of answers finishing together on a decode-heavy fleet, or a server
-                 the machine starved of CPU for a moment) is not short compute; a second look must see it too
-  same_look      asked again in the look that started a conversion (the loop does so at once in enabled mode:
-                 a pool short of several servers gets them in one look, not one a look): the next server goes
-                 only if `busy` lets it (the hot pool, with those on their way, still over `min_pressure`) and
-                 the donor keeps `SPARE_DONOR` servers, predicted under `min_pressure` without it. A phase
-                 turning on eight servers needs four moves; one a look, the backlog built over four looks took
-                 most of the phase to clear
-  no_candidate   the donor pool has no server that can be converted (each is doubted by a health verdict or a
-                 breaker, or failed a conversion lately)
-  refilling      a pool is empty and a conversion into it is already under way
-  pending        a pool is empty but servers of its role have not been read yet (start-up)
-
-No guard undoes another's count: margin, draining, warm-up, busy and the cooldowns hold a proposal without
-resetting its streak, so once they pass, a proposal that kept holding converts at once; only a change of
-direction or the end of the pressure (deadband) restarts it, and a finished conversion (what was seen during
-it does not count).
-
-**A pool short of capacity.** Proportionally, one more server relieves a pool of n by 1/(n + 1), so a margin
-of 20 % capped every pool at five servers. That proportion holds for a pool that keeps up; it is far from the
-truth for one that does not: a backlog clears at (capacity - arrivals), and a server added to a pool that barely
-keeps up multiplies that pace (eight servers: 5P3D drained 99 waiting prefills at 0.7 a second, for 140 s of
-a phase the oracle's 6P2D served 98 % of). So the margin is waived when the hot pool's backlog, at the pace it
-changed since the last look (one after the last conversion ended), would take longer than `ttft_target_secs`
-to clear (or grows), when the cold pool is predicted to stay under `min_pressure` without the server (the move
-cannot move the bottleneck), and when the cold pool keeps at least `SPARE_DONOR` (2) servers: the cold pool's
-prediction is the weakest at one server (a decode's latency at low batch says little about its capacity: on
-the eight-server benchmark 2D read 0.32 and 1D then 1.4 to 3.8), and a pool of one has nobody to share a
-misprediction with.
-
-The prediction takes a pool's terms to be proportional to its load per server: moving one server from a
-pool of n_cold to a pool of n_hot scales the hot terms by n_hot / (n_hot + 1) and the cold ones by
-n_cold / (n_cold - 1); with k of ours on their way into the hot pool (out of the cold pool already), by
-n_hot / (n_hot + k + 1), against n_hot / (n_hot + k) without the move. Decode latency is not proportional
-near saturation: with the decodes' fitted step line (fixed + per request x batch), the share of a step that
-is per request is the utilisation, it scales with the load, and the step is fixed / (1 - utilisation)
-(`rebalance_signals.step_after`). Past saturation the step understates the load: the batch grows look after
-look and never settles, so the utilisation is read on what arrives (`rebalance_signals.decode_overload`: the
-router's own counts of requests sent to the decodes and of those decoding, between two looks at the same
-servers; by Little's law the batch's utilisation times arrivals / completions), and the margin compares the
-split as it is on that reading too. The server moved is the cheapest of the donor pool (`WorkerView.cost`: fewest requests
-in flight or queued, then the least KV held, i.e. the quickest drain), never one that is doubted. A decode
-moved to prefill (with `conversion_mode` drain) is emptied in `shed` mode: its requests that still wait on a
-prefill forward are re-sent elsewhere (their clients have seen nothing of them) instead of waited for, since
-they wait on the very backlog the move is to relieve; those decoding finish where they are.
+Each decision carries the model's reading (`Decision.model`): the fitted mix, every candidate split with its
+steady attainment, its value over the horizon and the cost it was charged, and why the choice was made. The
+server moved is the cheapest of the donor pool (`WorkerView.cost`: the quickest drain), never a doubted one;
+a decode moved to prefill (with `conversion_mode` drain) is emptied in `shed` mode: its requests still waiting
+on a prefill are re-sent elsewhere (they wait on the very backlog the move is to relieve), those decoding
+finish where they are.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields, replace
 
+from . import rebalance_guards as guards
+from .fleet_model import Costs, Slo, plan, predict
 from .rebalance_config import RebalanceConfig, RebalanceMode, UnknownFields
-from .rebalance_signals import (
-    DECODE, PREFILL, Observation, WorkerView, decode_counts, decode_overload, pool_after, pool_terms,
-    ttft_charged_to, waits_on_decode, waits_on_prefill,
-)
+from .rebalance_estimate import MAX_INTERVALS, counters, fit, interval, overgrown_batch
+from .rebalance_signals import DECODE, PREFILL, Observation, WorkerView
 
-__all__ = ["BUSY", "CONFIRMATIONS", "COOLDOWN", "DEADBAND", "DRAINING", "FAILURE_COOLDOWN", "FLOOR", "GUARDS",
-           "MARGIN", "NO_CANDIDATE", "NO_SIGNAL", "PENDING", "REFILLING", "STEP_COOLDOWN", "WARMUP", "Decision",
-           "Observation", "RebalanceConfig", "RebalanceMode", "RebalanceState", "UnknownFields", "WorkerView",
-           "conversion_ended", "decide", "initial_state", "pool_pressures", "ttft_charged_to", "waits_on_decode",
-           "waits_on_prefill"]
+__all__ = ["GUARDS", "Decision", "Observation", "RebalanceConfig", "RebalanceMode", "RebalanceState",
+           "UnknownFields", "WorkerView", "conversion_ended", "decide", "initial_state", "refill"]
 
-# Guard names (a fixed catalogue, so that metrics and logs can count them).
-NO_SIGNAL = "no_signal"
-DEADBAND = "deadband"
-MARGIN = "margin"
-DRAINING = "draining"
-WARMUP = "warmup"
-BUSY = "busy"
-COOLDOWN = "cooldown"
-STEP_COOLDOWN = "step_cooldown"
-FAILURE_COOLDOWN = "failure_cooldown"
+# Guard names (a fixed catalogue, so that metrics and logs can count them): the model core's and the refill's.
+NO_SIGNAL, WARMUP, BUSY, FAILURE_COOLDOWN, NO_CANDIDATE = (guards.NO_SIGNAL, guards.WARMUP, guards.BUSY,
+                                                           guards.FAILURE_COOLDOWN, guards.NO_CANDIDATE)
 FLOOR = "floor"
-CONFIRMATIONS = "confirmations"
-NO_CANDIDATE = "no_candidate"
 REFILLING = "refilling"
 PENDING = "pending"
-SAME_LOOK = "same_look"
-GUARDS = (NO_SIGNAL, DEADBAND, MARGIN, DRAINING, WARMUP, BUSY, COOLDOWN, STEP_COOLDOWN, FAILURE_COOLDOWN, FLOOR,
-          CONFIRMATIONS, NO_CANDIDATE, REFILLING, PENDING, SAME_LOOK)
-
-DRAIN_SHARE = 0.25  # a backlog that shrank by this share since the last look is draining
-# A prefill pool busy under this share of `busy_target` is not short of compute: its queue is a burst.
-BURST_BUSY = 0.5
-# Undoing the last conversion within this many cooldowns of it takes every confirmation, however urgent.
-REVERSAL_WINDOW = 2
-# The margin is waived for a pool short of capacity only if the donor pool keeps at least this many servers.
-SPARE_DONOR = 2
+GUARDS = (NO_SIGNAL, WARMUP, BUSY, FAILURE_COOLDOWN, NO_CANDIDATE, FLOOR, REFILLING, PENDING)
+RECENT_CONVERSIONS = 5  # conversions per direction whose durations a move's cost averages
 
 
 @dataclass(frozen=True, slots=True)
 class RebalanceState:
     started_at: float
-    streak_direction: str | None = None  # "to_prefill" | "to_decode"
-    streak: int = 0
     last_conversion_at: float | None = None
     last_direction: str | None = None  # of the last conversion
     last_failure_at: float | None = None
     conversions: int = 0
     refills: int = 0
-    last_waits: tuple[float | None, float | None] | None = None  # (on prefill, on decode) at the last look
-    last_hot: str | None = None  # the direction whose pool was over min_pressure at the last look
-    last_look_at: float | None = None  # when last_waits were seen
-    look_moves: int = 0  # conversions decided at last_look_at (the same look: see `same_look`)
-    last_decode_counts: tuple[int, int, int] | None = None  # rebalance_signals.decode_counts at the last look
-    decode_overload: float = 1.0  # rebalance_signals.decode_overload read at the last look
-    # the model core's (policies/rebalance_model.py): the last look's counters, the intervals since, the last
-    # fitted mix, and the recent conversions' durations per direction ((to_prefill...), (to_decode...))
-    last_counters: tuple | None = None
-    intervals: tuple = ()
-    mix: object | None = None
+    last_look_at: float | None = None
+    last_counters: tuple | None = None  # every routable server's counters at the last look (rebalance_estimate)
+    intervals: tuple = ()  # what happened between looks (rebalance_estimate.Interval), newest last
+    mix: object | None = None  # the mix fitted at the last look (fleet_model.Mix)
+    # the recent successful conversions' durations: ((into prefill...), (into decode...))
     conversion_secs: tuple[tuple[float, ...], tuple[float, ...]] = ((), ())
 
 
@@ -169,22 +73,18 @@ def initial_state(now: float) -> RebalanceState:
     return RebalanceState(started_at=now)
 
 
-RECENT_CONVERSIONS = 5  # conversions per direction whose durations the model's cost averages
-
-
 def conversion_ended(state: RebalanceState, now: float, ok: bool, to_role: str | None = None,
                      secs: float | None = None) -> RebalanceState:
-    """After a conversion finished (or failed): cooldowns run from now, and what was seen during the
-    transition does not count towards the next proposal; a successful one's duration (`secs`, into `to_role`)
-    is what the model charges the next move that way."""
-    if ok:
-        durations = state.conversion_secs
-        if secs is not None and to_role in (PREFILL, DECODE):
-            side = 0 if to_role == PREFILL else 1
-            recent = (*durations[side], secs)[-RECENT_CONVERSIONS:]
-            durations = (recent, durations[1]) if side == 0 else (durations[0], recent)
-        return replace(state, last_conversion_at=now, streak=0, streak_direction=None, conversion_secs=durations)
-    return replace(state, last_failure_at=now, streak=0, streak_direction=None)
+    """After a conversion finished (or failed): the failure cooldown runs from now; a successful one's duration
+    (`secs`, into `to_role`) is what the next move that way is charged."""
+    if not ok:
+        return replace(state, last_failure_at=now)
+    durations = state.conversion_secs
+    if secs is not None and to_role in (PREFILL, DECODE):
+        side = 0 if to_role == PREFILL else 1
+        recent = (*durations[side], secs)[-RECENT_CONVERSIONS:]
+        durations = (recent, durations[1]) if side == 0 else (durations[0], recent)
+    return replace(state, last_conversion_at=now, conversion_secs=durations)
 
 
 @dataclass(frozen=True, slots=True)
@@ -197,15 +97,13 @@ class Decision:
     worker_id: str | None = None
     from_role: str | None = None
     to_role: str | None = None
-    pressures: dict = field(default_factory=dict)
-    predicted_worst: float | None = None
-    improvement: float | None = None
-    streak: int = 0
+    pools: dict = field(default_factory=dict)  # routable servers per pool at the look
+    gain: float | None = None  # the chosen split's predicted attainment over holding's, over the horizon
     refill: bool = False  # rule 1: a pool was empty
     conversion_mode: str | None = None  # how to empty the server ("drain" | "shed" | "abort"); None: the config's
     state: RebalanceState | None = None
-    workers: tuple[str, ...] = ()  # every server to convert (the model core moves several at once); () = worker_id
-    model: dict | None = None  # the model core's reading: the fitted mix, each candidate split, the choice
+    workers: tuple[str, ...] = ()  # every server to convert (several at once when the model says so)
+    model: dict | None = None  # the model's reading: the fitted mix, each candidate split, the choice
 
     @property
     def convert(self) -> bool:
@@ -214,62 +112,16 @@ class Decision:
     def to_dict(self) -> dict:
         out = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "state"}
         out["guards"] = list(self.guards)
+        out["workers"] = list(self.workers or ((self.worker_id,) if self.worker_id else ()))
         return out
 
 
-def pool_pressures(obs: Observation, config: RebalanceConfig) -> tuple[dict[str, float], dict[str, float]]:
-    """Both pools' terms (rebalance_signals.pool_terms without its notes)."""
-    prefill, decode, _ = pool_terms(obs, config)
-    return prefill, decode
-
-
-def _pressure(terms: dict[str, float]) -> float | None:
-    return max(terms.values()) if terms else None
-
-
-def _round(x: float | None) -> float | None:
-    return None if x is None else round(x, 4)
-
-
-def _fmt(x: float | None) -> str:
-    return "?" if x is None else f"{x:.2f}"
-
-
-def _hold(obs: Observation, reason: str, guards: tuple[str, ...], state: RebalanceState, **extra) -> Decision:
-    return Decision(at=obs.now, action="hold", reason=reason, guards=guards, streak=state.streak, state=state,
-                    **extra)
+def _hold(obs: Observation, reason: str, guards_fired: tuple[str, ...], state: RebalanceState, **extra) -> Decision:
+    return Decision(at=obs.now, action="hold", reason=reason, guards=guards_fired, state=state, **extra)
 
 
 def _other(role: str) -> str:
     return DECODE if role == PREFILL else PREFILL
-
-
-def backlog_clear_secs(waiting: float | None, before: float | None, elapsed: float) -> float | None:
-    """How long a backlog of `waiting` takes to clear at the pace it changed from `before`, `elapsed` seconds
-    ago: infinite when it did not shrink; None when there is no earlier look to tell."""
-    if waiting is None or before is None or elapsed <= 0:
-        return None
-    pace = (before - waiting) / elapsed
-    return waiting / pace if pace > 0 else float("inf")
-
-
-def short_of_capacity(state: RebalanceState, now: float, hot: str, waiting: float | None, before: float | None,
-                      cold: str, cold_after: float, cold_left: int, config: RebalanceConfig) -> str | None:
-    """Why the margin is waived for the hot pool (module docstring, "A pool short of capacity"), or None.
-    (The move then always improves the worst pressure: the hot pool gains a server, the cold one stays under
-    min_pressure, which the hot pool is over.)"""
-    # the pace between two looks at the same servers: right after a conversion, what the backlog did during
-    # it says nothing of the pool as it is now
-    if state.last_look_at is None or (state.last_conversion_at is not None
-                                      and state.last_look_at < state.last_conversion_at):
-        return None
-    clear_s = backlog_clear_secs(waiting, before, now - state.last_look_at)
-    if clear_s is None or clear_s <= config.ttft_target_secs or cold_after >= config.min_pressure \
-            or cold_left < SPARE_DONOR:
-        return None
-    took = "grows" if clear_s == float("inf") else f"would take {clear_s:.0f} s to clear"
-    return (f"the {hot} backlog ({waiting:g} waiting) {took} at its pace, over the {config.ttft_target_secs:g} s "
-            f"TTFT target, and {cold} keeps {cold_left} servers at {_fmt(cold_after)}")
 
 
 def refill(obs: Observation, state: RebalanceState) -> Decision | None:
@@ -277,16 +129,15 @@ def refill(obs: Observation, state: RebalanceState) -> Decision | None:
     empty = [role for role in (PREFILL, DECODE) if not obs.pool(role)]
     if not empty:
         return None
-    pressures = {PREFILL: {"workers": len(obs.prefill)}, DECODE: {"workers": len(obs.decode)}}
+    pools = {PREFILL: len(obs.prefill), DECODE: len(obs.decode)}
     if len(empty) == 2:
-        return _hold(obs, "no routable server in either pool: nothing to refill from", (FLOOR,), state,
-                     pressures=pressures)
+        return _hold(obs, "no routable server in either pool: nothing to refill from", (FLOOR,), state, pools=pools)
     (role,) = empty
     donor_role = _other(role)
     donors = obs.pool(donor_role)
     head = f"the {role} pool has no routable server"
     direction = f"to_{role}"
-    extra = dict(pressures=pressures, direction=direction, from_role=donor_role, to_role=role, refill=True)
+    extra = dict(pools=pools, direction=direction, from_role=donor_role, to_role=role, refill=True)
     if role in obs.converting_into:
         return _hold(obs, f"{head}: a conversion into it is under way ({obs.busy})", (REFILLING,), state, **extra)
     if role in obs.pending:
@@ -301,191 +152,139 @@ def refill(obs: Observation, state: RebalanceState) -> Decision | None:
     worker = min(candidates, key=lambda w: w.cost)
     mode = "drain" if worker.busy == 0 else "abort"
     why = "nothing in flight on it" if mode == "drain" else f"{worker.busy} request(s) on it are aborted and re-sent"
-    done = replace(state, streak=0, streak_direction=None, last_conversion_at=obs.now, last_direction=direction,
-                   conversions=state.conversions + 1, refills=state.refills + 1)
+    done = replace(state, last_conversion_at=obs.now, last_direction=direction, conversions=state.conversions + 1,
+                   refills=state.refills + 1)
     reason = (f"{head}: refill it at once from {donor_role} {worker.id}, the cheapest of "
               f"{len(donors)} ({mode} mode: {why})")
     return Decision(at=obs.now, action="convert", reason=reason, worker_id=worker.id, state=done,
                     conversion_mode=mode, **extra)
 
 
+HOLD = "hold"
+MEETS_TARGET = "meets_target"
+NO_GAIN = "no_gain"
+UNSURE = "within_spread"
+
+
+def costs_of(state: RebalanceState, config: RebalanceConfig) -> Costs:
+    """What a move each way costs: the mean of the recent conversions that way, else the configured prior."""
+    to_prefill, to_decode = state.conversion_secs
+
+    def mean(values: tuple[float, ...]) -> float:
+        return sum(values) / len(values) if values else config.conversion_secs
+    return Costs(mean(to_prefill), mean(to_decode))
+
+
+def observe_counters(obs: Observation, state: RebalanceState) -> RebalanceState:
+    """The state with this look's counters and the interval since the last look (the model's memory)."""
+    now_counters = counters(obs)
+    intervals = state.intervals
+    if state.last_counters is not None and state.last_look_at is not None and obs.now > state.last_look_at:
+        intervals = (*intervals, interval(state.last_counters, now_counters, obs.now - state.last_look_at))
+        intervals = intervals[-MAX_INTERVALS:]
+    return replace(state, last_counters=now_counters, intervals=intervals, last_look_at=obs.now)
+
+
+def _arriving(obs: Observation, costs: Costs) -> tuple[str, int, float] | None:
+    """Ours on their way (one direction at a time: the guards see to it), as `plan` counts them: they arrive
+    in half a conversion's time on average."""
+    if not obs.joining:
+        return None
+    into_prefill = obs.joining.count(PREFILL)
+    net = into_prefill - (len(obs.joining) - into_prefill)  # a refill the other way: the net counts
+    if net == 0:
+        return None
+    pool = PREFILL if net > 0 else DECODE
+    return pool, abs(net), costs.of(pool) / 2
+
+
 def decide(obs: Observation, state: RebalanceState, config: RebalanceConfig) -> Decision:
-    now = obs.now
     refilled = refill(obs, state)
     if refilled is not None:
         return refilled
-    p_terms, d_terms, notes = pool_terms(obs, config)
-    p_pressure, d_pressure = _pressure(p_terms), _pressure(d_terms)
-    pressures = {PREFILL: {"pressure": _round(p_pressure), "workers": len(obs.prefill),
-                           **{k: round(v, 4) for k, v in p_terms.items()}},
-                 DECODE: {"pressure": _round(d_pressure), "workers": len(obs.decode),
-                          **{k: round(v, 4) for k, v in d_terms.items()}},
-                 "signals": notes}
-    waits = (notes["waiting_on_prefill"], notes["waiting_on_decode"])
-    # asked again in the look that started a conversion (see `same_look`)
-    same_look = state.last_look_at == now and state.last_conversion_at == now
-    counts = decode_counts(obs)
-    if same_look:  # the look's first reading stands: since, the pools only lost the servers it moved
-        overload, counts = state.decode_overload, state.last_decode_counts
-    elif (state.last_decode_counts is not None and state.last_look_at is not None and not obs.busy
-          and (state.last_conversion_at is None or state.last_conversion_at < state.last_look_at)):
-        overload = decode_overload(counts, state.last_decode_counts, now - state.last_look_at)
-    else:
-        overload = 1.0
-    notes["decode_overload"] = round(overload, 3)
-    seen = replace(state, last_waits=waits, last_hot=None, last_look_at=now, last_decode_counts=counts,
-                   decode_overload=overload)
+    seen = observe_counters(obs, state)
+    fitted = fit(obs, seen.intervals, config.window_secs, state.mix)
+    slo = Slo(config.ttft_target_secs, config.itl_target_secs)
+    costs = costs_of(state, config)
+    reading: dict = {"window_secs": round(fitted.window_secs, 2),
+                     "costs_s": {"to_prefill": round(costs.to_prefill_s, 2), "to_decode": round(costs.to_decode_s, 2)},
+                     "slo": {"ttft_s": slo.ttft_s, "tpot_s": slo.tpot_s}}
+    pools = {PREFILL: len(obs.prefill), DECODE: len(obs.decode)}
 
-    def hold(reason: str, guards: tuple[str, ...], new_state: RebalanceState, **extra) -> Decision:
-        return _hold(obs, reason, guards, new_state, pressures=pressures, **extra)
+    def hold(reason: str, fired: tuple[str, ...], new_state: RebalanceState, **extra) -> Decision:
+        return Decision(at=obs.now, action="hold", reason=reason, guards=fired, state=new_state,
+                        pools=pools, model=reading, **extra)
 
-    if p_pressure is None or d_pressure is None:
-        missing = " and ".join(r for r, p in ((PREFILL, p_pressure), (DECODE, d_pressure)) if p is None)
-        return hold(f"no load signal from the {missing} pool", (NO_SIGNAL,), seen)
-
-    if p_pressure >= d_pressure:
-        hot, hot_p, cold_p = PREFILL, p_pressure, d_pressure
-    else:
-        hot, hot_p, cold_p = DECODE, d_pressure, p_pressure
-    cold = _other(hot)
-    hot_pool, cold_pool = obs.pool(hot), obs.pool(cold)
-    direction = f"to_{hot}"
-    summary = f"{hot} pressure {_fmt(hot_p)} vs {cold} {_fmt(cold_p)}"
-    if overload > 1:
-        summary += f" (decode arrivals {overload:.2f}x its completions)"
-    if hot_p < config.min_pressure:
-        return hold(f"{summary}: below {config.min_pressure:g}, nothing to relieve", (DEADBAND,),
-                    replace(seen, streak=0, streak_direction=None))
-
-    n_hot, n_cold = len(hot_pool), len(cold_pool)
-    seen = replace(seen, last_hot=direction)
-    prediction: dict = {"direction": direction, "from_role": cold, "to_role": hot}
-    fired: list[str] = []
-    notes_out: list[str] = []
-    # Ours on their way into the hot pool, when nothing else is converting: the hot pool as they will leave it.
-    arriving = len(obs.joining) if obs.joining and set(obs.joining) == {hot} and not obs.others_busy else 0
-    hot_terms, cold_terms = (p_terms, d_terms) if hot == PREFILL else (d_terms, p_terms)
-    fixed = notes["decode_step_fixed_s"]
-
-    def after(terms: dict, role: str, n: int, n_new: int) -> float:
-        if role == PREFILL:
-            return pool_after(terms, n, n_new)
-        return pool_after(terms, n, n_new, fixed, config.itl_target_secs, overload)
-
-    hot_after = after(hot_terms, hot, n_hot, n_hot + arriving) if arriving and n_hot else hot_p
-    hot_waits = waits[0] if hot == PREFILL else waits[1]
-    before = None if state.last_waits is None else state.last_waits[0 if hot == PREFILL else 1]
-    margin_ok = True
-    if n_cold > 1:  # with one server the floor guard holds anyway, and the cold pool would be empty
-        # against the pressure now: while those on their way drain, the hot pool's backlog grows
-        cold_after = after(cold_terms, cold, n_cold, n_cold - 1)
-        predicted = max(after(hot_terms, hot, n_hot, n_hot + arriving + 1) if n_hot else 0.0, cold_after)
-        # an overloaded decode pool's batch grows: the split as it is, on what arrives, is the reference
-        reference = max(hot_p, after(hot_terms, hot, n_hot, n_hot)) if overload > 1 and n_hot else hot_p
-        improvement = 1 - predicted / reference
-        prediction.update(predicted_worst=round(predicted, 4), improvement=round(improvement, 4))
-        margin_ok = improvement >= config.min_improvement - 1e-9  # "at least": n -> n+1 can gain exactly it
-        proposal = (f"convert a {cold} server to {hot} (predicted worst pressure {_fmt(predicted)}, "
-                    f"{improvement * 100:.0f}% better"
-                    + (f"; {_fmt(hot_after)} once the {arriving} on their way arrive" if arriving else "")
-                    + ")")
-        waived = None if margin_ok else short_of_capacity(state, now, hot, hot_waits, before, cold, cold_after,
-                                                          n_cold - 1, config)
-        if waived:
-            margin_ok = True
-            proposal += f"; margin waived: {waived}"
-        elif not margin_ok:
-            fired.append(MARGIN)
-            notes_out.append(f"it would leave the worst pressure at {_fmt(predicted)} (only "
-                             f"{improvement * 100:.0f}% better, needs {config.min_improvement * 100:g}%)")
-    else:
-        proposal = f"convert a {cold} server to {hot}"
-    draining = before is not None and hot_waits is not None and before >= 2 and hot_waits <= before * (1 - DRAIN_SHARE)
-    if draining:
-        fired.append(DRAINING)
-        notes_out.append(f"its backlog is draining ({before:g} -> {hot_waits:g} waiting)")
-    counts = margin_ok and not draining
-    if state.streak_direction == direction:
-        streak = state.streak + (1 if counts else 0)
-    else:
-        streak = 1 if counts else 0
-    new_state = replace(seen, streak=streak, streak_direction=direction)
-    if now - state.started_at < config.warmup_secs:
-        fired.append(WARMUP)
-        notes_out.append(f"warming up ({config.warmup_secs - (now - state.started_at):.0f} s left)")
-    alongside = bool(arriving and hot_after >= config.min_pressure)
-    if obs.busy and not alongside:
-        fired.append(BUSY)
-        notes_out.append(f"a conversion is in progress ({obs.busy})")
-    if state.last_conversion_at is not None:
-        since = now - state.last_conversion_at
-        if state.last_direction not in (None, direction) and since < config.cooldown_secs:
-            fired.append(COOLDOWN)
-            notes_out.append(f"the last conversion went the other way ({config.cooldown_secs - since:.0f} s of "
-                             f"cooldown left)")
-        elif (state.last_direction in (None, direction) and since < config.step_cooldown - config.interval_secs / 2
-              and not alongside):
-            fired.append(STEP_COOLDOWN)
-            notes_out.append(f"the last conversion went this way ({config.step_cooldown - since:.0f} s "
-                             f"left to see it act)")
-    if state.last_failure_at is not None and now - state.last_failure_at < config.failure_cooldown_secs:
-        fired.append(FAILURE_COOLDOWN)
-        notes_out.append(f"a conversion failed {now - state.last_failure_at:.0f} s ago")
-    # Asked again in the look that started a conversion (the loop does so at once, rather than a look later):
-    # the next server goes beside it only if the donor keeps two and stays under min_pressure without it and
-    # the ones this look took (the donor's figures are still those of the pool that had them).
-    if same_look:
-        cold_look_after = after(cold_terms, cold, n_cold + state.look_moves, n_cold - 1) if n_cold > 1 else None
-        if n_cold - 1 < SPARE_DONOR or cold_look_after is None or cold_look_after >= config.min_pressure:
-            fired.append(SAME_LOOK)
-            notes_out.append(f"another server in this look needs {cold} to keep {SPARE_DONOR} servers under "
-                             f"{config.min_pressure:g} without it and the {state.look_moves} this look took "
-                             f"(it would keep {n_cold - 1} at {_fmt(cold_look_after)})")
-    minimum = config.min_prefill if cold == PREFILL else config.min_decode
-    if n_cold <= minimum:
-        fired.append(FLOOR)
-        notes_out.append(f"the {cold} pool has {n_cold} server(s), its minimum is {minimum}")
-    urgent = config.urgent_pressure and hot_p >= config.urgent_pressure
-    undoing = (state.last_conversion_at is not None and state.last_direction not in (None, direction)
-               and now - state.last_conversion_at < REVERSAL_WINDOW * config.cooldown_secs)
-    # the busy term reads 0 through a forward longer than a poll (0.5.23 adds a forward's time when it ends):
-    # then the second look decides
-    prefill_busy = p_terms.get("busy") if hot == PREFILL else None
-    burst = prefill_busy is not None and prefill_busy < BURST_BUSY and state.last_hot != direction
-    # The same way as a conversion that ended within the cooldown, its step cooldown over and the pool still
-    # hot: the overload was confirmed before that move, and one sighting says the move was not enough. Each
-    # move waited on fresh confirmations otherwise: one every two looks, five moves taking most of a phase.
-    continuing = (state.last_direction == direction and state.last_conversion_at is not None
-                  and now - state.last_conversion_at < config.cooldown_secs)
-    needed = 1 if (urgent or continuing) and not undoing and not burst else config.confirmations
-    if streak < needed:
-        fired.append(CONFIRMATIONS)
-        why = ""
-        if urgent and undoing:
-            why = " (undoing the last conversion: never on one sighting)"
-        elif urgent and burst:
-            busy_pct = prefill_busy * config.busy_target * 100
-            why = (f" (a burst: new since the last look, the prefills busy {busy_pct:.0f}% "
-                   f"of the time: never on one sighting)")
-        notes_out.append(f"signal seen {streak}/{needed} intervals" + why)
-    candidates = [w for w in cold_pool if w.convertible]
-    if not candidates:
-        fired.append(NO_CANDIDATE)
-        notes_out.append(f"no convertible {cold} server")
+    if fitted.mix is None:
+        return hold(f"no model yet: {fitted.missing}", (guards.NO_SIGNAL,), seen)
+    mix = fitted.mix
+    n_p, n_d = len(obs.prefill), len(obs.decode)
+    now_split = predict(mix, n_p, n_d, slo)
+    if now_split.decode_batch != float("inf"):
+        mix = replace(mix, waiting_decode=mix.waiting_decode + overgrown_batch(obs, now_split.decode_batch))
+    seen = replace(seen, mix=mix)
+    reading["mix"] = mix.to_dict()
+    arriving = _arriving(obs, costs)
+    candidates = plan(mix, n_p, n_d, slo, costs, config.horizon_secs, min_prefill=config.min_prefill,
+                      min_decode=config.min_decode, arriving=arriving)
+    reading["candidates"] = [c.to_dict() for c in candidates]
+    reading["now"] = now_split.to_dict()
+    staying = next(c for c in candidates if c.moves == 0)
+    best = candidates[0]
+    summary = (f"{n_p}P{n_d}D predicted {staying.value * 100:.1f}% within the SLOs over "
+               f"{config.horizon_secs:g} s (steady {staying.steady * 100:.1f}%)")
+    if staying.value >= config.attainment_target:
+        reading["choice"] = {"split": f"{staying.prefills}P{staying.decodes}D", "why": MEETS_TARGET}
+        return hold(f"{summary}: meets the {config.attainment_target * 100:g}% target", (), seen)
+    # the split changes for the workload, not for a backlog: a backlog clears at the split the workload needs,
+    # and it is what a move's urgency and cost are weighed on (a move to clear one is a move back later)
+    candidates = [c for c in candidates if c.moves == 0 or c.steady - staying.steady >= config.min_gain]
+    best = candidates[0]
+    # the mix is an estimate: a move must not lose at either end of what the window's spread allows (one
+    # standard error more work on one pool and less on the other), or it bets on the noise; near an edge that
+    # bet flips look after look
+    error_p, error_d = fitted.spread
+    reading["spread"] = {"prefill": round(error_p, 3), "decode": round(error_d, 3)}
+    if best.moves and (error_p or error_d):
+        for sign in (1, -1):
+            shifted = replace(mix, prefill_s=mix.prefill_s * (1 + sign * error_p),
+                              decode_tokens=mix.decode_tokens * (1 - sign * error_d))
+            again = {(c.prefills, c.decodes): c for c in plan(
+                shifted, n_p, n_d, slo, costs, config.horizon_secs, min_prefill=config.min_prefill,
+                min_decode=config.min_decode, arriving=arriving)}
+            kept = again[(staying.prefills, staying.decodes)]
+            if again[(best.prefills, best.decodes)].value < kept.value:
+                reading["choice"] = {"split": f"{staying.prefills}P{staying.decodes}D", "why": UNSURE}
+                return hold(f"{summary}: {best.prefills}P{best.decodes}D gains under the estimate, but loses within "
+                            f"its spread (prefill work +-{error_p * 100:.0f}%, decode +-{error_d * 100:.0f}%)",
+                            (), seen)
+    if best.moves == 0 or best.value - staying.value < config.min_gain:
+        why = NO_GAIN
+        text = f"{summary}: no split gains {config.min_gain * 100:g} points"
+        if best.moves:
+            text += f" ({best.prefills}P{best.decodes}D: {best.value * 100:.1f}%)"
+        reading["choice"] = {"split": f"{staying.prefills}P{staying.decodes}D", "why": why}
+        return hold(text, (), seen)
+    direction = f"to_{best.direction}"
+    donor_role = DECODE if best.direction == PREFILL else PREFILL
+    proposal = (f"{summary}; {best.prefills}P{best.decodes}D predicted {best.value * 100:.1f}% "
+                f"(steady {best.steady * 100:.1f}%, {best.moves} conversion(s) of ~{best.cost_s:.0f} s)")
+    reading["choice"] = {"split": f"{best.prefills}P{best.decodes}D", "why": "best", "gain": round(
+        best.value - staying.value, 4)}
+    fired, notes = guards.check(obs, state, config, best.direction)
+    donors = guards.donors(obs, donor_role, best.moves)
+    if not donors:
+        fired, notes = (*fired, guards.NO_CANDIDATE), (*notes, f"no convertible {donor_role} server")
+    extra = dict(direction=direction, from_role=donor_role, to_role=best.direction,
+                 gain=round(best.value - staying.value, 4))
     if fired:
-        return hold(f"{summary}: would {proposal}, held: {'; '.join(notes_out)}", tuple(fired), new_state,
-                    **prediction)
-
-    worker = min(candidates, key=lambda w: w.cost)
-    done = replace(new_state, streak=0, streak_direction=None, last_conversion_at=now, last_direction=direction,
-                   conversions=state.conversions + 1, look_moves=state.look_moves + 1 if same_look else 1)
-    reason = f"{summary}: {proposal.replace(f'a {cold} server', f'{cold} {worker.id}', 1)}"
-    if continuing and not urgent and streak < config.confirmations:
-        reason += "; one sighting: the last conversion went this way and was not enough"
-    # A decode moving to a short prefill pool: its requests that still wait on a prefill are re-sent, not waited
-    # for (they wait on the very backlog it is to relieve; drains of 30 to 154 s on the eight-server benchmark)
-    mode = "shed" if hot == PREFILL and config.conversion_mode == "drain" else None
+        return hold(f"{proposal}; held: {'; '.join(notes)}", tuple(fired), seen, **extra)
+    ids = tuple(w.id for w in donors)
+    done = replace(seen, last_conversion_at=obs.now, last_direction=direction,
+                   conversions=state.conversions + len(ids))
+    mode = "shed" if best.direction == PREFILL and config.conversion_mode == "drain" else None
+    reason = f"{proposal}: convert {', '.join(ids)}"
     if mode:
         reason += "; shed mode: its requests still waiting on a prefill are re-sent, the rest finish"
-    return Decision(at=now, action="convert", reason=reason, worker_id=worker.id, pressures=pressures,
-                    streak=streak, state=done, conversion_mode=mode, **prediction)
+    return Decision(at=obs.now, action="convert", reason=reason, worker_id=ids[0], workers=ids, pools=pools,
+                    state=done, conversion_mode=mode, model=reading, **extra)

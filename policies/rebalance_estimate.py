@@ -41,12 +41,10 @@ class Interval:
 
     secs: float
     arrivals: int  # requests sent to the prefill pool
-    prefill_done: int  # requests that left a prefill (their forward done)
-    prefill_busy_s: float  # forward seconds spent
-    busy_known: bool  # every prefill counted reports its forward time
-    decode_done: int
-    decode_tokens: float
-    tokens_known: bool
+    prefill_done: int  # requests that left a prefill whose forward time is known (their forward done)
+    prefill_busy_s: float  # the forward seconds those prefills spent
+    decode_done: int  # requests that left a decode whose token count is known
+    decode_tokens: float  # the tokens those decodes decoded
 
 
 def counters(obs: Observation) -> tuple[Counters, ...]:
@@ -59,27 +57,22 @@ def interval(before: tuple[Counters, ...], after: tuple[Counters, ...], secs: fl
     then = {(c.id, c.role): c for c in before}
     arrivals = prefill_done = decode_done = 0
     busy = tokens = 0.0
-    busy_known = tokens_known = True
     for c in after:
         old = then.get((c.id, c.role))
         if old is None or c.started < old.started:
             continue
         started = c.started - old.started
         done = max(0, started - (c.inflight - old.inflight))
+        # a server that does not say (or restarted: its counter went back) tells nothing of what a request costs
         if c.role == PREFILL:
             arrivals += started
-            prefill_done += done
-            if c.busy_s is None or old.busy_s is None or c.busy_s < old.busy_s:
-                busy_known = busy_known and done == 0
-            else:
+            if c.busy_s is not None and old.busy_s is not None and c.busy_s >= old.busy_s:
+                prefill_done += done
                 busy += c.busy_s - old.busy_s
-        else:
+        elif c.tokens is not None and old.tokens is not None and c.tokens >= old.tokens:
             decode_done += done
-            if c.tokens is None or old.tokens is None or c.tokens < old.tokens:
-                tokens_known = tokens_known and done == 0
-            else:
-                tokens += c.tokens - old.tokens
-    return Interval(secs, arrivals, prefill_done, busy, busy_known, decode_done, tokens, tokens_known)
+            tokens += c.tokens - old.tokens
+    return Interval(secs, arrivals, prefill_done, busy, decode_done, tokens)
 
 
 @dataclass(frozen=True, slots=True)
@@ -157,7 +150,6 @@ def fit(obs: Observation, intervals: tuple[Interval, ...], window_secs: float, p
     its previous value (a pool that finished nothing in the window says nothing new of what a request costs)."""
     secs = arrivals = prefill_done = decode_done = 0
     busy = tokens = 0.0
-    busy_ok = tokens_ok = True
     rates = []
     for iv in reversed(intervals):
         if secs >= window_secs:
@@ -167,15 +159,13 @@ def fit(obs: Observation, intervals: tuple[Interval, ...], window_secs: float, p
         arrivals += iv.arrivals
         prefill_done += iv.prefill_done
         busy += iv.prefill_busy_s
-        busy_ok = busy_ok and iv.busy_known
         decode_done += iv.decode_done
         tokens += iv.decode_tokens
-        tokens_ok = tokens_ok and iv.tokens_known
     if secs <= 0:
         return Fit(None, "no interval yet (one look so far)")
     rate = _median(rates)
-    prefill_s = busy / prefill_done if busy_ok and prefill_done >= MIN_DONE else None
-    decode_tokens = tokens / decode_done if tokens_ok and decode_done >= MIN_DONE else None
+    prefill_s = busy / prefill_done if prefill_done >= MIN_DONE else None
+    decode_tokens = tokens / decode_done if decode_done >= MIN_DONE else None
     # what finished is a lagging sample of what arrives: scaled by the sizes the router saw of each
     prefill_s = _rescaled(prefill_s, obs, secs, rate, 1)
     decode_tokens = _rescaled(decode_tokens, obs, secs, rate, 2)

@@ -28,7 +28,6 @@ NO_DEFAULT_SHOWN = {"--prefill", "--decode", "--prefill-bootstrap-ports", "--pre
                     "--cors-allowed-origins",
                     "--request-id-headers",
                     "--control-plane-api-keys", "--discovery-provider",
-                    "--rebalance-step-cooldown-secs",  # its default is a quarter of the cooldown's
                     "--otlp-traces-protocol", "--otlp-service-name"}  # OTel's env vars, else grpc / pd-router
 # Switches that change nothing (mini_lb and SMG compatibility).
 NO_OP_SWITCHES = {"-h", "--pd-disaggregation", "--mini-lb", "--enable-rl"}

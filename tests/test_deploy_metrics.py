@@ -125,8 +125,10 @@ async def busy_router(aiohttp_client):
         assert resp.status == 200, await resp.text()
 
         async def everything_labelled() -> bool:
+            # traffic, so that the rebalancer's model has requests to fit (its pool load is a fitted figure)
+            assert (await client.post("/generate", json=BODY)).status == 200
             names = sample_names(await scrape(client))
-            return {"pd_router_pool_pressure", "pd_router_breaker_transitions_total",
+            return {"pd_router_pool_load", "pd_router_breaker_transitions_total",
                     "pd_router_worker_kv_usage"} <= names
 
         await wait_for(everything_labelled, timeout=10, message="rebalancer decision, breaker change, load reports")

@@ -3,17 +3,19 @@ power_of_two reads the servers' reports, the admin API shows and changes policy 
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from policies import ServerLoad
 from policies.rebalance import RebalanceMode, RebalanceConfig
 from router.server.cli import config_from_args
 from router.core.config import ConfigError, LoadMonitorConfig
-from router.control.load_monitor import LOAD_MONITOR
 from router.dataplane.proxy import PROXY
 from router.flows.rebalancer import REBALANCER
 from router.core.registry import Role
 
+from .rebalance_support import PREFILL_HEAVY, advance
 from .helpers import wait_for
 
 NO_POLL = {"load_monitor": LoadMonitorConfig(enabled=False)}
@@ -97,12 +99,12 @@ async def test_admin_rebalancer_get_and_put(fake_fleet, make_router):
     p, d = await fake_fleet(1, 1)
     client = await make_router([p], [d])
     body = await (await client.get("/admin/rebalancer")).json()
-    assert body["mode"] == "advisory" and body["config"]["cooldown_secs"] == 60
-    resp = await client.put("/admin/rebalancer", json={"mode": "enabled", "cooldown_secs": 120})
+    assert body["mode"] == "advisory" and body["config"]["horizon_secs"] == 120
+    resp = await client.put("/admin/rebalancer", json={"mode": "enabled", "horizon_secs": 300})
     assert resp.status == 200
     body = await resp.json()
-    assert (body["mode"], body["config"]["cooldown_secs"]) == ("enabled", 120)
-    assert client.app[REBALANCER].config.cooldown_secs == 120
+    assert (body["mode"], body["config"]["horizon_secs"]) == ("enabled", 300)
+    assert client.app[REBALANCER].config.horizon_secs == 300
     assert body["refill"]["enabled"] is True  # refilling an empty pool comes with the rebalancer enabled
     body = await (await client.put("/admin/rebalancer", json={"mode": "off", "refill_empty_pool": True})).json()
     assert (body["mode"], body["refill"]["enabled"]) == ("off", True)  # recovery alone
@@ -113,9 +115,10 @@ async def test_admin_rebalancer_get_and_put(fake_fleet, make_router):
     ({}, 400, "at least one field"),
     ([1, 2], 400, "JSON object"),
     ({"mode": "sometimes"}, 422, "mode"),
-    ({"confirmations": 0}, 422, "confirmations"),
+    ({"min_gain": 2}, 422, "min_gain"),
     ({"refill_empty_pool": "yes"}, 422, "refill_empty_pool"),
-    ({"step_cooldown_secs": -1}, 422, "step_cooldown_secs"),
+    ({"horizon_secs": -1}, 422, "horizon_secs"),
+    ({"confirmations": 3}, 400, "confirmations"),  # the retired rules' knob: unknown
 ])
 async def test_admin_rebalancer_rejects_bad_bodies(fake_fleet, make_router, payload, status, fragment):
     p, d = await fake_fleet(1, 1)
@@ -147,27 +150,40 @@ async def test_the_rebalancer_sees_latencies_measured_by_the_router(fake_fleet, 
 def test_policy_and_rebalancer_flags():
     c = config_from_args("--prefill http://a:1 --decode http://c:3 --policy cache_aware --cache-threshold 0.5 "
                          "--balance-abs-threshold 32 --balance-rel-threshold 1.0001 --max-tree-size 1024 "
-                         "--eviction-interval-secs 30 --rebalance enabled --rebalance-cooldown-secs 90 "
+                         "--eviction-interval-secs 30 --rebalance enabled --rebalance-horizon-secs 90 "
                          "--rebalance-min-decode 2 --load-poll-interval-secs 0.5".split(), env={})
     p = c.policy_params
     assert (p.cache_threshold, p.balance_abs_threshold, p.balance_rel_threshold, p.max_tree_size,
             p.eviction_interval_secs) == (0.5, 32, 1.0001, 1024, 30)
-    assert (c.rebalance.mode.value, c.rebalance.cooldown_secs, c.rebalance.min_decode) == ("enabled", 90, 2)
+    assert (c.rebalance.mode.value, c.rebalance.horizon_secs, c.rebalance.min_decode) == ("enabled", 90, 2)
     assert c.load_monitor.interval_secs == 0.5 and c.prefill_policy == "cache_aware"
     assert c.rebalance.refill_empty_pool is False and c.rebalance.refills  # enabled: refills come with it
     alone = config_from_args("--prefill http://a:1 --decode http://c:3 --rebalance off "
-                             "--rebalance-refill-empty-pool --rebalance-step-cooldown-secs 5".split(), env={})
+                             "--rebalance-refill-empty-pool --rebalance-attainment-target 0.95".split(), env={})
     assert (alone.rebalance.mode.value, alone.rebalance.refill_empty_pool, alone.rebalance.refills) == ("off", True, True)
-    assert alone.rebalance.step_cooldown_secs == 5
+    assert alone.rebalance.attainment_target == 0.95
+
+
+def test_the_retired_rules_flags_still_start_and_are_named_in_one_warning():
+    """The pressure-ratio rules' knobs are gone with them: a command line naming them starts, and says they do
+    nothing (and what replaced them)."""
+    c = config_from_args("--prefill http://a:1 --decode http://c:3 --rebalance enabled --rebalance-confirmations 2 "
+                         "--rebalance-cooldown-secs 10 --rebalance-queue-target 1".split(), env={})
+    (warning,) = [w for w in c.compat_warnings if "rebalance" in w]
+    for flag in ("--rebalance-confirmations", "--rebalance-cooldown-secs", "--rebalance-queue-target"):
+        assert flag in warning
+    assert "--rebalance-horizon-secs" in warning
+    plain = config_from_args("--prefill http://a:1 --decode http://c:3 --rebalance enabled".split(), env={})
+    assert not [w for w in plain.compat_warnings if "rebalance" in w]
 
 
 def test_bad_policy_flags_are_all_reported():
     with pytest.raises(ConfigError) as info:
         config_from_args("--prefill http://a:1 --decode http://c:3 --cache-threshold 2 "
-                         "--balance-rel-threshold 0.5 --rebalance-confirmations 0 "
+                         "--balance-rel-threshold 0.5 --rebalance-min-gain 2 "
                          "--load-poll-interval-secs 0".split(), env={})
     text = str(info.value)
-    for fragment in ("--cache-threshold", "--balance-rel-threshold", "confirmations", "--load-poll-interval"):
+    for fragment in ("--cache-threshold", "--balance-rel-threshold", "min_gain", "--load-poll-interval"):
         assert fragment in text
 
 
@@ -184,25 +200,39 @@ async def test_least_inflight_routes_around_a_worker_still_holding_a_request(fak
     await wait_for(lambda: all(w.inflight == 0 for w in client.registry.workers()))
 
 
-def _hot_prefill(client) -> None:
-    """Make the prefill pool look overloaded (queues reported by the servers) and decode idle."""
-    for worker in client.registry.workers(Role.PREFILL):
-        worker.server_load = ServerLoad(running=4, waiting=12)
-    for worker in client.registry.workers(Role.DECODE):
-        worker.server_load = ServerLoad(running=0, waiting=0)
+class _Clock:
+    def __init__(self, now: float) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
 
 
-QUICK_REBALANCE = dict(warmup_secs=0, confirmations=1, interval_secs=3600)  # ticks driven by the test
+def _prefill_heavy(client):
+    """Looks at the fleet while its counters say 11 long prompts a second arrive (two prefills saturate):
+    the first conversion the rebalancer decides, else its last decision."""
+    rebalancer = client.app[REBALANCER]
+    clock = _Clock(rebalancer.clock())
+    rebalancer.clock = clock
+    decision = rebalancer.tick()
+    for _ in range(3):
+        if decision.convert:
+            break
+        advance(client.registry, clock, 5, PREFILL_HEAVY)
+        decision = rebalancer.tick()
+    return decision
+
+
+QUICK_REBALANCE = dict(warmup_secs=0, interval_secs=3600, ttft_target_secs=2.0, itl_target_secs=0.2)  # ticks: the test's
 
 
 async def test_enabled_rebalancer_converts_through_the_conversion_flow(fake_fleet, make_router):
     p1, p2, d1, d2 = await fake_fleet(2, 2)
     client = await make_router([p1, p2], [d1, d2], **NO_POLL,
                                rebalance=RebalanceConfig(mode=RebalanceMode.ENABLED, **QUICK_REBALANCE))
-    _hot_prefill(client)
     rebalancer = client.app[REBALANCER]
-    decision = rebalancer.tick()
-    assert decision.convert and decision.to_role == "prefill"
+    decision = _prefill_heavy(client)
+    assert decision.convert and decision.to_role == "prefill", decision.reason
     await wait_for(lambda: rebalancer.conversions, timeout=10)
     (done,) = rebalancer.conversions
     assert done["ok"] is True, done
@@ -221,9 +251,8 @@ async def test_enabled_rebalancer_converts_through_the_conversion_flow(fake_flee
 async def test_advisory_rebalancer_only_records_what_it_would_do(fake_fleet, make_router):
     p1, p2, d1, d2 = await fake_fleet(2, 2)
     client = await make_router([p1, p2], [d1, d2], **NO_POLL, rebalance=RebalanceConfig(**QUICK_REBALANCE))
-    _hot_prefill(client)
-    decision = client.app[REBALANCER].tick()
-    assert decision.convert
+    decision = _prefill_heavy(client)
+    assert decision.convert, decision.reason
     body = await (await client.get("/admin/rebalancer")).json()
     last = body["decisions"][-1]
     assert last["applied"] == "advisory" and last["worker_id"] == decision.worker_id and last["reason"]
@@ -236,13 +265,14 @@ async def test_rebalancer_and_policy_state_in_metrics(fake_fleet, make_router):
     p1, p2, d1, d2 = await fake_fleet(2, 2)
     client = await make_router([p1, p2], [d1, d2], prefill_policy="cache_aware", **NO_POLL,
                                rebalance=RebalanceConfig(**QUICK_REBALANCE))
-    _hot_prefill(client)
-    client.app[REBALANCER].tick()
+    assert _prefill_heavy(client).convert
     assert (await client.post("/generate", json={"text": "counted"})).status == 200
     text = await (await client.get("/metrics")).text()
     assert 'pd_router_rebalancer_mode{mode="advisory"} 1.0' in text
     assert 'pd_router_rebalancer_conversions_total{outcome="advised"} 1.0' in text
     assert 'pd_router_rebalancer_decisions_total{action="convert"} 1.0' in text
-    assert 'pd_router_pool_pressure{role="prefill"} 3.0' in text
+    (load,) = re.findall(r'pd_router_pool_load\{role="prefill"\} ([0-9.]+)', text)
+    assert float(load) == pytest.approx(11 * 0.2056 / 2, rel=0.05)  # 11/s x 0.2056 s on two prefills
+    assert 'pd_router_rebalancer_predicted_attainment{split="current"} 0.0' in text
     assert 'pd_router_policy_decisions_total{decision="cache_miss",policy="cache_aware",role="prefill"} 1.0' in text
     assert f'pd_router_worker_reported_requests{{role="prefill",state="waiting",worker="{p1.url}"}} 12.0' in text

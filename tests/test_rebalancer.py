@@ -1,5 +1,5 @@
-"""The rebalancer's outer loop with a fake clock: observation from the registry, advisory vs enabled,
-one conversion at a time (a second beside it only for an urgent overload), failures, the latency window."""
+"""The rebalancer's outer loop with a fake clock: observation from the registry and the servers' counters,
+advisory vs enabled, several servers in one look, failures, the latency window, refills."""
 
 from __future__ import annotations
 
@@ -8,13 +8,13 @@ from dataclasses import replace
 
 import pytest
 
-from policies import ServerLoad
-from policies.rebalance import BUSY, FAILURE_COOLDOWN, STEP_COOLDOWN, RebalanceMode, RebalanceConfig
+from policies.rebalance import BUSY, FAILURE_COOLDOWN, RebalanceMode, RebalanceConfig
 from router.core.records import RequestRecord
 from router.flows.rebalancer import ConversionResult, LatencyWindow, Rebalancer
 from router.core.registry import Registry, Role, WorkerState
 
 from .helpers import wait_for
+from .rebalance_support import DECODE_HEAVY, PREFILL_HEAVY, STEADY, advance, fleet
 
 
 class Clock:
@@ -45,19 +45,9 @@ class FakeConverter:
         return ConversionResult(True, "converted")
 
 
-CONFIG = RebalanceConfig(warmup_secs=0, confirmations=2, cooldown_secs=60, failure_cooldown_secs=300,
-                         queue_target=4, min_samples=3)
-
-
-def fleet(prefill_waiting=(8, 8), decode_waiting=(0, 0)) -> Registry:
-    registry = Registry()
-    for i, waiting in enumerate(prefill_waiting):
-        w = registry.add(f"http://p{i}:1", Role.PREFILL, 8998)
-        w.server_load = ServerLoad(running=1, waiting=waiting)
-    for i, waiting in enumerate(decode_waiting):
-        w = registry.add(f"http://d{i}:1", Role.DECODE, None)
-        w.server_load = ServerLoad(running=1, waiting=waiting)
-    return registry
+CONFIG = RebalanceConfig(warmup_secs=0, failure_cooldown_secs=300, min_samples=3, ttft_target_secs=2.0,
+                         itl_target_secs=0.2, conversion_secs=2.0)
+ENABLED = replace(CONFIG, mode=RebalanceMode.ENABLED)
 
 
 def make(registry, config=CONFIG, converter=None) -> tuple[Rebalancer, Clock]:
@@ -65,118 +55,99 @@ def make(registry, config=CONFIG, converter=None) -> tuple[Rebalancer, Clock]:
     return Rebalancer(registry, config, converter=converter, clock=clock), clock
 
 
-def test_observation_reads_routable_workers_and_server_reports():
+def looked(rebalancer, clock, registry, workload, looks: int = 3, secs: float = 5.0):
+    """Up to `looks` ticks, `secs` of `workload` between each: the first conversion, else the last decision."""
+    decision = rebalancer.tick()
+    for _ in range(looks - 1):
+        if decision.convert:
+            break
+        advance(registry, clock, secs, workload)
+        decision = rebalancer.tick()
+    return decision
+
+
+def test_observation_reads_routable_workers_and_the_servers_counters():
     registry = fleet()
     unhealthy = registry.add("http://d9:1", Role.DECODE, None)
     registry.set_health(unhealthy, False)
-    rebalancer, _ = make(registry)
+    rebalancer, clock = make(registry)
+    advance(registry, clock, 10, STEADY)
     obs = rebalancer.observe()
-    assert [v.waiting for v in obs.prefill] == [8, 8]
     assert len(obs.decode) == 2 and obs.busy is None  # the unhealthy one is not part of the pool
-    # the requests the router sent each server (decode_overload's arrivals), counted when routed
+    assert [v.started for v in obs.prefill] == [30, 30] and obs.prefill[0].busy_total_s == pytest.approx(3.0)
+    assert obs.decode[0].tokens_total == pytest.approx(240)
+    # the requests the router sent each server, counted when routed
     d0 = registry.get(obs.decode[0].id)
     registry.acquire(d0)
     registry.release(d0)
-    assert [v.started for v in rebalancer.observe().decode] == [1, 0]
+    assert [v.started for v in rebalancer.observe().decode] == [31, 30]
 
 
 def test_advisory_mode_records_would_convert_and_changes_nothing():
     registry = fleet()
     rebalancer, clock = make(registry)
     first = rebalancer.tick()
-    assert first.action == "hold" and first.guards == ("confirmations",)
-    clock.now += 5
-    second = rebalancer.tick()
-    assert second.action == "convert" and second.from_role == "decode"
-    assert rebalancer.decisions[-1]["applied"] == "advisory" and rebalancer.counters["would_convert"] == 1
+    assert first.action == "hold" and first.guards == ("no_signal",)  # one look: nothing to fit yet
+    decision = looked(rebalancer, clock, registry, PREFILL_HEAVY, looks=3)
+    assert decision.action == "convert" and decision.from_role == "decode", decision.reason
+    assert rebalancer.decisions[-1]["applied"] == "advisory" and rebalancer.counters["would_convert"] >= 1
     assert [w.role for w in registry.workers()].count(Role.DECODE) == 2  # nothing moved
-    clock.now += 5  # the virtual conversion starts the cooldown, so advice keeps the real cadence
-    # the streak restarted too, but the same way within the cooldown one sighting is enough: only the step
-    # cooldown holds it
-    assert rebalancer.tick().guards == (STEP_COOLDOWN,)
     snap = rebalancer.snapshot(limit=2)
     assert snap["mode"] == "advisory" and len(snap["decisions"]) == 2
-    assert snap["counters"]["decisions_convert"] == 1 and snap["counters"]["guard_step_cooldown"] == 1
+    assert snap["decisions"][-1]["model"]["choice"]["split"] == "3P1D"
 
 
-async def test_enabled_mode_converts_through_the_flow_one_at_a_time():
-    registry = fleet(prefill_waiting=(5, 5))  # one more prefill is enough: the next waits for it
+async def test_enabled_mode_converts_through_the_flow_and_charges_its_duration():
+    registry = fleet()
     converter = FakeConverter(registry)
-    rebalancer, clock = make(registry, replace(CONFIG, mode=RebalanceMode.ENABLED, confirmations=1), converter)
-    decision = rebalancer.tick()
+    rebalancer, clock = make(registry, ENABLED, converter)
+    decision = looked(rebalancer, clock, registry, PREFILL_HEAVY)
     assert decision.convert and rebalancer.decisions[-1]["applied"] == "started"
     await wait_for(lambda: converter.calls)
     worker_id, to_role, reason = converter.calls[0]
     assert to_role is Role.PREFILL and "rebalancer" in reason
-    clock.now += 100  # long past the cooldown, but the conversion is still running
+    advance(registry, clock, 5, PREFILL_HEAVY)  # still converting: counted as arriving, not moved again
     held = rebalancer.tick()
-    assert BUSY in held.guards and rebalancer.snapshot()["applying"]["worker_id"] == worker_id
+    assert not held.convert and rebalancer.snapshot()["applying"]["worker_id"] == worker_id
+    assert rebalancer.observe().joining == ("prefill",)
+    clock.now += 7
     converter.gate.set()
     await wait_for(lambda: rebalancer.applying is None)
     assert registry.get(worker_id).role is Role.PREFILL
     assert rebalancer.counters["conversions_succeeded"] == 1
     (done,) = rebalancer.conversions
     assert done["ok"] is True and done["to_role"] == "prefill"
-    # the cooldown runs from the end of the conversion (pressure again, on the new split)
-    registry.get(worker_id).server_load = ServerLoad(running=1, waiting=8)
-    assert STEP_COOLDOWN in rebalancer.tick().guards
+    # the next move that way is charged what this one took
+    assert rebalancer.state.conversion_secs[0] == (pytest.approx(12.0),)
+    advance(registry, clock, 5, PREFILL_HEAVY)
+    assert rebalancer.tick().model["costs_s"]["to_prefill"] == pytest.approx(12.0)
 
 
-async def test_an_urgent_overload_converts_a_second_server_beside_the_first():
-    """1P3D with 40 waiting on the prefill: the first decode goes, and while it is still on its way the
-    overload left for it (5x) is still urgent: a second one goes beside it; the last decode stays (floor)."""
-    registry = fleet(prefill_waiting=(40,), decode_waiting=(0, 0, 0))
+async def test_a_pool_short_of_several_servers_gets_them_in_one_look():
+    """2P6D turned decode-heavy... the other way: 6P2D under 17 long answers a second needs three decodes at
+    least (two saturate): one look names every server the best split needs."""
+    registry = fleet(prefills=6, decodes=2)
     converter = FakeConverter(registry)
-    rebalancer, clock = make(registry, replace(CONFIG, mode=RebalanceMode.ENABLED), converter)
-    assert rebalancer.tick().convert
-    clock.now += 1
-    second = rebalancer.tick()
-    assert second.convert and rebalancer.decisions[-1]["applied"] == "started", second.reason
-    await wait_for(lambda: len(converter.calls) == 2)
-    assert len(rebalancer.snapshot()["applying_all"]) == 2 and rebalancer.observe().joining == ("prefill",) * 2
-    clock.now += 1
-    assert "floor" in rebalancer.tick().guards
-    converter.gate.set()
-    await wait_for(lambda: rebalancer.applying is None)
-    assert [w.role for w in registry.workers()].count(Role.PREFILL) == 3
-    assert rebalancer.counters["conversions_succeeded"] == 2 and len(rebalancer.conversions) == 2
-
-
-@pytest.mark.parametrize("waiting, moved", [(40, 4), (6, 2)])
-async def test_a_pool_short_of_several_servers_gets_them_in_one_tick(waiting, moved):
-    """2P6D, each prefill with `waiting` queued: one tick converts decodes while the prefills, with those on
-    their way, stay over min_pressure and the decodes keep two: 40 each (pressure 10) takes four (6P2D, the
-    decodes' two kept), 6 each (1.5) two. Every one is a decision of its own, of the same look."""
-    registry = fleet(prefill_waiting=(waiting, waiting), decode_waiting=(0,) * 6)
-    converter = FakeConverter(registry)
-    rebalancer, _ = make(registry, replace(CONFIG, mode=RebalanceMode.ENABLED, confirmations=1), converter)
-    first = rebalancer.tick()
-    assert first.convert and first.to_role == "prefill"
+    rebalancer, clock = make(registry, ENABLED, converter)
+    decision = looked(rebalancer, clock, registry, DECODE_HEAVY)
+    assert decision.convert and decision.to_role == "decode" and len(decision.workers) >= 2, decision.reason
+    moved = len(decision.workers)
     await wait_for(lambda: len(converter.calls) == moved)
-    assert [d["action"] for d in rebalancer.decisions] == ["convert"] * moved
-    assert {d["at"] for d in rebalancer.decisions} == {first.at}
-    assert len(rebalancer.snapshot()["applying_all"]) == moved and len(converter.calls) == moved
+    assert [d["applied"] for d in rebalancer.decisions if d["action"] == "convert"] == ["started"]
+    assert len(rebalancer.snapshot()["applying_all"]) == moved
     converter.gate.set()
     await wait_for(lambda: rebalancer.applying is None)
-    assert [w.role for w in registry.workers()].count(Role.PREFILL) == 2 + moved
-
-
-def test_advisory_mode_advises_one_server_a_look():
-    """Nothing moves in advisory mode, so the same look would advise the same server again: one a look."""
-    registry = fleet(prefill_waiting=(40, 40), decode_waiting=(0,) * 6)
-    rebalancer, _ = make(registry, replace(CONFIG, confirmations=1))
-    assert rebalancer.tick().convert
-    assert [d["applied"] for d in rebalancer.decisions] == ["advisory"]
+    assert [w.role for w in registry.workers()].count(Role.DECODE) == 2 + moved
 
 
 async def test_a_failed_conversion_starts_the_failure_cooldown():
     registry = fleet()
     converter = FakeConverter(registry, ok=False)
     converter.gate.set()
-    rebalancer, clock = make(registry, replace(CONFIG, mode=RebalanceMode.ENABLED, confirmations=1), converter)
-    assert rebalancer.tick().convert
+    rebalancer, clock = make(registry, ENABLED, converter)
+    assert looked(rebalancer, clock, registry, PREFILL_HEAVY).convert
     await wait_for(lambda: rebalancer.counters["conversions_failed"] == 1)
-    clock.now += 100
+    advance(registry, clock, 100, PREFILL_HEAVY)
     assert FAILURE_COOLDOWN in rebalancer.tick().guards
     assert rebalancer.conversions[-1]["detail"] == "server refused the switch"
 
@@ -188,26 +159,29 @@ async def test_a_converter_that_raises_does_not_stop_the_rebalancer():
         async def convert(self, worker, to_role, *, reason, mode):
             raise RuntimeError("flow bug")
 
-    rebalancer, _ = make(registry, replace(CONFIG, mode=RebalanceMode.ENABLED, confirmations=1), Broken())
-    rebalancer.tick()
+    rebalancer, clock = make(registry, ENABLED, Broken())
+    assert looked(rebalancer, clock, registry, PREFILL_HEAVY).convert
     await wait_for(lambda: rebalancer.applying is None and rebalancer.conversions)
     assert rebalancer.conversions[-1]["ok"] is False and "flow bug" in rebalancer.conversions[-1]["detail"]
 
 
 def test_enabled_without_a_conversion_flow_refuses_visibly():
-    rebalancer, _ = make(fleet(), replace(CONFIG, mode=RebalanceMode.ENABLED, confirmations=1))
-    assert rebalancer.tick().convert
+    registry = fleet()
+    rebalancer, clock = make(registry, ENABLED)
+    assert looked(rebalancer, clock, registry, PREFILL_HEAVY).convert
     assert rebalancer.decisions[-1]["applied"].startswith("not applied")
     assert rebalancer.counters["conversions_failed"] == 1 and rebalancer.state.last_failure_at is not None
 
 
 def test_an_operators_conversion_counts_as_busy():
-    registry = fleet()
+    registry = fleet(prefills=2, decodes=3)
+    rebalancer, clock = make(registry)
+    rebalancer.tick()
+    advance(registry, clock, 5, PREFILL_HEAVY)
     registry.set_state(registry.workers(Role.DECODE)[0], WorkerState.DRAINING, "operator")
-    registry.add("http://d7:1", Role.DECODE, None).server_load = ServerLoad(0, 0)
-    rebalancer, _ = make(registry, replace(CONFIG, confirmations=1))
+    advance(registry, clock, 5, PREFILL_HEAVY)
     decision = rebalancer.tick()
-    assert BUSY in decision.guards and "draining" in rebalancer.last_observation["busy"]
+    assert BUSY in decision.guards and "draining" in rebalancer.last_observation["busy"], decision.reason
 
 
 def test_off_mode_does_nothing_and_reconfigure_validates():
@@ -218,7 +192,6 @@ def test_off_mode_does_nothing_and_reconfigure_validates():
     clock.now += 50
     rebalancer.reconfigure({"mode": "advisory", "warmup_secs": 10})
     assert rebalancer.state.started_at == clock.now  # observing again: warm up again
-    assert rebalancer.tick().guards[0] == "warmup"
 
 
 PAIR = Registry().add("http://d:1", Role.DECODE, None)  # a record that reached a pair names it
@@ -246,14 +219,18 @@ def test_latency_window_p90_min_samples_and_expiry():
     assert window.summary(clock.now, min_samples=1)["samples"] == 1
 
 
-def test_latency_feeds_the_decision():
-    registry = fleet(prefill_waiting=(0, 0), decode_waiting=(0, 0))
-    rebalancer, clock = make(registry, replace(CONFIG, confirmations=1, itl_target_secs=0.05))
-    for _ in range(5):
-        rebalancer.window.observe(record(ttft=0.1, itl=0.2))  # ITL 4x its target: decode is hot
-    decision = rebalancer.tick()
-    assert decision.convert and decision.to_role == "decode"
-    assert rebalancer.last_observation["itl_p90_s"] == 0.2
+def test_the_window_keeps_the_sizes_the_router_read():
+    clock = Clock(0)
+    window = LatencyWindow(10, clock)
+    sized = record(ttft=0.1)
+    sized.prompt_size, sized.answer_size, sized.started = 400, 16, 0.0
+    window.observe(sized)
+    window.observe(record(ttft=0.1))  # no sizes read: not part of the mix
+    clock.now = 5
+    arrived, ended = window.sizes(clock.now)
+    assert arrived == ((0.0, 400, 16),) and ended == ((400, 16),)
+    clock.now = 30
+    assert window.sizes(clock.now) == ((), ())
 
 
 # ---- refilling an empty pool: at once, from a registry change, in any mode with its switch -----------------
@@ -263,10 +240,10 @@ def lose_prefills(registry: Registry) -> None:
 
 
 async def test_losing_every_prefill_refills_from_decode_at_once_without_a_tick():
-    registry = fleet(prefill_waiting=(0, 0), decode_waiting=(0, 0, 0))
+    registry = fleet(prefills=2, decodes=3)
     converter = FakeConverter(registry)
     converter.gate.set()
-    config = replace(CONFIG, mode=RebalanceMode.ENABLED, warmup_secs=600, confirmations=9)
+    config = replace(CONFIG, mode=RebalanceMode.ENABLED, warmup_secs=600)
     rebalancer, _ = make(registry, config, converter)
     lose_prefills(registry)  # the registry's 'routable' events, not the interval, start it
     await wait_for(lambda: rebalancer.counters["refills_succeeded"] == 1)
@@ -279,12 +256,14 @@ async def test_losing_every_prefill_refills_from_decode_at_once_without_a_tick()
 
 
 async def test_the_refill_switch_alone_refills_but_changes_no_ratio():
-    registry = fleet()  # prefill-hot: the ratio rule would convert
+    registry = fleet()
     converter = FakeConverter(registry)
     converter.gate.set()
-    config = replace(CONFIG, mode=RebalanceMode.ADVISORY, refill_empty_pool=True, confirmations=1)
+    config = replace(CONFIG, mode=RebalanceMode.ADVISORY, refill_empty_pool=True)
     rebalancer, clock = make(registry, config, converter)
-    assert rebalancer.tick().convert and rebalancer.decisions[-1]["applied"] == "advisory" and not converter.calls
+    # prefill-heavy: the model would convert, and only advises
+    assert looked(rebalancer, clock, registry, PREFILL_HEAVY).convert
+    assert rebalancer.decisions[-1]["applied"] == "advisory" and not converter.calls
     lose_prefills(registry)
     await wait_for(lambda: converter.calls)
     assert converter.calls[0][1] is Role.PREFILL
@@ -302,7 +281,7 @@ async def test_off_with_the_refill_switch_looks_only_at_empty_pools():
 
 
 async def test_advisory_without_the_switch_only_records_the_refill():
-    registry = fleet(decode_waiting=(0, 0, 0))
+    registry = fleet(prefills=2, decodes=3)
     converter = FakeConverter(registry)
     rebalancer, _ = make(registry, replace(CONFIG, mode=RebalanceMode.ADVISORY), converter)
     lose_prefills(registry)
@@ -312,7 +291,7 @@ async def test_advisory_without_the_switch_only_records_the_refill():
 
 
 async def test_a_failed_refill_is_tried_again_on_another_server():
-    registry = fleet(decode_waiting=(0, 0, 0))
+    registry = fleet(prefills=2, decodes=3)
     converter = FakeConverter(registry, ok=False)
     converter.gate.set()
     rebalancer, _ = make(registry, replace(CONFIG, mode=RebalanceMode.ENABLED), converter)
@@ -324,7 +303,7 @@ async def test_a_failed_refill_is_tried_again_on_another_server():
 
 
 async def test_a_follower_replica_does_not_refill():
-    registry = fleet(decode_waiting=(0, 0, 0))
+    registry = fleet(prefills=2, decodes=3)
     converter = FakeConverter(registry)
     rebalancer = Rebalancer(registry, replace(CONFIG, mode=RebalanceMode.ENABLED), converter=converter,
                             clock=Clock(), leading=lambda: False)

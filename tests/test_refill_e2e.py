@@ -1,8 +1,8 @@
 """Losing every prefill (or every decode) server under load, with the rebalancer enabled: the fleet serves again
 on its own, well within 30 s, and without a failure once refilled; when the lost servers come back, they rejoin
 and the normal rule decides again. The servers are real simulator processes, killed with SIGKILL; the router
-runs its defaults (health probes every 5 s, the breaker after 10 failures, the rebalancer's warm-up, cooldowns
-and confirmations), so what refills the pool is the registry change that emptied it, not a tuned interval.
+runs its defaults (health probes every 5 s, the breaker after 10 failures, the rebalancer's warm-up and its
+model's fit), so what refills the pool is the registry change that emptied it, not a tuned interval.
 Only the breaker's open time is shortened (3 s, from 30) and the probes are every second, so that the restarted
 servers are trusted again within the test's time."""
 

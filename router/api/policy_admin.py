@@ -2,7 +2,7 @@
 
 GET /admin/policies            each pool's policy and its state, every worker's load as policies see it
 GET /admin/rebalancer?limit=N  mode, config, state, counters, the last N decisions (refusals included)
-PUT /admin/rebalancer          change the mode or any knob: {"mode": "enabled", "cooldown_secs": 120, ...};
+PUT /admin/rebalancer          change the mode or any knob: {"mode": "enabled", "horizon_secs": 300, ...};
                                unknown fields -> 400, invalid values -> 422
 """
 

@@ -110,7 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
     command("policies", views.policies, "each pool's policy and the load it sees per worker")
     p = command("rebalancer", views.rebalancer, "the rebalancer's mode, counters and last decisions; or change them")
     p.add_argument("--mode", choices=("off", "advisory", "enabled"), help="set the mode")
-    p.add_argument("--set", action="append", metavar="NAME=VALUE", help="set a knob, e.g. cooldown_secs=120")
+    p.add_argument("--set", action="append", metavar="NAME=VALUE", help="set a knob, e.g. horizon_secs=300")
     p.add_argument("--limit", type=int, default=10, help="decisions shown (default 10)")
     command("cluster", views.cluster, "the router replicas of a cluster (a single router: 'not a cluster')")
     return parser

@@ -141,8 +141,10 @@ def rebalancer(client: AdminClient, args: argparse.Namespace, console: Console) 
     body = client.get(f"/admin/rebalancer?limit={args.limit}").body
     console.document(body)
     state, counters = body.get("state", {}), body.get("counters", {})
+    model = next(((d.get("model") or {}) for d in reversed(body.get("decisions", [])) if (d.get("model") or {})
+                  .get("choice")), {})
     console.say(fields([("mode", body.get("mode")), ("applying", (body.get("applying") or {}).get("url")),
-                        ("streak", f"{cell(state.get('streak'))} {cell(state.get('streak_direction'))}"),
+                        ("model", _model_line(model)),
                         ("conversions decided", state.get("conversions_decided")),
                         ("refill", _refill_line(body.get("refill") or {})),
                         ("counters", ", ".join(f"{k} {v}" for k, v in sorted(counters.items())) or "-")]))
@@ -155,6 +157,15 @@ def rebalancer(client: AdminClient, args: argparse.Namespace, console: Console) 
                           [[d.get("action"), d.get("direction"), d.get("worker_id"), d.get("applied"),
                             d.get("guards"), d.get("reason")] for d in reversed(decisions)], max_width=80))
     return OK
+
+
+def _model_line(model: dict) -> str:
+    """The last fitted reading: the split chosen and why, and each candidate's predicted attainment."""
+    if not model:
+        return "-"
+    candidates = ", ".join(f"{c['split']} {c['value'] * 100:.0f}%" for c in model.get("candidates", []))
+    choice = model.get("choice") or {}
+    return f"{choice.get('split')} ({choice.get('why')}); predicted: {candidates or '-'}"
 
 
 def _refill_line(refill: dict) -> str:

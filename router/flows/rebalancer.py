@@ -1,15 +1,15 @@
 """The rebalancer's outer loop: observe the fleet, ask `policies.rebalance.decide`, then apply or advise.
 
-Every interval it builds an observation from the registry (routable workers per pool, the router's in-flight
-counts, the servers' last load reports with their PD queues and rates) and from the latencies the router
-measured (`latency_window.py`: TTFT and inter-token latency of the requests that ended in the window, failed
-and abandoned ones included), and calls the pure decision core. In advisory mode (the default) a proposal is
-only recorded and logged as "would convert X"; in enabled mode it is handed to the conversion flow through the
-`Converter` interface, one at a time, or beside ours in progress when the decision core says the hot pool
-needs more than those on their way (`busy` in policies/rebalance.py), in the same look too: after starting
-one, the loop asks again at once (`same_look`); a server of ours in progress is out of its pool for the
-decision from the moment it is handed over. Every decision, refusals included, is kept (the
-last `history`) with its reason and the guards that fired, for `GET /admin/rebalancer`.
+Every interval it builds an observation from the registry (routable workers per pool, the router's counts of
+requests sent to and open on each, the servers' last load reports: their PD queues, forward time, decode
+tokens and step lines) and from what the router read of the requests that ended (`latency_window.py`: their
+sizes, and the TTFT and inter-token latency shown), and calls the pure decision core, which fits its fleet
+model and chooses a split. In advisory mode (the default) a proposal is only recorded and logged as "would
+convert X"; in enabled mode each server it names (several at once when the model says so) is handed to the
+conversion flow through the `Converter` interface; a server of ours in progress is out of its pool for the
+decision from the moment it is handed over, and counted as arriving in its new one. Every decision, refusals
+included, is kept (the last `history`) with its reason, the guards that fired and the model's reading (each
+candidate split's predicted attainment and cost), for `GET /admin/rebalancer`.
 
 Refilling an empty pool (`decide`'s first rule) is on whenever the rebalancer is enabled, and alone with
 `refill_empty_pool` (`--rebalance-refill-empty-pool`): then the loop runs in any mode, and acts on refills only.
@@ -17,7 +17,8 @@ It does not wait for the interval: a registry change that leaves a pool without 
 refill decision at once.
 
 The conversion flow owns its deadlines (drain, switch, verify): the loop never cancels a conversion half
-way, it waits for the flow's outcome and starts the cooldown (or the failure cooldown) from its end. Router
+way, it waits for the flow's outcome, and tells the decision core its duration (what the next move that way is
+charged) or its failure (the failure cooldown runs from its end). Router
 replicas of one fleet: only the leader decides.
 """
 
@@ -32,7 +33,6 @@ from typing import Awaitable, Callable, Protocol
 
 from aiohttp import web
 
-from policies import rebalance_model
 from policies.rebalance import (
     Decision,
     Observation,
@@ -214,28 +214,10 @@ class Rebalancer:
             decision = refill(obs, self.state)
             if decision is None:
                 return None
-        elif config.core == "model":
-            decision = rebalance_model.decide(obs, self.state, config)
         else:
             decision = decide(obs, self.state, config)
         self._record(obs, decision)
-        if config.core != "model":  # the model core names every server a look moves at once
-            self._more_in_this_look(decision)
         return decision
-
-    def _more_in_this_look(self, decision: Decision) -> None:
-        """After a conversion started, ask again at once, with the server moved out of its pool: a pool short
-        of more than one server gets the next ones in this look, not one a look (the decision core's
-        `same_look` guard says when). Only conversions are recorded: a hold here is the look's end."""
-        started = decision
-        for _ in range(len(self.registry.workers())):
-            if not decision.convert or decision.refill or self.decisions[-1].get("applied") != "started":
-                return
-            obs = self.observe(now=started.at)
-            decision = decide(obs, self.state, self.config)
-            if not decision.convert or decision.refill or decision.direction != started.direction:
-                return
-            self._record(obs, decision)
 
     def refill_now(self) -> Decision | None:
         """A refill decision outside the interval (a pool just lost its last routable server)."""
@@ -398,8 +380,6 @@ class Rebalancer:
             "mode": self.config.mode.value,
             "config": self.config.to_dict(),
             "state": {
-                "streak": self.state.streak,
-                "streak_direction": self.state.streak_direction,
                 "last_conversion_age_secs": _age(now, self.state.last_conversion_at),
                 "last_direction": self.state.last_direction,
                 "last_failure_age_secs": _age(now, self.state.last_failure_at),

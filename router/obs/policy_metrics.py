@@ -87,11 +87,21 @@ class PolicyCollector:
                              ("succeeded", "refills_succeeded"), ("failed", "refills_failed")):
             refills.add_metric([outcome], r.counters.get(key, 0))
         yield refills
-        last = r.decisions[-1] if r.decisions else None
-        if last is not None:
-            pressure = GaugeMetricFamily(f"{PREFIX}_pool_pressure",
-                                         "the last decision's pool pressure (1.0 = at target)", labels=["role"])
-            for role, values in last["pressures"].items():
-                if values.get("pressure") is not None:
-                    pressure.add_metric([role], values["pressure"])
-            yield pressure
+        fitted = next((d["model"] for d in reversed(r.decisions) if (d.get("model") or {}).get("now")), None)
+        if fitted is not None:  # the newest decision whose model was fitted
+            load = GaugeMetricFamily(f"{PREFIX}_pool_load", "the fleet model's load on each pool at the current "
+                                     "split (1.0 = saturated): prefill compute, decode compute", labels=["role"])
+            load.add_metric(["prefill"], fitted["now"]["prefill_load"])
+            load.add_metric(["decode"], fitted["now"]["decode_load"])
+            yield load
+            attainment = GaugeMetricFamily(f"{PREFIX}_rebalancer_predicted_attainment",
+                                           "the share of requests the fleet model predicts within both SLO "
+                                           "targets over its horizon: at the current split, and at the best",
+                                           labels=["split"])
+            candidates = fitted.get("candidates") or []
+            current = next((c for c in candidates if c["moves"] == 0), None)
+            if current is not None:
+                attainment.add_metric(["current"], current["value"])
+            if candidates:
+                attainment.add_metric(["best"], max(c["value"] for c in candidates))
+            yield attainment

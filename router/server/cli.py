@@ -18,7 +18,7 @@ from policies import available_policies
 from router.core.config import DISCOVER, ConfigError, RouterConfig, WorkerSpec
 from router.server.cli_flags import DEFAULTS, Flag, add_flags, config_with_flags, flag
 from router.server.cli_peers import IGNORED_DEST, add_peer_flags, ignored_warning
-from router.server.cli_policies import POLICY_FLAGS
+from router.server.cli_policies import POLICY_FLAGS, RETIRED_DEST, add_retired_flags, retired_warning
 
 # --log-level: Python's names and the peers' (warn).
 LOG_LEVELS = ("debug", "info", "warn", "warning", "error", "critical")
@@ -252,6 +252,7 @@ def build_parser() -> argparse.ArgumentParser:
              "server answers (SMG's); --no-... (the default): hold it out and probe it until it answers")
     add_flags(p, FLAGS)
     add_peer_flags(p)
+    add_retired_flags(p)
     return p
 
 
@@ -298,7 +299,8 @@ def config_from_args(argv: list[str] | None = None, env: dict | None = None) -> 
         decode=tuple(WorkerSpec(url, None) for url in decodes),
         prefill_policy=prefill_policy,
         decode_policy=decode_policy,
-        compat_warnings=tuple(w for w in (ignored_warning(tuple(getattr(args, IGNORED_DEST))),) if w),
+        compat_warnings=tuple(w for w in (ignored_warning(tuple(getattr(args, IGNORED_DEST))),
+                                          retired_warning(getattr(args, RETIRED_DEST))) if w),
     )
     if args.remove_unhealthy_workers is not None:
         config = config.with_(health=replace(config.health, remove_unhealthy=args.remove_unhealthy_workers))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import argparse
+
 from policies.params import PolicyParams
 from policies.rebalance import RebalanceMode, RebalanceConfig
 from router.core.config import DP_RANK_POLICIES
@@ -21,40 +23,59 @@ _POLICY_HELP = {
 
 
 _REBALANCE_HELP = {
-    "core": "the decision core: model (the split a fitted fleet model predicts serves the SLOs best) or rules "
-            "(the pressure-ratio rules)",
-    "attainment_target": "model: the share of requests meeting both SLO targets that is enough (a split "
-                         "predicted to reach it holds)",
-    "horizon_secs": "model: how far ahead a split is valued (how long a measured mix is expected to last)",
-    "min_gain": "model: the least predicted attainment gain over the horizon worth a conversion",
-    "conversion_secs": "model: a conversion's duration before any was measured (then the recent ones' mean)",
     "interval_secs": "seconds between two observations and decisions",
-    "window_secs": "latency samples older than this are forgotten",
+    "window_secs": "the fleet model is fitted on the servers' and the router's counters of this many last seconds",
     "warmup_secs": "no conversion this long after start",
-    "confirmations": "intervals a proposal must hold (past the margin) before it converts",
-    "urgent_pressure": "a hot pool at least this pressured converts on one sighting (0: never), unless that "
-                       "undoes the last conversion within twice the cooldown",
-    "cooldown_secs": "no conversion the other way this long after the last one ended (no flapping)",
-    "step_cooldown_secs": "no conversion the same way this long after the last one ended (let it act first; "
-                          "default: a quarter of --rebalance-cooldown-secs)",
+    "ttft_target_secs": "the SLO's time to first token: the model predicts the share of requests within it",
+    "itl_target_secs": "the SLO's time per output token (the mean gap between a request's tokens)",
+    "attainment_target": "the share of requests meeting both SLO targets that is enough: a split predicted to "
+                         "reach it is kept",
+    "horizon_secs": "how far ahead a split is valued (how long a measured mix is expected to last)",
+    "min_gain": "the least predicted attainment gain over the horizon worth a conversion",
+    "conversion_secs": "a conversion's duration (drain and switch) before any was measured; then the recent "
+                       "ones' mean per direction",
     "failure_cooldown_secs": "no conversion this long after one failed",
     "min_prefill": "never shrink the prefill pool below this",
     "min_decode": "never shrink the decode pool below this",
-    "min_pressure": "act only when the hot pool's pressure (1.0 = at target) reaches this",
-    "min_improvement": "act only when the worst pressure is predicted to fall by this share",
-    "ttft_target_secs": "TTFT target (p90 measured by the router, failed and abandoned requests included), "
-                        "charged to the pool whose waiting requests clearly dominate",
-    "itl_target_secs": "inter-token latency target: the decode servers' own mean step, else the router's p90",
-    "queue_target": "requests waiting on a pool's capacity per server that count as full pressure",
-    "kv_target": "decode KV usage (the servers' own work) that counts as full pressure",
-    "busy_target": "a prefill's share of time in forwards that counts as full pressure",
-    "min_samples": "requests (finished, failed or abandoned) a latency figure needs; with fewer in the window, the "
-                   "newest ones from up to four windows back",
+    "min_samples": "requests (finished, failed or abandoned) the latency figures shown need; with fewer in the "
+                   "window, the newest ones from up to four windows back",
     "conversion_mode": "how a conversion empties the server: drain (requests finish) or abort (re-sent elsewhere)",
     "refill_empty_pool": "refill a pool left without a routable server from the other pool at once (always on with "
                          "--rebalance enabled; this alone turns it on with advisory or off: recovery without ratio "
                          "changes)",
 }
+
+# The pressure-ratio rules' knobs, retired with them: accepted (a command line that names them still starts),
+# named in one start-up warning, without effect.
+RETIRED_REBALANCE_FLAGS = ("--rebalance-confirmations", "--rebalance-urgent-pressure", "--rebalance-cooldown-secs",
+                           "--rebalance-step-cooldown-secs", "--rebalance-min-pressure",
+                           "--rebalance-min-improvement", "--rebalance-queue-target", "--rebalance-kv-target",
+                           "--rebalance-busy-target")
+RETIRED_DEST = "rebalance_flags_retired"
+
+
+class _Retired(argparse.Action):
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        seen = list(getattr(namespace, RETIRED_DEST, None) or ())
+        if option_string not in seen:
+            seen.append(option_string)
+        setattr(namespace, RETIRED_DEST, seen)
+
+
+def add_retired_flags(parser: argparse.ArgumentParser) -> None:
+    parser.set_defaults(**{RETIRED_DEST: []})
+    for name in RETIRED_REBALANCE_FLAGS:
+        parser.add_argument(name, action=_Retired, dest=argparse.SUPPRESS, default=argparse.SUPPRESS,
+                            help=argparse.SUPPRESS)
+
+
+def retired_warning(flags: list[str]) -> str | None:
+    """The start-up line naming the retired rebalancer flags given."""
+    if not flags:
+        return None
+    return (f"no effect: {', '.join(flags)} (the pressure-ratio rules' knobs; the rebalancer now chooses the split "
+            f"its fleet model predicts serves the SLOs best: --rebalance-ttft-target-secs, "
+            f"--rebalance-itl-target-secs, --rebalance-horizon-secs, --rebalance-min-gain)")
 
 # SMG 1.13's names of the same knobs.
 _POLICY_ALIASES = {
