@@ -27,7 +27,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
 
-from bench import replay
+from bench import charts, replay
 from policies import rebalance
 from policies.rebalance import RebalanceConfig, RebalanceMode
 
@@ -250,11 +250,23 @@ def render(results: list[tuple[Workload, Result]]) -> str:
     return "\n".join(lines)
 
 
+def chart(results: list[tuple[Workload, Result]]) -> str:
+    """The suite as grouped bars: each workload's best static split, the rebalancer and the oracle."""
+    return charts.grouped_bars(
+        "SLO goodput per workload (replay): best static split, rebalancer, oracle",
+        [w.name for w, _ in results],
+        {"best static split": [r.statics[r.best_static][0] * 100 for _, r in results],
+         "rebalancer": [r.rebalancer[0] * 100 for _, r in results],
+         "oracle": [r.oracle[0] * 100 for _, r in results]}, y_max=100.0)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--only", nargs="*", help="workload names (default: all)")
     parser.add_argument("--seed", type=int, default=7)
     parser.add_argument("--out", type=Path, default=Path("out/bench"))
+    parser.add_argument("--chart", type=Path, default=None,
+                        help="write the SVG chart here too (docs/img/workload_suite.svg in the docs)")
     args = parser.parse_args(argv)
     chosen = [w for w in suite() if not args.only or w.name in args.only]
     results = []
@@ -271,7 +283,11 @@ def main(argv: list[str] | None = None) -> int:
     path.write_text(json.dumps([{"workload": w.name, "statics": r.statics, "oracle": r.oracle,
                                  "rebalancer": r.rebalancer, "conversions": r.conversions, "flaps": r.flaps,
                                  "verdict": verdict(w, r)[0]} for w, r in results], indent=1, default=str))
-    print(f"result: {path}", file=sys.stderr)
+    svg = chart(results)
+    for target in (args.out / "workload_suite.svg", args.chart):
+        if target is not None:
+            charts.write(target, svg)
+    print(f"result: {path} (chart: {args.out / 'workload_suite.svg'})", file=sys.stderr)
     return 0 if all(verdict(w, r)[0] for w, r in results) else 1
 
 
