@@ -33,6 +33,9 @@ from policies.rebalance_signals import DECODE, PREFILL, Observation, WorkerView
 from router.control.load_monitor import step_fit
 
 
+PUBLISH_STEPS = 15  # 0.5.23's --load-snapshot-publish-interval: a decode's row is republished every 15 steps
+
+
 @dataclass(frozen=True)
 class Capacity:
     """The simulator's capacity model (its flags of the same names), and how long a role switch takes."""
@@ -93,6 +96,7 @@ class Server:
     pending: set = field(default_factory=set)  # assigned, KV not here yet
     stepping: bool = False
     moments: list = field(default_factory=lambda: [0.0] * 6)
+    shown: tuple = (0.0,) * 6  # the moments of the row last published (0.5.23: every 15 steps, and as a batch starts)
     seen: tuple = (0.0, 0.0, (0.0, 0.0, 0.0))  # (at, busy_s, moments[0..2]) at the last look: a poll's rates
     record: dict | None = None  # the conversion under way
     switching: bool = False
@@ -114,8 +118,8 @@ class Fleet:
         self._seq = itertools.count()
         self.conversions: list[dict] = []
         self.on_conversion_end: Callable[[dict], None] | None = None
-        self.sizes: deque = deque(maxlen=512)  # (at, prompt, answer) as the router reads them
-        self.finished: deque = deque(maxlen=512)  # the same, at the request's end
+        self.sizes: deque = deque(maxlen=8192)  # (at, prompt, answer) as the router reads them
+        self.finished: deque = deque(maxlen=8192)  # the same, at the request's end
 
     # ---- events -------------------------------------------------------------------------------------
     def at(self, t: float, fn: Callable, *args) -> None:
@@ -211,6 +215,8 @@ class Fleet:
             d.stepping = False
             self._check_drained(d)
             return
+        if not d.stepping:  # the row a batch starting now leaves shown until its 15th step
+            d.shown = tuple(d.moments)
         d.stepping = True
         took = self.capacity.step_s + self.capacity.step_per_running_s * len(d.batch)
         self.at(self.now + took, self._stepped, d, took)
@@ -224,6 +230,8 @@ class Fleet:
         m[3] += size * size
         m[4] += size * took * 1e6
         m[5] += size
+        if int(m[0]) % PUBLISH_STEPS == 0:
+            d.shown = tuple(m)
         kept = []
         for req in d.batch:
             req.decoded += 1
@@ -295,18 +303,19 @@ class Fleet:
                                   waiting=len(s.queue), waiting_queue=len(s.queue), bootstrap=0, inflight_queue=0,
                                   prefill_busy=share, busy_total_s=s.busy_s)
             else:
-                steps = s.moments[0] - m0[0]
-                step_s = (s.moments[2] - m0[2]) / steps / 1e6 if steps > 0 else None
-                batch = (s.moments[1] - m0[1]) / steps if steps > 0 else None
-                fit = step_fit(tuple(s.moments))
+                shown = s.shown  # what its last published row says, as a poll would read it
+                steps = shown[0] - m0[0]
+                step_s = (shown[2] - m0[2]) / steps / 1e6 if steps > 0 else None
+                batch = (shown[1] - m0[1]) / steps if steps > 0 else None
+                fit = step_fit(tuple(shown))
                 view = WorkerView(id=s.id, inflight=s.inflight, started=s.started, running=len(s.batch),
                                   max_running=self.capacity.max_running,
                                   waiting=len(s.waiting), waiting_queue=len(s.waiting), prealloc=0, prealloc_ready=0,
                                   transfer=len(s.pending), retracted=0, kv_usage=0.0, decode_step_s=step_s,
                                   decode_batch=batch, decode_step_fixed_s=fit.get("decode_step_fixed_s"),
                                   decode_step_per_request_s=fit.get("decode_step_per_request_s"),
-                                  tokens_total=s.moments[5])
-            s.seen = (self.now, s.busy_s, tuple(s.moments[:3]))
+                                  tokens_total=shown[5])
+            s.seen = (self.now, s.busy_s, tuple((s.moments if s.role == PREFILL else s.shown)[:3]))
             views[s.role].append(view)
         joining = tuple(s.converting_to for s in self.servers if s.converting_to)
         busy = ", ".join(f"{s.id} converting to {s.converting_to}" for s in self.servers if s.converting_to) or None

@@ -66,6 +66,9 @@ class Mix:
     # a request waits for room when they are taken; inf: unbounded
     decode_slots: float = float("inf")
     waiting_prefill: float = 0.0  # requests waiting on prefill compute now (a backlog)
+    # the share of its token budget (max_new_tokens) a request decodes, as last measured (the estimator's
+    # calibration, kept from look to look; 1.0 until measured: requests read as running to their budget)
+    answer_share: float = 1.0
     waiting_decode: float = 0.0  # requests waiting on decode (a batch slot, KV room, or an overgrown batch)
 
     def to_dict(self) -> dict:
@@ -75,7 +78,8 @@ class Mix:
                 "prefill_scv": round(scv(s for s, _ in self.shapes), 3),
                 "decode_scv": round(scv(o for _, o in self.shapes), 3),
                 "decode_slots": None if math.isinf(self.decode_slots) else round(self.decode_slots, 1),
-                "waiting_prefill": round(self.waiting_prefill, 2), "waiting_decode": round(self.waiting_decode, 2)}
+                "waiting_prefill": round(self.waiting_prefill, 2), "waiting_decode": round(self.waiting_decode, 2),
+                "answer_share": round(self.answer_share, 3)}
 
 
 @dataclass(frozen=True, slots=True)

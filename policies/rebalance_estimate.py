@@ -4,7 +4,7 @@ Each look reads every routable server's cumulative counters (`Counters`): the re
 has open on it (its own counts), a prefill's forward time (`total_prefill_busy_us`) and a decode's tokens
 (`decode_moments`). Between two looks at the same server in the same role, their differences say what arrived
 and what it cost (`Interval`): requests that arrived, prefill forwards' seconds per request that left its
-prefill, decode tokens per request that left its decode. These are properties of the workload, not of the
+prefill, decode tokens per request through its decode. These are properties of the workload, not of the
 split: moving a server does not change what a request costs, so a conversion does not disturb the fit.
 `fit` sums the intervals of the last `window_secs` into a `fleet_model.Mix`, with the decodes' fitted step
 line, the backlogs the signals read (`rebalance_signals`: which queue waits on which pool), and the spread
@@ -44,6 +44,7 @@ class Interval:
     prefill_done: int  # requests that left a prefill whose forward time is known (their forward done)
     prefill_busy_s: float  # the forward seconds those prefills spent
     decode_done: int  # requests that left a decode whose token count is known
+    decode_started: int  # requests sent to those decodes
     decode_tokens: float  # the tokens those decodes decoded
 
 
@@ -55,7 +56,7 @@ def counters(obs: Observation) -> tuple[Counters, ...]:
 def interval(before: tuple[Counters, ...], after: tuple[Counters, ...], secs: float) -> Interval:
     """The differences between two looks' counters (a server whose counters went back restarted: skipped)."""
     then = {(c.id, c.role): c for c in before}
-    arrivals = prefill_done = decode_done = 0
+    arrivals = prefill_done = decode_done = decode_started = 0
     busy = tokens = 0.0
     for c in after:
         old = then.get((c.id, c.role))
@@ -71,8 +72,9 @@ def interval(before: tuple[Counters, ...], after: tuple[Counters, ...], secs: fl
                 busy += c.busy_s - old.busy_s
         elif c.tokens is not None and old.tokens is not None and c.tokens >= old.tokens:
             decode_done += done
+            decode_started += started
             tokens += c.tokens - old.tokens
-    return Interval(secs, arrivals, prefill_done, busy, decode_done, tokens)
+    return Interval(secs, arrivals, prefill_done, busy, decode_done, decode_started, tokens)
 
 
 @dataclass(frozen=True, slots=True)
@@ -145,10 +147,22 @@ def _rescaled(cost: float | None, obs: Observation, secs: float, rate: float, si
     return cost * per_request / mean_finished if per_request > 0 else cost
 
 
+STEADY_SHARE = 0.1  # a decode pool whose requests in flight changed by under this share of those through it
+
+
+def _arriving_budget(obs: Observation, secs: float, rate: float) -> float | None:
+    """The mean token budget left to decode (the answer's budget less the first token, which the prefill makes)
+    of the requests arriving, the median slice's as for the work (None: the router read too few)."""
+    if len(obs.request_sizes) < MIN_DONE or rate <= 0 or secs <= 0:
+        return None
+    budget = _median(_slices(obs, secs, 2)) / rate - 1
+    return budget if budget > 0 else None
+
+
 def fit(obs: Observation, intervals: tuple[Interval, ...], window_secs: float, previous: Mix | None) -> Fit:
     """The mix over the newest intervals covering `window_secs`. A figure with too few requests behind it keeps
     its previous value (a pool that finished nothing in the window says nothing new of what a request costs)."""
-    secs = arrivals = prefill_done = decode_done = 0
+    secs = arrivals = prefill_done = decode_done = decode_started = 0
     busy = tokens = 0.0
     rates = []
     for iv in reversed(intervals):
@@ -160,15 +174,32 @@ def fit(obs: Observation, intervals: tuple[Interval, ...], window_secs: float, p
         prefill_done += iv.prefill_done
         busy += iv.prefill_busy_s
         decode_done += iv.decode_done
+        decode_started += iv.decode_started
         tokens += iv.decode_tokens
     if secs <= 0:
         return Fit(None, "no interval yet (one look so far)")
     rate = _median(rates)
     prefill_s = busy / prefill_done if prefill_done >= MIN_DONE else None
-    decode_tokens = tokens / decode_done if decode_done >= MIN_DONE else None
+    # the tokens of a window come from the requests that finished in it and from those that arrived in it, each
+    # in part: per request, over the mean of the two (completions alone overstate it while a batch grows, as
+    # it does in an overload: 26 to 56 tokens read for answers of 15; arrivals alone understate it)
+    through = (decode_done + decode_started) / 2
+    decode_tokens = tokens / through if decode_done >= MIN_DONE and through > 0 else None
     # what finished is a lagging sample of what arrives: scaled by the sizes the router saw of each
     prefill_s = _rescaled(prefill_s, obs, secs, rate, 1)
-    decode_tokens = _rescaled(decode_tokens, obs, secs, rate, 2)
+    answer_share = previous.answer_share if previous is not None else 1.0
+    budget = _arriving_budget(obs, secs, rate)
+    if budget is not None:
+        # the router read each request's token budget as it arrived: that is the mix now; the servers' tokens say
+        # what share of it requests decode, read only while the decode pool is steady (its rows lag by up to
+        # 15 steps, which a pool whose batch grows makes seconds, and which a steady one makes no difference to)
+        finished = [a - 1 for _, a in obs.finished_sizes if a > 1]
+        steady = abs(decode_started - decode_done) <= STEADY_SHARE * max(decode_done, decode_started)
+        if decode_tokens is not None and finished and steady:
+            answer_share = min(1.0, max(0.01, decode_tokens / (sum(finished) / len(finished))))
+        decode_tokens = budget * answer_share
+    else:
+        decode_tokens = _rescaled(decode_tokens, obs, secs, rate, 2)
     line = step_line(obs)
     fixed, per_request = line if line else (None, None)
     if fixed is None:
@@ -194,9 +225,9 @@ def fit(obs: Observation, intervals: tuple[Interval, ...], window_secs: float, p
                   max(rate_error, _relative_error(_slices(obs, secs, 2))))
     else:
         spread = (rate_error, rate_error)
-    mix = Mix(rate=rate, prefill_s=prefill_s, decode_slots=decode_slots(obs), decode_tokens=decode_tokens, step_fixed_s=fixed,
-              step_per_request_s=per_request, shapes=_shapes(obs.request_sizes), waiting_prefill=wait_p,
-              waiting_decode=wait_d)
+    mix = Mix(rate=rate, prefill_s=prefill_s, decode_tokens=decode_tokens, step_fixed_s=fixed,
+              step_per_request_s=per_request, shapes=_shapes(obs.request_sizes), decode_slots=decode_slots(obs),
+              waiting_prefill=wait_p, waiting_decode=wait_d, answer_share=answer_share)
     return Fit(mix, "", secs, spread)
 
 

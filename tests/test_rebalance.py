@@ -172,3 +172,20 @@ def test_config_rejects_unknown_keys_and_parses_the_mode():
     config = RebalanceConfig().with_changes({"mode": "enabled", "horizon_secs": 60})
     assert config.mode is RebalanceMode.ENABLED and config.to_dict()["mode"] == "enabled"
     assert len(RebalanceConfig(interval_secs=0, min_gain=2, horizon_secs=-1).problems()) == 3
+
+
+def test_the_token_budget_the_router_read_is_the_decode_mix_scaled_by_the_share_measured_while_steady():
+    """Rows lag by up to 15 decode steps: while a batch grows, the servers' tokens fall behind the router's
+    counts. The router's reading of each arriving request's budget is current; the servers say what share of
+    it requests decode, and that share is read only while the pool is steady."""
+    from policies.rebalance_estimate import counters
+    before, after = _obs(0.0, 0, 0.0, 0.0), _obs(10.0, 50, 10.0, 350.0)  # 100 through, 7 tokens each
+    arrived = tuple((t * 0.1, 100, 21) for t in range(100))  # budgets of 21: 20 to decode
+    steady = interval(counters(before), counters(after), 10.0)
+    got = fit(replace(after, request_sizes=arrived, finished_sizes=((100, 21),) * 100), (steady,), 10.0, None)
+    assert got.mix.answer_share == pytest.approx(7 / 20) and got.mix.decode_tokens == pytest.approx(7.0, rel=0.05)
+    # the mix turns to budgets of 41 while the batch grows: the share kept, the budget read now
+    growing = replace(steady, decode_done=40, decode_started=100)
+    longer = tuple((t * 0.1, 100, 41) for t in range(100))
+    turned = fit(replace(after, request_sizes=longer, finished_sizes=((100, 21),) * 40), (growing,), 10.0, got.mix)
+    assert turned.mix.answer_share == pytest.approx(7 / 20) and turned.mix.decode_tokens == pytest.approx(14.0, rel=0.05)

@@ -223,12 +223,14 @@ def test_the_window_keeps_the_sizes_the_router_read():
     clock = Clock(0)
     window = LatencyWindow(10, clock)
     sized = record(ttft=0.1)
-    sized.prompt_size, sized.answer_size, sized.started = 400, 16, 0.0
-    window.observe(sized)
-    window.observe(record(ttft=0.1))  # no sizes read: not part of the mix
+    sized.prompt_size, sized.answer_size = 400, 16
+    window.arrived(sized)  # counted as it arrives, not once it ends
+    window.arrived(record(ttft=0.1))  # no sizes read: not part of the mix
     clock.now = 5
-    arrived, ended = window.sizes(clock.now)
-    assert arrived == ((0.0, 400, 16),) and ended == ((400, 16),)
+    assert window.sizes(clock.now) == (((0.0, 400, 16),), ())
+    window.observe(sized)
+    window.observe(record(ttft=0.1))
+    assert window.sizes(clock.now) == (((0.0, 400, 16),), ((400, 16),))
     clock.now = 30
     assert window.sizes(clock.now) == ((), ())
 

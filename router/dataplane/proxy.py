@@ -92,6 +92,8 @@ class Proxy:
         self.abort_on = dispatcher.abort_on  # (worker, rids): in the background, over the legs' pool
         self._stream = dispatcher.stream
         self.request_observers: list[RequestObserver] = []
+        # told of every request whose shape was read, as it arrives (the rebalancer's mix: sizes at arrival)
+        self.arrival_observers: list[RequestObserver] = []
         self._needs_text = any(policy.needs_text for policy in policies.values())
         self._timeout = config.request_timeout_secs
         self._retry = config.retry
@@ -115,6 +117,8 @@ class Proxy:
             shape = shape_of(route, body, self._limits)
             record.stream = shape.stream
             record.prompt_size, record.answer_size = request_sizes(route, body)
+            for arrived in self.arrival_observers:
+                arrived(record)
             forwarded = {h: v for h in self._forwarded_headers if (v := request.headers.get(h)) is not None}
             if self._worker_auth is not None:
                 forwarded["Authorization"] = self._worker_auth

@@ -38,14 +38,22 @@ class LatencyWindow:
         self.clock = clock
         # (ended at, ttft or None, itl or None, ended without a first token, started at)
         self._samples: deque[tuple[float, float | None, float | None, bool, float]] = deque(maxlen=max_samples)
-        # (ended at, started at, prompt size, answer size) of requests whose sizes the router read: the mix
-        self._sizes: deque[tuple[float, float, int, int]] = deque(maxlen=max_samples)
+        # (ended at, prompt size, answer size) of requests whose sizes the router read, and (arrived at, ...) of
+        # those that arrived: what finished and what arrives (the rebalancer's mix)
+        self._sizes: deque[tuple[float, int, int]] = deque(maxlen=max_samples)
+        self._arrivals: deque[tuple[float, int, int]] = deque(maxlen=max_samples)
+
+    def arrived(self, record: RequestRecord) -> None:
+        """A request arrived (its shape read): its sizes count for the mix now, not once it ends (an overload
+        ends few, and those it ends are the old mix's)."""
+        if record.prompt_size > 0 and record.answer_size > 0:
+            self._arrivals.append((self.clock(), record.prompt_size, record.answer_size))
 
     def observe(self, record: RequestRecord) -> None:
         if record.decode is None:
             return  # never reached a pair
         if record.prompt_size > 0 and record.answer_size > 0:
-            self._sizes.append((self.clock(), record.started, record.prompt_size, record.answer_size))
+            self._sizes.append((self.clock(), record.prompt_size, record.answer_size))
         if 400 <= record.status < 500 and record.status not in _CLIENT_ERRORS_THAT_COUNT:
             return
         ttft, censored = record.ttft_s, False
@@ -56,15 +64,13 @@ class LatencyWindow:
         self._samples.append((self.clock(), ttft, record.itl_s, censored, record.started))
 
     def sizes(self, now: float) -> tuple[tuple[tuple[float, float, float], ...], tuple[tuple[float, float], ...]]:
-        """The sizes of the requests that started in the window (started at, prompt, answer), and of those that
-        ended in it (prompt, answer). Both are of requests that ended: one still in flight is not seen yet."""
+        """The sizes of the requests that arrived in the window (arrived at, prompt, answer), and of those that
+        ended in it (prompt, answer)."""
         horizon = now - self.window_secs
-        sizes = self._sizes
-        while sizes and sizes[0][0] < now - LOOKBACK_WINDOWS * self.window_secs:
-            sizes.popleft()
-        started = tuple((s[1], s[2], s[3]) for s in sizes if s[1] >= horizon)
-        ended = tuple((s[2], s[3]) for s in sizes if s[0] >= horizon)
-        return started, ended
+        for kept in (self._sizes, self._arrivals):
+            while kept and kept[0][0] < horizon:
+                kept.popleft()
+        return tuple(self._arrivals), tuple((s[1], s[2]) for s in self._sizes)
 
     def summary(self, now: float, min_samples: int, since: float | None = None) -> dict:
         """p90 TTFT and ITL (None: too few samples), how many requests the window holds and how many of them

@@ -194,6 +194,7 @@ async def assemble(app: web.Application, stack: contextlib.AsyncExitStack) -> No
 
     # ---- what the request path's records go to ----------------------------------------------------------------
     proxy.request_observers += [rebalancer.window.observe, metrics.observe_request, logs.log_request]
+    proxy.arrival_observers.append(rebalancer.window.arrived)
     await stack.enter_async_context(metrics_port(metrics, config))
 
     # ---- fleet-wide operations, one at a time: their shared state, then each operation ------------------------
