@@ -67,6 +67,7 @@ class Req:
     last_at: float | None = None
     decoded: int = 0
     abandoned: bool = False  # its client gave up (the router aborted it on both servers)
+    resent_from: "Server | None" = None  # sent again while in a forward on this prefill (shed): that forward ends for nothing
 
     @property
     def done(self) -> bool:
@@ -145,6 +146,12 @@ class Fleet:
     # ---- the request path ---------------------------------------------------------------------------
     def arrive(self, req: Req) -> None:
         self.sizes.append((self.now, req.prompt, req.answer))
+        self._route(req)
+        if self.abandon_s is not None:
+            self.at(self.now + self.abandon_s, self._abandon, req)
+
+    def _route(self, req: Req) -> None:
+        """Both legs to the least loaded pair (a re-sent request too: its arrival time stays its own)."""
         p, d = self._least_loaded(PREFILL), self._least_loaded(DECODE)
         if p is None or d is None:
             return  # nothing routable: the request fails (counted as missed)
@@ -156,8 +163,6 @@ class Fleet:
         p.queue.append(req)
         if not p.forwarding:
             self._forward(p)
-        if self.abandon_s is not None:
-            self.at(self.now + self.abandon_s, self._abandon, req)
 
     def _abandon(self, req: Req) -> None:
         """The client gave up before its answer ended: the router aborts the request on both its servers."""
@@ -193,7 +198,9 @@ class Fleet:
         batch, p.forwarding = p.forwarding, []
         for req in batch:
             p.inflight -= 1
-            if req.abandoned:
+            if req.abandoned or req.resent_from is p:  # gone, or sent again while in this forward
+                if req.resent_from is p:
+                    req.resent_from = None
                 continue
             req.first_at = self.now
             d = req.decode
@@ -255,22 +262,19 @@ class Fleet:
                   "mode": mode}
         server.record = record
         if mode == "shed" and server.role == DECODE:
-            for req in list(server.pending) + list(server.waiting):
-                other = self._least_loaded(DECODE)
-                if other is None:
-                    break
+            # its requests still waiting on a prefill are aborted on both their servers and sent again, whole
+            # (their prefill runs again elsewhere); those whose KV came finish where they are
+            for req in list(server.pending):
+                p = req.prefill
                 server.pending.discard(req)
-                if req in server.waiting:
-                    server.waiting.remove(req)
-                    other.waiting.append(req)
-                    if not other.stepping:
-                        self._step(other)
-                else:
-                    other.pending.add(req)
-                req.decode = other
                 server.inflight -= 1
-                other.started += 1
-                other.inflight += 1
+                if req in p.queue:
+                    p.queue.remove(req)
+                    p.inflight -= 1
+                    self._check_drained(p)
+                else:  # in a forward: it ends for nothing
+                    req.resent_from = req.prefill
+                self._route(req)
         self._check_drained(server)
 
     def _check_drained(self, server: Server) -> None:
