@@ -298,7 +298,7 @@ def replayed(variants: list[Variant], phases: list[Phase], targets: list[int], a
         elif v.mode == "oracle":
             extra = dict(schedule=[(b[1], t) for b, t in zip(bounds, targets)][1:])
         run = replay.run(arrivals, bounds, v.prefills, v.decodes, replay.Capacity(), abandon_s=None,
-                         drain_s=args.drain_timeout, **extra)
+                         drain_s=args.drain_timeout, routing="power_of_two", **extra)
         out[v.name] = round(run.goodput(ttft, tpot), 4)
     return out
 

@@ -108,8 +108,9 @@ class Server:
 
 class Fleet:
     def __init__(self, prefills: int, decodes: int, capacity: Capacity, seed: int = 1,
-                 abandon_s: float | None = None) -> None:
+                 abandon_s: float | None = None, routing: str = "least") -> None:
         self.capacity = capacity
+        self.routing = routing
         self.abandon_s = abandon_s
         self.now = 0.0
         self.rng = random.Random(seed)
@@ -137,9 +138,13 @@ class Fleet:
         return [s for s in self.servers if s.role == role and s.routable]
 
     def _least_loaded(self, role: str) -> Server | None:
+        """The server a request goes to: the less loaded of two drawn at random (power_of_two, the router's
+        count: what bench.rebalance_splits runs live), or the least loaded of all (`routing` "least")."""
         pool = self.pool(role)
         if not pool:
             return None
+        if self.routing == "power_of_two" and len(pool) > 2:
+            pool = self.rng.sample(pool, 2)
         low = min(s.inflight for s in pool)
         return self.rng.choice([s for s in pool if s.inflight == low])
 
@@ -357,11 +362,11 @@ Arrival = tuple[float, int, int, int]  # (at, prompt tokens, answer tokens, phas
 def run(arrivals: list[Arrival], phases: list[tuple[str, float, float]], prefills: int, decodes: int,
         capacity: Capacity, *, config: RebalanceConfig | None = None, decide: Callable | None = None,
         schedule: list[tuple[float, int]] | None = None, drain_s: float = 60.0, seed: int = 1,
-        record: bool = False, abandon_s: float | None = 30.0) -> Run:
+        record: bool = False, abandon_s: float | None = 30.0, routing: str = "least") -> Run:
     """One fleet through `arrivals`: static (no `decide`, no `schedule`), driven by a decision core (`decide`
     with `config`), or by a `schedule` of (time, prefill servers) targets (the oracle). A client gives up on a
     request `abandon_s` after sending it (None: never), and the router aborts it on its servers."""
-    fleet = Fleet(prefills, decodes, capacity, seed, abandon_s)
+    fleet = Fleet(prefills, decodes, capacity, seed, abandon_s, routing)
     requests = [Req(n, at, prompt, answer, phase) for n, (at, prompt, answer, phase) in enumerate(arrivals)]
     for req in requests:
         fleet.at(req.at, fleet.arrive, req)
