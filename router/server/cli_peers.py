@@ -142,12 +142,19 @@ class _Refuse(argparse.Action):
         parser.exit(2, f"pd-router: error: {option_string}: not supported: {self.note}\n")
 
 
-class _Ignore(argparse.Action):
+class NameGiven(argparse.Action):
+    """Takes the flag's value(s) and does nothing with them but name the flag, once, in the namespace's list
+    `record_into` (the flags accepted without effect, named in one start-up warning)."""
+
+    def __init__(self, option_strings, dest, record_into: str = IGNORED_DEST, **kwargs) -> None:
+        self.record_into = record_into
+        super().__init__(option_strings, dest, **kwargs)
+
     def __call__(self, parser, namespace, values, option_string=None) -> None:
-        seen = list(getattr(namespace, IGNORED_DEST, None) or ())
+        seen = list(getattr(namespace, self.record_into, None) or ())
         if option_string not in seen:
             seen.append(option_string)
-        setattr(namespace, IGNORED_DEST, seen)
+        setattr(namespace, self.record_into, seen)
 
 
 def add_peer_flags(parser: argparse.ArgumentParser) -> None:
@@ -158,7 +165,7 @@ def add_peer_flags(parser: argparse.ArgumentParser) -> None:
                                 default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     for _, spec in IGNORED:
         for name, nargs in _flags(spec):
-            parser.add_argument(name, action=_Ignore, nargs=nargs, dest=argparse.SUPPRESS,
+            parser.add_argument(name, action=NameGiven, nargs=nargs, dest=argparse.SUPPRESS,
                                 default=argparse.SUPPRESS, help=argparse.SUPPRESS)
 
 

@@ -8,6 +8,7 @@ from policies.params import PolicyParams
 from policies.rebalance import RebalanceMode, RebalanceConfig
 from router.core.config import DP_RANK_POLICIES
 from router.server.cli_flags import Flag, field_flags, flag
+from router.server.cli_peers import NameGiven
 
 _POLICY_HELP = {
     "cache_threshold": "cache_aware: minimum share of the prompt its cached prefix must cover (0..1)",
@@ -54,19 +55,11 @@ RETIRED_REBALANCE_FLAGS = ("--rebalance-confirmations", "--rebalance-urgent-pres
 RETIRED_DEST = "rebalance_flags_retired"
 
 
-class _Retired(argparse.Action):
-    def __call__(self, parser, namespace, values, option_string=None) -> None:
-        seen = list(getattr(namespace, RETIRED_DEST, None) or ())
-        if option_string not in seen:
-            seen.append(option_string)
-        setattr(namespace, RETIRED_DEST, seen)
-
-
 def add_retired_flags(parser: argparse.ArgumentParser) -> None:
     parser.set_defaults(**{RETIRED_DEST: []})
     for name in RETIRED_REBALANCE_FLAGS:
-        parser.add_argument(name, action=_Retired, dest=argparse.SUPPRESS, default=argparse.SUPPRESS,
-                            help=argparse.SUPPRESS)
+        parser.add_argument(name, action=NameGiven, record_into=RETIRED_DEST, dest=argparse.SUPPRESS,
+                            default=argparse.SUPPRESS, help=argparse.SUPPRESS)
 
 
 def retired_warning(flags: list[str]) -> str | None:
