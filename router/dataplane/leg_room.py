@@ -15,19 +15,16 @@ for one could otherwise wait for a KV transfer that its partner, queued behind i
 
 from __future__ import annotations
 
-import asyncio
-import collections
 from typing import Callable
 
 from router.core.registry import Registry, Role, Worker
-
-HEAD_RECHECK_S = 1.0  # routability can change without a leg ending (a breaker half-open): the head looks again
+from router.dataplane.turns import Turns
 
 
 class LegRoom:
     """At most `total` legs in flight, at most `per_worker` on one server; the rest wait in arrival order."""
 
-    __slots__ = ("per_worker", "total", "registry", "_open_legs", "_waiters", "waited_total")
+    __slots__ = ("per_worker", "total", "registry", "_open_legs", "_turns", "waited_total")
 
     def __init__(self, per_worker: int | None, total: int, registry: Registry,
                  open_legs: Callable[[], int]) -> None:
@@ -36,12 +33,12 @@ class LegRoom:
         self.total = max(total, 2)
         self.registry = registry
         self._open_legs = open_legs
-        self._waiters: collections.deque[asyncio.Event] = collections.deque()
+        self._turns = Turns()
         self.waited_total = 0  # requests that waited for room (not the ones that found it at once)
 
     @property
     def waiting(self) -> int:
-        return len(self._waiters)
+        return len(self._turns)
 
     def with_room(self, workers: tuple[Worker, ...]) -> tuple[Worker, ...]:
         limit = self.per_worker
@@ -60,31 +57,16 @@ class LegRoom:
                 and self._has_room(registry.routable(Role.DECODE)))
 
     def can_enter_now(self) -> bool:
-        return not self._waiters and self.ready()
+        return not self._turns and self.ready()
 
     async def wait(self) -> None:
         """Wait, in arrival order, until there is room for this request's pair. The caller's deadline bounds
         it (cancellation leaves the queue and wakes the next head)."""
-        me = asyncio.Event()
-        self._waiters.append(me)
         self.waited_total += 1
-        try:
-            while not (self._waiters[0] is me and self.ready()):
-                me.clear()
-                try:
-                    async with asyncio.timeout(HEAD_RECHECK_S if self._waiters[0] is me else None):
-                        await me.wait()
-                except TimeoutError:
-                    pass
-        finally:
-            head = self._waiters[0] is me
-            self._waiters.remove(me)
-            if head and self._waiters:  # after this request's legs took their room (this step): the next looks
-                asyncio.get_running_loop().call_soon(self.room_freed)
+        await self._turns.wait(self.ready)
 
     def room_freed(self) -> None:
-        if self._waiters:
-            self._waiters[0].set()
+        self._turns.wake_head()
 
     def state(self) -> dict:
         return {"max_connections_per_worker": self.per_worker or 0, "max_legs": self.total,

@@ -20,15 +20,13 @@ goes (its client left, its deadline passed) leaves the queue; the next head is w
 from __future__ import annotations
 
 import asyncio
-import collections
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from router.core.config import PdAdmissionConfig
 from router.core.errors import ServiceUnavailable, TooManyRequests
 from router.core.registry import Registry, Role, Worker
-
-HEAD_RECHECK_S = 1.0  # a breaker turning half-open emits nothing: the head looks again this often
+from router.dataplane.turns import Turns
 DECODE_RECHECK_S = 0.5  # a decode's window comes from the load monitor's polls: looked at again this often
 
 
@@ -38,14 +36,14 @@ class PrefillQueue:
     def __init__(self, limit: int, queue_size: int, timeout: float, registry: Registry) -> None:
         self.limit, self.queue_size, self.timeout = limit, queue_size, timeout
         self.registry = registry
-        self._waiters: collections.deque[asyncio.Event] = collections.deque()
+        self._turns = Turns()
         self.admitted_after_wait_total = 0
         self.full_total = 0
         self.timeouts_total = 0
 
     @property
     def waiting(self) -> int:
-        return len(self._waiters)
+        return len(self._turns)
 
     def with_room(self, prefills: tuple[Worker, ...]) -> tuple[Worker, ...]:
         limit = self.limit
@@ -59,39 +57,25 @@ class PrefillQueue:
     async def enter(self) -> None:
         """Return when a prefill has room for this request (or none is routable); 429 when the queue is full
         or the wait passes the timeout."""
-        if not self._waiters and self._ready():
+        if not self._turns and self._ready():
             return
-        if len(self._waiters) >= self.queue_size:
+        if len(self._turns) >= self.queue_size:
             self.full_total += 1
             raise TooManyRequests(f"the prefill admission queue is full ({self.queue_size} waiting for a prefill "
                                   f"below --prefill-max-inflight-requests-per-worker {self.limit})",
                                   headers={"Retry-After": "1"}, type="pd_prefill_queue_full")
-        me = asyncio.Event()
-        self._waiters.append(me)
         try:
             async with asyncio.timeout(self.timeout):
-                while not (self._waiters[0] is me and self._ready()):
-                    me.clear()
-                    try:
-                        async with asyncio.timeout(HEAD_RECHECK_S if self._waiters[0] is me else None):
-                            await me.wait()
-                    except TimeoutError:
-                        pass
+                await self._turns.wait(self._ready)
         except TimeoutError:
             self.timeouts_total += 1
             raise TooManyRequests(f"timed out waiting for prefill admission ({self.timeout:g} s, "
                                   f"--prefill-queue-timeout-secs)", headers={"Retry-After": "1"},
                                   type="pd_prefill_queue_timeout") from None
-        finally:
-            head = self._waiters[0] is me
-            self._waiters.remove(me)
-            if head and self._waiters:  # after this request's legs took their worker (this step): the next looks
-                asyncio.get_running_loop().call_soon(self.room_freed)
         self.admitted_after_wait_total += 1
 
     def room_freed(self) -> None:
-        if self._waiters:
-            self._waiters[0].set()
+        self._turns.wake_head()
 
     def state(self) -> dict:
         return {"max_inflight_requests_per_worker": self.limit, "queue_size": self.queue_size,
