@@ -4,15 +4,17 @@ An operation that took servers out of routing (their state, or the fleet's hold)
 record: `{"seq", "action", "workers"}`. Every other replica, having applied everything before it (the watch
 is in revision order), does the action on its own requests (`StopAction`: bump the servers' abort epochs,
 mark its requests to be retried or answered with their abort, or mark every request for an abort_all, which
-which it then aborts by rid itself, again each ABORT_AGAIN_S while they run), and writes its ack, `acks/<op-id>/<replica-id>` on its lease, with how many
-requests it marked and still has on those servers; once it has none left it writes the ack again with 0. A
-replica that joins while a barrier stands answers it from its first read of the keys.
+it then aborts by rid itself, again while they run: `abort_until_ended`), and writes its ack,
+`acks/<op-id>/<replica-id>` on its lease, with how many requests it marked and still has on those servers;
+once it has none left it writes the ack again with 0. A replica that joins while a barrier stands answers it
+from its first read of the keys.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from typing import Awaitable, Callable
 
@@ -22,14 +24,13 @@ from router.cluster.keys import ClusterKeys, decode, encode
 from router.cluster.mirror import Change
 from router.cluster.replica import Membership
 from router.core.coordination import StopAction, stop_here
+from router.core.reabort import abort_until_ended, wake_when_router_idle
 from router.core.registry import Registry, Worker
 from router.core.traffic import LiveRequest, RequestPathControl
 
 logger = logging.getLogger(__name__)
 
-POLL_S = (0.005, 0.1)
 RETRY_S = 0.2
-ABORT_AGAIN_S = 1.0  # a leg already on the wire can reach its server after the abort did
 
 
 class BarrierResponder:
@@ -95,18 +96,16 @@ class BarrierResponder:
             if marked:
                 self.traffic.abort(marked)
             await self._ack(op_id, seq, count, self._counts(workers, marked))
-            delay, aborted = POLL_S[0], time.monotonic()
-            while counts := self._counts(workers, marked):
-                if marked and time.monotonic() - aborted >= ABORT_AGAIN_S:
-                    self.traffic.abort(self.traffic.still_live(marked))
-                    aborted = time.monotonic()
-                busy = [w for w in workers if w.inflight]
-                if busy:  # wake as soon as the router's side of one empties
-                    await self.registry.wait_idle(busy[0], delay)
-                else:
-                    await asyncio.sleep(delay)
-                delay = min(delay * 2, POLL_S[1])
-            await self._ack(op_id, seq, count, counts)
+
+            def abort_marked_again(_: object) -> None:  # the counts are waited on; only the marked aborted
+                self.traffic.abort(self.traffic.still_live(marked))
+
+            # until this replica has nothing left on them; the operation's end cancels it (`_forget`)
+            await abort_until_ended(lambda: list(self._counts(workers, marked).items()),
+                                    abort_marked_again if marked else None, math.inf,
+                                    aborted_at=time.monotonic(),
+                                    wait=lambda _, seconds: wake_when_router_idle(self.registry, workers, seconds))
+            await self._ack(op_id, seq, count, {})
         finally:
             if self._tasks.get(op_id) is asyncio.current_task():
                 del self._tasks[op_id]

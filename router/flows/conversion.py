@@ -35,6 +35,7 @@ from router.control.live_state import rejoin_check
 from router.control.upstream import Upstream
 from router.core.coordination import Coordinator, StopAction, StopReport, Ticket, while_owned, worker_scope
 from router.core.errors import Conflict, RouterError, ServiceUnavailable
+from router.core.reabort import abort_until_ended
 from router.core.registry import Registry, Role, Worker, WorkerState
 from router.core.traffic import RequestPathControl
 from router.flows.conversion_record import Conversion, ConversionOutcome, DrainMode, Plan
@@ -47,11 +48,6 @@ logger = logging.getLogger(__name__)
 
 VERIFY_TIMEOUT_SECS = 15.0
 HISTORY_SIZE = 100
-
-
-# `shed` mode: its requests re-sent elsewhere are aborted again while they have not ended, after 1 s, then 2, 4...
-SHED_ABORT_AGAIN_S = 1.0
-SHED_ABORT_AGAIN_MAX_S = 5.0
 
 
 def _positive(value: float | None, default: float) -> float:
@@ -313,19 +309,14 @@ class Conversions:
         report = await self._report(conversion, worker, action)
         if action is StopAction.SHED:
             step.details["resent"] = report.marked
-        resending = self.spawn(self._abort_until_ended(list(report.here))) if report.here else None
+        here = list(report.here)
+        resending = self.spawn(abort_until_ended(lambda: self.traffic.still_live(here), self.traffic.abort,
+                                                 math.inf)) if here else None
         try:
             await self._wait_quiet(conversion, worker, step, abort=False)
         finally:
             if resending is not None:
                 resending.cancel()
-
-    async def _abort_until_ended(self, requests: list) -> None:
-        delay = SHED_ABORT_AGAIN_S
-        while requests := self.traffic.still_live(requests):
-            self.traffic.abort(requests)
-            await asyncio.sleep(delay)  # a backoff between abort rounds, not a wait for a state
-            delay = min(delay * 2, SHED_ABORT_AGAIN_MAX_S)
 
     async def _stop(self, conversion: Conversion, worker: Worker, action: StopAction) -> int:
         """Every router replica, this one first, stopped routing to the worker and did `action` (EPOCH: their

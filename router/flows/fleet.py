@@ -8,23 +8,17 @@ import collections
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Sequence
 
 from router.control.live_state import read_weight_version
 from router.control.upstream import INFO_TIMEOUT, Reply, Upstream
+from router.core.reabort import abort_until_ended, wake_when_router_idle
 from router.core.redact import redact_text
 from router.core.registry import Registry, Worker
 
 logger = logging.getLogger(__name__)
 
-POLL_FIRST, POLL_MAX = 0.01, 0.2  # polling a server until it is idle or switched: first and longest wait
-# How long a server may stay busy after the router aborted its requests before the router aborts again. SGLang
-# answers an abort at once and aborts later (0.01 s on a real server), and a leg already on the wire can reach
-# the server after the abort: only a second abort ends that request. One value for every flow that aborts (a
-# conversion's abort step, `wait_quiet`, an abort_request waiting for its requests): 0.25 s is several
-# scheduler steps, so the first abort has had its chance, yet it bounds what one late request adds to the
-# time a worker or the fleet stays out of service; another abort costs one small POST per busy server.
-ABORT_REPEAT_SECS = 0.25
+POLL_FIRST, POLL_MAX = 0.01, 0.2  # polling a server until it has switched: first and longest wait
 
 
 @dataclass(slots=True)
@@ -132,7 +126,7 @@ async def wait_quiet(registry: Registry, upstream: Upstream, workers: list[Worke
                      watch: Callable[[Quiet], None] = lambda progress: None) -> Quiet:
     """Wait until no routed request holds any of `workers` and each server reports nothing running or
     waiting (`/v1/loads`, else `/get_load`). With `abort`, send `abort_all` first and again to servers
-    still busy every ABORT_REPEAT_SECS (SGLang's abort is asynchronous, and a leg already on the wire
+    still busy (`abort_until_ended`'s timing: SGLang's abort is asynchronous, and a leg already on the wire
     can reach the server after it). The caller has taken them out of routing (their state, or the fleet's
     hold), so nothing new arrives from the router. The one idle wait of every flow (a conversion's drain or
     abort on one server, a fleet's quiesce), so one replica or five read the same:
@@ -143,18 +137,17 @@ async def wait_quiet(registry: Registry, upstream: Upstream, workers: list[Worke
     aborts = 0
     router_idle: float | None = None
     polls = 0
+    silent: set[Worker] = set()
+    progress = Quiet(False, 0.0, [], 0)
 
-    async def abort_all(targets: list[Worker]) -> None:
+    async def abort_all(targets: Sequence[Worker]) -> None:
         nonlocal aborts
         aborts += len(targets)
         await asyncio.gather(*(upstream.abort(w.url, abort_all=True, timeout=INFO_TIMEOUT) for w in targets))
 
-    if abort:
-        await abort_all(workers)
-    last_abort = time.monotonic()
-    delay = POLL_FIRST
-    silent: set[Worker] = set()
-    while True:
+    async def still_busy() -> list[Worker]:
+        """One look: the router's side first (every replica's), then the servers' own load."""
+        nonlocal router_idle, polls, progress
         remote = {w: n for w in workers if (n := elsewhere(w))}
         busy: list[dict] = [{"url": w.url, "role": w.role.value, "router_inflight": w.inflight,
                              **({"other_replicas_inflight": remote[w]} if w in remote else {})}
@@ -171,25 +164,18 @@ async def wait_quiet(registry: Registry, upstream: Upstream, workers: list[Worke
                     busy.append({"url": worker.url, "role": worker.role.value, "running": load.running,
                                  "waiting": load.waiting, "pd_queues": load.queued})
                     busy_workers.append(worker)
-            if not busy:
-                if silent:
-                    logger.warning("servers %s report no load: quiet judged from the router's side only",
-                                   ", ".join(w.url for w in silent))
-                return Quiet(True, time.monotonic() - started, [], aborts, sorted(w.url for w in silent),
-                             router_idle, polls)
-        now = time.monotonic()
-        progress = Quiet(False, now - started, busy, aborts, sorted(w.url for w in silent), router_idle, polls)
-        if now >= deadline:
-            return progress
-        watch(progress)
-        if abort and now - last_abort >= ABORT_REPEAT_SECS:
-            await abort_all(busy_workers)
-            last_abort = time.monotonic()
-        wait = min(delay, max(deadline - time.monotonic(), 0))
-        routed = [w for w in busy_workers if w.inflight]
-        if routed:  # wake as soon as the router's side empties, polling the servers otherwise
-            await registry.wait_idle(routed[0], wait)
-        else:
-            await asyncio.sleep(wait)
-        delay = min(delay * 1.5, POLL_MAX)
+        progress = Quiet(not busy, time.monotonic() - started, busy, aborts, sorted(w.url for w in silent),
+                         router_idle, polls)
+        if busy and time.monotonic() < deadline:
+            watch(progress)
+        return busy_workers
 
+    if abort:  # every server, busy or not: a request may reach one after the router's count says it is idle
+        await abort_all(workers)
+    await abort_until_ended(still_busy, abort_all if abort else None, deadline, aborted_at=time.monotonic(),
+                            wait=lambda busy, seconds: wake_when_router_idle(registry, busy, seconds))
+    if progress.ok and silent:
+        logger.warning("servers %s report no load: quiet judged from the router's side only",
+                       ", ".join(w.url for w in silent))
+    progress.aborts_sent = aborts
+    return progress

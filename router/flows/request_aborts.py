@@ -5,15 +5,16 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Callable
+from typing import Callable, Sequence
 
 from aiohttp import web
 
 from router.control.upstream import INFO_TIMEOUT, Upstream, fan_out
 from router.core.coordination import ABORT, Coordinator, StopAction, Ticket, while_owned
+from router.core.reabort import abort_until_ended
 from router.core.registry import Worker
 from router.core.traffic import AbortAction, LiveRequest, RequestPathControl
-from router.flows.fleet import ABORT_REPEAT_SECS, WorkerResult, summary
+from router.flows.fleet import WorkerResult, summary
 
 
 class RequestAborts:
@@ -90,21 +91,14 @@ class RequestAborts:
             WorkerResult(worker, True, 200, "nothing to abort")
 
     async def _wait_ended(self, requests: list[LiveRequest], deadline: float) -> list[LiveRequest]:
-        """Wait for aborted requests to end; abort again by rid those still there (a leg can reach its
-        server after the abort did)."""
-        last_abort = time.monotonic()
-        delay = 0.005
-        while True:
-            pending = self.traffic.still_live(requests)
-            now = time.monotonic()
-            if not pending or now >= deadline:
-                return pending
-            if now - last_abort >= ABORT_REPEAT_SECS:
-                last_abort = now
-                await asyncio.gather(*(self._abort_rids(w, a.rids) for a in pending if a.rids
-                                       for w in (a.prefill, a.decode)))
-            await asyncio.sleep(min(delay, max(deadline - now, 0)))
-            delay = min(delay * 2, 0.1)
+        """Wait for aborted requests to end, aborting again by rid on both servers those still there (a leg can
+        reach its server after the abort did); those left at the deadline."""
+        async def abort_again(pending: Sequence[LiveRequest]) -> None:
+            await asyncio.gather(*(self._abort_rids(w, a.rids) for a in pending if a.rids
+                                   for w in (a.prefill, a.decode)))
+
+        return await abort_until_ended(lambda: self.traffic.still_live(requests), abort_again, deadline,
+                                       aborted_at=time.monotonic())
 
 
 ABORTS = web.AppKey("request_aborts", RequestAborts)

@@ -9,9 +9,9 @@
     abort      when `--shutdown-grace-secs` minus the answer window (a fifth of it, at most 5 s) has passed, or
                at a second signal: conversions still emptying their worker and weight updates that have not
                reached their `update` step are rolled back (nothing changed on the servers); every request
-               left is marked to be answered with its abort and aborted on both of its servers by rid, so a
-               stream ends with SGLang's `finish_reason: abort` and `[DONE]` and a whole answer comes back
-               with what was generated; requests still queued get 503
+               left is marked to be answered with its abort and aborted on both of its servers by rid (again
+               while it runs: `abort_until_ended`), so a stream ends with SGLang's `finish_reason: abort` and
+               `[DONE]` and a whole answer comes back with what was generated; requests still queued get 503
     cut        requests whose servers have not answered the abort when a quarter of the window is left are
                answered by the router: SGLang's abort answer when the client has seen nothing yet, else an
                error event and `[DONE]` (never a reset connection)
@@ -33,6 +33,7 @@ from aiohttp import web
 
 from router.core.keys import CONFIG, COORDINATOR, LIFECYCLE, REGISTRY, TRAFFIC
 from router.core.lifecycle import ABORTING, CLOSING
+from router.core.reabort import abort_until_ended
 from router.core.traffic import AbortAction
 from router.dataplane.admission import ADMISSION
 from router.flows.conversion import CONVERSIONS
@@ -50,9 +51,6 @@ ANSWER_WINDOW_SHARE = 0.2  # ... or this share of the grace, when that is shorte
 CUT_SHARE = 0.25
 CLOSE_SHARE = 0.125
 POLL_S = 0.02
-REABORT_S = 1.0  # requests still running this long after their abort are aborted once more (a leg that
-# reached its server after its abort did); not again and again: with hundreds left, that would load a router
-# already busy
 
 
 def answer_window(grace_s: float) -> float:
@@ -168,23 +166,14 @@ class Shutdown:
         if not requests:
             return
         began = time.monotonic()
-        traffic.abort(requests)
-        pending, resent = requests, False
-        while pending and time.monotonic() < answered_by:
-            await asyncio.sleep(POLL_S)
-            pending = traffic.still_live(pending)
-            if pending and not resent and time.monotonic() - began >= REABORT_S:
-                traffic.abort(pending)
-                resent = True
+        pending = await abort_until_ended(lambda: traffic.still_live(requests), traffic.abort, answered_by)
         logger.info("shutdown: %d aborted request(s) answered in %.3f s%s", len(requests) - len(pending),
                     time.monotonic() - began, f", {len(pending)} not answered in time" if pending else "")
         if pending:
             # Their servers did not answer the abort: answer them here rather than reset their connections.
             cut = pending
             traffic.cut(cut, "the router is shutting down and the server did not answer its abort in time")
-            while pending and time.monotonic() < cut_by:
-                await asyncio.sleep(POLL_S)
-                pending = traffic.still_live(pending)
+            pending = await abort_until_ended(lambda: traffic.still_live(cut), None, cut_by)
             logger.warning("shutdown: %d request(s) answered by the router itself (abort answer, or an error "
                            "event mid-stream)%s", len(cut) - len(pending),
                            f", {len(pending)} more as the connections close" if pending else "")
