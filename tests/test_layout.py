@@ -36,6 +36,13 @@ ALLOWED = {
 # What a `setup(app)` may not do: it adds routes; the composition root (server/composition.py) builds, stores
 # and starts everything else.
 APP_LIFE = frozenset({"cleanup_ctx", "on_startup", "on_cleanup", "on_shutdown"})
+# "Abort again until they end" has one home, `abort_until_ended` (issue 32): anywhere else, a loop that sends an
+# abort and pauses (a sleep, a bounded wait for a worker's idle) is a second re-abort loop with its own timing.
+REABORT_KERNEL = "router/core/reabort.py"
+PAUSES = frozenset({"sleep", "wait_idle"})
+# a call sends an abort when its name starts with the verb (`abort`, `abort_all`, `_abort_rids`, `abort_on`,
+# `send_aborts`) or it posts to `/abort_request`; these names start with it but send nothing themselves
+NOT_ABORT_SENDS = frozenset({"abort_response", "abort_until_ended"})
 
 
 def module_name(path: Path, root: Path = ROOT) -> str:
@@ -173,6 +180,40 @@ def setups_beyond_routes(root: Path) -> list[str]:
     return wrong
 
 
+def re_abort_loops(root: Path) -> list[str]:
+    """No loop outside the kernel both sends an abort and pauses: it aborts again through `abort_until_ended`."""
+    wrong = []
+    for path in sorted((root / "router").rglob("*.py")):
+        if path.relative_to(root).as_posix() == REABORT_KERNEL:
+            continue
+        for node in ast.walk(tree_of(path)):
+            if not isinstance(node, (ast.While, ast.For, ast.AsyncFor)):
+                continue
+            calls = list(_own_calls(node))
+            if any(_sends_abort(c) for c in calls) and any(_name(c.func) in PAUSES for c in calls):
+                wrong.append(f"{path.relative_to(root)}:{node.lineno}: {ast.unparse(node).splitlines()[0]}")
+    return wrong
+
+
+def _own_calls(node: ast.AST):
+    """The calls a loop makes itself (not those of the functions or lambdas it defines)."""
+    stack = list(ast.iter_child_nodes(node))
+    while stack:
+        inner = stack.pop()
+        if isinstance(inner, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda, ast.ClassDef)):
+            continue
+        if isinstance(inner, ast.Call):
+            yield inner
+        stack.extend(ast.iter_child_nodes(inner))
+
+
+def _sends_abort(call: ast.Call) -> bool:
+    name = (_name(call.func) or "").lstrip("_")
+    verb = name.split("_")[0] == "abort" or name.startswith("send_aborts")
+    posted = any(isinstance(arg, ast.Constant) and arg.value == "/abort_request" for arg in call.args)
+    return (verb and name not in NOT_ABORT_SENDS) or posted
+
+
 def _name(node: ast.AST) -> str | None:
     if isinstance(node, ast.Name):
         return node.id
@@ -216,6 +257,11 @@ def test_setup_functions_only_add_routes():
     assert not wrong, "\n".join(wrong)
 
 
+def test_flows_abort_again_only_through_the_kernel():
+    wrong = re_abort_loops(ROOT)
+    assert not wrong, "\n".join(wrong)
+
+
 def test_every_test_has_a_deadline(pytestconfig):
     """pytest-timeout bounds each test (pyproject's `timeout`), so a hang fails one test, not the run."""
     assert pytestconfig.pluginmanager.hasplugin("timeout")
@@ -247,6 +293,15 @@ PLANTS = {
                                       "def setup(app):\n    app[KEY] = object()\n    app.router.add_get('/x', h)\n"),
     "a setup that adds a clean-up context": (setups_beyond_routes, "router/obs/planted.py",
                                              "def setup(app):\n    app.cleanup_ctx.append(ctx)\n"),
+    "a flow that aborts again in a loop of its own": (
+        re_abort_loops, "router/flows/planted.py",
+        "import asyncio\nasync def f(traffic, requests):\n    while requests := traffic.still_live(requests):\n"
+        "        traffic.abort(requests)\n        await asyncio.sleep(1.0)\n"),
+    "abort_request posted again while waiting for a worker's idle": (
+        re_abort_loops, "router/cluster/planted.py",
+        "async def f(registry, upstream, worker):\n    for _ in range(3):\n"
+        "        await upstream.post(worker.url, '/abort_request', {'abort_all': True})\n"
+        "        await registry.wait_idle(worker, 0.25)\n"),
 }
 PLANTED_PARTNERS = {  # the other half of a planted cycle
     "simulator/planted_a.py": ("simulator/worker.py", "from . import planted_a\n"),
