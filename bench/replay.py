@@ -94,7 +94,7 @@ class Server:
     busy_s: float = 0.0
     batch: list = field(default_factory=list)  # decode
     waiting: deque = field(default_factory=deque)  # KV in hand, waiting for a place in the batch
-    pending: set = field(default_factory=set)  # assigned, KV not here yet
+    pending: dict = field(default_factory=dict)  # assigned, KV not here yet (a dict: in order, so runs repeat)
     stepping: bool = False
     moments: list = field(default_factory=lambda: [0.0] * 6)
     shown: tuple = (0.0,) * 6  # the moments of the row last published (0.5.23: every 15 steps, and as a batch starts)
@@ -164,7 +164,7 @@ class Fleet:
         for s in (p, d):
             s.started += 1
             s.inflight += 1
-        d.pending.add(req)
+        d.pending[req] = None
         p.queue.append(req)
         if not p.forwarding:
             self._forward(p)
@@ -178,11 +178,14 @@ class Fleet:
         if req in p.queue:
             p.queue.remove(req)
             p.inflight -= 1
-        for place in (d.pending, d.waiting, d.batch):
-            if req in place:
-                place.remove(req)
-                d.inflight -= 1
-                break
+        if d.pending.pop(req, False) is None:
+            d.inflight -= 1
+        else:
+            for place in (d.waiting, d.batch):
+                if req in place:
+                    place.remove(req)
+                    d.inflight -= 1
+                    break
         self._check_drained(p)
         self._check_drained(d)
 
@@ -209,7 +212,7 @@ class Fleet:
                 continue
             req.first_at = self.now
             d = req.decode
-            d.pending.discard(req)
+            d.pending.pop(req, None)
             if req.done:
                 self._finish(d, req)
             else:
@@ -271,7 +274,7 @@ class Fleet:
             # (their prefill runs again elsewhere); those whose KV came finish where they are
             for req in list(server.pending):
                 p = req.prefill
-                server.pending.discard(req)
+                server.pending.pop(req, None)
                 server.inflight -= 1
                 if req in p.queue:
                     p.queue.remove(req)
