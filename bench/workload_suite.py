@@ -1,6 +1,6 @@
 """The autopilot's workload suite: every workload against every static split, an oracle and the rebalancer.
 
-    python -m bench.workload_suite                     # the whole suite in replay (bench/replay.py), ~a minute
+    python -m bench.workload_suite                     # the whole suite in replay (bench/replay.py), 3 seeds, ~a minute
     python -m bench.workload_suite --only drift6 burst4
 
 The suite, not any one workload, is the target: phase shifts (4 and 8 servers), a gradual drift (6 servers,
@@ -211,6 +211,20 @@ def evaluate(workload: Workload, seed: int = 7) -> Result:
     return Result(workload.name, statics, oracle, scores(driven), driven.conversions, driven.flaps(), best_static)
 
 
+def evaluate_seeds(workload: Workload, seeds: list[int]) -> Result:
+    """`evaluate` on each seed's arrivals, the goodputs averaged, the conversions and flaps added up: a rule
+    that wins on one draw of the arrivals and flaps on the next is not a rule (seed 7 alone once passed a
+    level-shift detector that flapped on seeds 8 and 9)."""
+    runs = [evaluate(workload, seed) for seed in seeds]
+
+    def mean(rows: list[list[float]]) -> list[float]:
+        return [sum(col) / len(col) for col in zip(*rows)]
+    statics = {p: mean([r.statics[p] for r in runs]) for p in runs[0].statics}
+    return Result(workload.name, statics, mean([r.oracle for r in runs]), mean([r.rebalancer for r in runs]),
+                  [c for r in runs for c in r.conversions], sum(r.flaps for r in runs),
+                  max(statics, key=lambda p: statics[p][0]))
+
+
 def oracle_split(workload: Workload, plan: list[replay.Arrival], phases: list[tuple[str, float, float]], index: int,
                  seed: int) -> int:
     """The split that serves phase `index` best on its own (from an idle fleet, its arrivals only)."""
@@ -263,7 +277,8 @@ def chart(results: list[tuple[Workload, Result]]) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--only", nargs="*", help="workload names (default: all)")
-    parser.add_argument("--seed", type=int, default=7)
+    parser.add_argument("--seeds", type=int, nargs="+", default=[7, 8, 9],
+                        help="seeds of the arrivals: the figures are their mean, the flaps their sum")
     parser.add_argument("--out", type=Path, default=Path("out/bench"))
     parser.add_argument("--chart", type=Path, default=None,
                         help="write the SVG chart here too (docs/img/workload_suite.svg in the docs)")
@@ -272,7 +287,7 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     for w in chosen:
         t0 = time.monotonic()
-        r = evaluate(w, args.seed)
+        r = evaluate_seeds(w, args.seeds)
         results.append((w, r))
         print(f"{w.name}: {r.rebalancer[0] * 100:.1f}% vs best static {r.statics[r.best_static][0] * 100:.1f}% "
               f"({r.best_static}P), oracle {r.oracle[0] * 100:.1f}%, {len(r.conversions)} conversions, "
