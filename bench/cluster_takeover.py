@@ -36,6 +36,7 @@ import aiohttp
 import orjson
 
 from bench.cluster_setup import RouterReplica, call, cluster_flags, fleet_flags, report, seen_by_all
+from harness.processes import await_until
 from router.cluster.etcd import EtcdClient
 from router.cluster.etcd_process import EtcdProcess
 from simulator.fleet import Fleet
@@ -50,11 +51,7 @@ TIMEOUT_S = 60.0
 
 
 async def wait_until(predicate, what: str, timeout: float = TIMEOUT_S) -> None:
-    deadline = time.monotonic() + timeout
-    while not await predicate():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{what} not within {timeout} s")
-        await asyncio.sleep(POLL_S)  # the poll interval of a wait with a deadline
+    await await_until(predicate, timeout=timeout, what=what, interval=POLL_S)
 
 
 async def replica_id(session: aiohttp.ClientSession, replica: RouterReplica) -> str:
@@ -92,16 +89,12 @@ class LeaseWatch:
         return self
 
     async def ended(self, replica: str) -> float:
-        await wait_until(lambda: _true(replica in self.gone), f"the lease of {replica} ending")
+        await wait_until(lambda: replica in self.gone, f"the lease of {replica} ending")
         return self.gone[replica]
 
     def close(self) -> None:
         if self.task is not None:
             self.task.cancel()
-
-
-async def _true(value: bool) -> bool:
-    return value
 
 
 async def stream(session: aiohttp.ClientSession, url: str) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
+import inspect
 import os
 import signal
 import socket
@@ -275,7 +276,7 @@ async def await_until(condition: Callable[[], Any], *, timeout: float, what: str
     deadline = time.monotonic() + timeout
     while True:
         value = condition()
-        if asyncio.iscoroutine(value):
+        if inspect.isawaitable(value):
             value = await value
         if value:
             return value

@@ -4,12 +4,15 @@ ignores SIGTERM included; SIGKILL ends it at once."""
 
 from __future__ import annotations
 
+import asyncio
 import signal
 import sys
 
 import pytest
 
 from harness import processes
+
+from .helpers import wait_for
 
 # A child that starts a grandchild in its group, says both pids, then ignores SIGTERM (as a stuck server would).
 STUBBORN = ("import os, signal, subprocess, sys, time; "
@@ -82,3 +85,20 @@ def test_free_ports_are_distinct_and_closed():
     ports = processes.free_ports(4)
     assert len(set(ports)) == 4 and not any(processes.port_open(p) for p in ports)
     assert processes.http_status(f"http://127.0.0.1:{ports[0]}/health", timeout=1) is None
+
+
+async def test_the_tests_wait_for_is_the_harness_wait_failing_the_test_at_its_deadline():
+    """tests/helpers' `wait_for` is `await_until` with the tests' defaults: any awaitable condition (here a
+    future) is awaited, and a condition that never holds fails the test (AssertionError naming it)."""
+    looks: list[bool] = []
+
+    def third_look_holds() -> asyncio.Future:
+        looks.append(len(looks) == 2)
+        answer = asyncio.get_running_loop().create_future()
+        answer.set_result(looks[-1])
+        return answer
+
+    await wait_for(third_look_holds, timeout=5, interval=0.001)
+    assert looks == [False, False, True]  # a future's result is what counts, not the future
+    with pytest.raises(AssertionError, match="the never-true condition"):
+        await wait_for(lambda: False, timeout=0.05, message="the never-true condition")
