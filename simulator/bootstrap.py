@@ -23,6 +23,8 @@ import aiohttp
 import orjson
 from aiohttp import web
 
+from harness.processes import free_port
+
 from .dp_ranks import pulled_rank, room_key, sort_key
 from .requests import HANDSHAKE, TRANSFER, Req
 
@@ -375,9 +377,7 @@ class KvClient:
 def first_free_port(host: str, base: int) -> int:
     """The first port from ``base`` that binds (``/convert_pd_role``); 0 asks the OS."""
     if base == 0:
-        with socket.socket() as sock:
-            sock.bind((host, 0))
-            return sock.getsockname()[1]
+        return free_port(host)
     port = base
     while port < 65536:
         with socket.socket() as sock:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import random
-import socket
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -16,13 +15,6 @@ import orjson
 
 LONG_TOKENS = 1500  # long enough to still be running while a scenario acts on it
 PROMPT = "Hello world, this is"
-
-
-def free_port() -> int:
-    """A TCP port nobody listens on right now (used as a stale bootstrap port)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @dataclass

@@ -10,7 +10,9 @@ from typing import Any, Awaitable, Callable
 
 import orjson
 
-from .conformance_pair import LONG_TOKENS, PROMPT, Pair, _gen, free_port, pd
+from harness.processes import free_port
+
+from .conformance_pair import LONG_TOKENS, PROMPT, Pair, _gen, pd
 
 
 

@@ -43,6 +43,9 @@ PAUSES = frozenset({"sleep", "wait_idle"})
 # a call sends an abort when its name starts with the verb (`abort`, `abort_all`, `_abort_rids`, `abort_on`,
 # `send_aborts`) or it posts to `/abort_request`; these names start with it but send nothing themselves
 NOT_ABORT_SENDS = frozenset({"abort_response", "abort_until_ended"})
+# A free port has one home, `harness/processes.py` (`free_port`, `free_ports`; `tests/helpers` re-exports it):
+# the packages that may import it define no helper of their own that binds port 0 and hands back its number.
+HARNESS_USERS = ("simulator", "tests", "bench", "loadtest", "server_patches")
 
 
 def module_name(path: Path, root: Path = ROOT) -> str:
@@ -195,6 +198,26 @@ def re_abort_loops(root: Path) -> list[str]:
     return wrong
 
 
+def free_port_copies(root: Path) -> list[str]:
+    """No function outside the harness binds port 0 and returns the port the OS chose."""
+    wrong = []
+    for package in HARNESS_USERS:
+        for path in sorted((root / package).rglob("*.py")):
+            for node in ast.walk(tree_of(path)):
+                if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    continue
+                binds_port_0 = any(isinstance(c, ast.Call) and _name(c.func) == "bind" and c.args
+                                   and isinstance(c.args[0], ast.Tuple) and len(c.args[0].elts) == 2
+                                   and isinstance(c.args[0].elts[1], ast.Constant) and c.args[0].elts[1].value == 0
+                                   for c in ast.walk(node))
+                hands_it_back = any(isinstance(r, ast.Return) and r.value is not None and any(
+                    isinstance(c, ast.Call) and _name(c.func) == "getsockname" for c in ast.walk(r.value))
+                    for r in ast.walk(node))
+                if binds_port_0 and hands_it_back:
+                    wrong.append(f"{path.relative_to(root)}:{node.lineno}: {node.name}")
+    return wrong
+
+
 def _own_calls(node: ast.AST):
     """The calls a loop makes itself (not those of the functions or lambdas it defines)."""
     stack = list(ast.iter_child_nodes(node))
@@ -262,6 +285,11 @@ def test_flows_abort_again_only_through_the_kernel():
     assert not wrong, "\n".join(wrong)
 
 
+def test_one_free_port_helper():
+    wrong = free_port_copies(ROOT)
+    assert not wrong, "\n".join(wrong)
+
+
 def test_every_test_has_a_deadline(pytestconfig):
     """pytest-timeout bounds each test (pyproject's `timeout`), so a hang fails one test, not the run."""
     assert pytestconfig.pluginmanager.hasplugin("timeout")
@@ -302,6 +330,10 @@ PLANTS = {
         "async def f(registry, upstream, worker):\n    for _ in range(3):\n"
         "        await upstream.post(worker.url, '/abort_request', {'abort_all': True})\n"
         "        await registry.wait_idle(worker, 0.25)\n"),
+    "a free port of the simulator's own": (
+        free_port_copies, "simulator/planted.py",
+        "import socket\ndef free_port():\n    with socket.socket() as sock:\n"
+        "        sock.bind(('127.0.0.1', 0))\n        return sock.getsockname()[1]\n"),
 }
 PLANTED_PARTNERS = {  # the other half of a planted cycle
     "simulator/planted_a.py": ("simulator/worker.py", "from . import planted_a\n"),

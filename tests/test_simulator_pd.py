@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import re
-import socket
 
 import pytest
 
+from harness.processes import free_port
 from simulator.fleet import Fleet
 from tests.sim_support import FAST, get, pd_body, post
 
@@ -16,12 +16,6 @@ HANDSHAKE = re.compile(
     r"Decode handshake failed for request rank=0 decode_req\.req\.rid='(?P<rid>[^']+)' "
     r"decode_req\.req\.bootstrap_room=(?P<room>\d+) with exception KVTransferError\(bootstrap_room=(?P=room)\): "
     r"Aborted by AbortReq\.")
-
-
-def closed_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @pytest.fixture
@@ -37,7 +31,7 @@ async def _decode_only(session, fleet, *, port, rid="d1", room=77):
 
 
 async def test_stale_bootstrap_port_fails_cleanly(fleet, session):
-    status, out = await asyncio.wait_for(_decode_only(session, fleet, port=closed_port()), 10)
+    status, out = await asyncio.wait_for(_decode_only(session, fleet, port=free_port()), 10)
     assert status == 500
     assert out["object"] == "error" and out["code"] == 500 and out["type"] == "500"
     match = HANDSHAKE.fullmatch(out["message"])
@@ -117,7 +111,7 @@ async def test_failed_prefill_fails_its_decode_at_once(fleet, session):
 
 
 async def test_stream_failure_is_an_abort_chunk_with_status(fleet, session):
-    body = pd_body({"text": PROMPT, "rid": "sf", "stream": True}, fleet.prefill[0], port=closed_port(), room=5)
+    body = pd_body({"text": PROMPT, "rid": "sf", "stream": True}, fleet.prefill[0], port=free_port(), room=5)
     status, events = await post(session, fleet.decode[0].url + "/generate", body)
     assert status == 200 and events[-1] == "[DONE]" and len(events) == 2
     reason = events[0]["meta_info"]["finish_reason"]

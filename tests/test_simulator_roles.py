@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import asyncio
-import socket
 
 import pytest
 
+from harness.processes import free_port
 from simulator.fleet import Fleet
 from simulator.tokens import expected_generation
 from tests.sim_support import FAST, get, pd_body, post
@@ -102,12 +102,6 @@ async def test_conversion_faults(fleet, session):
     await fleet.set_faults(p, conversion_failure=None)
     assert await switch(session, p, TO_DECODE) == (400, answer(
         False, "instance is unhealthy after a failed role switch; restart required", "prefill", "decode", False))
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 async def test_convert_api_opens_and_closes_bootstrap_listeners(session):
