@@ -244,18 +244,23 @@ def stop_all(children: Sequence[Child], grace: float = 10.0) -> None:
 
 
 # ---- waiting ------------------------------------------------------------------------------------------------
-def _exited(child: Child, what: str) -> ChildExited:
-    return ChildExited(f"{child.name} exited with {child.popen.returncode} while waiting for {what}; "
+def _described(what: str | Callable[[], str]) -> str:
+    """`what` a wait names: a string, or a callable giving the late detail (what was seen at the deadline)."""
+    return what() if callable(what) else what
+
+
+def _exited(child: Child, what: str | Callable[[], str]) -> ChildExited:
+    return ChildExited(f"{child.name} exited with {child.popen.returncode} while waiting for {_described(what)}; "
                        f"log tail:\n{child.log_tail()}")
 
 
-def _timed_out(child: Child | None, what: str, timeout: float) -> TimeoutError:
+def _timed_out(child: Child | None, what: str | Callable[[], str], timeout: float) -> TimeoutError:
     tail = f"; log tail:\n{child.log_tail()}" if child is not None else ""
-    return TimeoutError(f"{what}: not reached within {timeout:g} s{tail}")
+    return TimeoutError(f"{_described(what)}: not reached within {timeout:g} s{tail}")
 
 
-def wait_until(predicate: Callable[[], Any], *, timeout: float, what: str, child: Child | None = None,
-               interval: float = 0.1) -> Any:
+def wait_until(predicate: Callable[[], Any], *, timeout: float, what: str | Callable[[], str],
+               child: Child | None = None, interval: float = 0.1) -> Any:
     """Poll predicate until it is truthy (and return it); ChildExited the moment `child` ends, TimeoutError at
     the deadline (both naming `what`, with the child's log tail)."""
     deadline = time.monotonic() + timeout
@@ -270,8 +275,8 @@ def wait_until(predicate: Callable[[], Any], *, timeout: float, what: str, child
         time.sleep(interval)
 
 
-async def await_until(condition: Callable[[], Any], *, timeout: float, what: str, child: Child | None = None,
-                      interval: float = 0.1) -> Any:
+async def await_until(condition: Callable[[], Any], *, timeout: float, what: str | Callable[[], str],
+                      child: Child | None = None, interval: float = 0.1) -> Any:
     """`wait_until` for an event loop: condition() may be sync or async."""
     deadline = time.monotonic() + timeout
     while True:

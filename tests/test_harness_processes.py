@@ -102,3 +102,11 @@ async def test_the_tests_wait_for_is_the_harness_wait_failing_the_test_at_its_de
     assert looks == [False, False, True]  # a future's result is what counts, not the future
     with pytest.raises(AssertionError, match="the never-true condition"):
         await wait_for(lambda: False, timeout=0.05, message="the never-true condition")
+
+
+def test_a_wait_may_name_what_it_saw_at_the_deadline():
+    """`what` may be a callable (the real tier's late detail), asked when the wait fails."""
+    looks: list[int] = []
+    with pytest.raises(TimeoutError) as failed:
+        processes.wait_until(lambda: looks.append(1), timeout=0.05, interval=0.01, what=lambda: f"{len(looks)} looks")
+    assert str(failed.value).startswith(f"{len(looks)} looks: not reached within")

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import json
 import random
-import time
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
+
+from harness import processes
 
 REQUEST_TIMEOUT_S = 60.0
 
@@ -52,14 +53,12 @@ def running_requests(url: str) -> int:
 
 
 def wait_until(predicate: Callable[[], bool], *, timeout: float, what, interval: float = 0.2) -> None:
-    """Poll predicate until true; at the deadline fail with `what` (a string, or a callable for late detail)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        if predicate():
-            return
-        if time.monotonic() >= deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting until {what() if callable(what) else what}")
-        time.sleep(interval)
+    """Poll predicate until true; at the deadline fail with `what` (a string, or a callable for late detail):
+    the harness's wait (`harness.processes.wait_until`) with the real tier's interval and a test failure."""
+    try:
+        processes.wait_until(predicate, timeout=timeout, what=what, interval=interval)
+    except TimeoutError as exc:
+        raise AssertionError(str(exc)) from None
 
 
 def convert(url: str, body: Any = None, timeout: float = 120.0) -> tuple[int, Any]:
