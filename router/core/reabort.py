@@ -42,7 +42,8 @@ async def abort_until_ended(alive: Callable[[], Sequence[T] | Awaitable[Sequence
     may wake earlier on a state change). Both `alive` and `abort` may be sync or async.
 
     Returns [] once `alive()` names nothing; when `deadline` (monotonic; `math.inf`: until cancelled) passes
-    first, what it still names, each aborted at least once: the caller settles them (504, cut, busy)."""
+    first, what it still names (aborted at least once, unless it was first named after the last round): the
+    caller settles them (504, cut, busy)."""
     pending = list(await _result(alive()))
     if pending and abort is not None and aborted_at is None:
         await _result(abort(pending))
