@@ -47,7 +47,7 @@ from pathlib import Path
 import aiohttp
 import orjson
 
-from bench import procs
+from bench import charts, procs
 from bench import rebalance_goodput as rg
 from bench.contenders import REPO_ROOT
 from bench.simfleet import SimFleet
@@ -445,7 +445,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--drain-timeout", type=float, default=30.0,
                         help="simulated seconds stragglers may run after the last request was sent")
     parser.add_argument("--out", type=Path, default=REPO_ROOT / "out" / "bench")
+    parser.add_argument("--chart", type=Path, default=None, help="write the SVG chart here too")
+    parser.add_argument("--chart-from", type=Path, default=None, metavar="RESULT.json",
+                        help="run nothing: draw the chart of a result written before (with --chart)")
     args = parser.parse_args(argv)
+    if args.chart_from is not None:
+        if args.chart is None:
+            parser.error("--chart-from needs --chart")
+        charts.write(args.chart, chart(json.loads(args.chart_from.read_text())))
+        return 0
     if args.servers < 2:
         parser.error("--servers must be at least 2")
     args.ttft_slo = args.ttft_slo if args.ttft_slo is not None else 2.0 * args.time_scale
@@ -455,8 +463,26 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"rebalance_splits-{args.workload}-{args.servers}-{dt.datetime.now():%Y%m%d-%H%M%S}.json"
     path.write_text(json.dumps(result, indent=2))
-    print(f"\nresult: {path}")
+    for target in (path.with_suffix(".svg"), args.chart):
+        if target is not None:
+            charts.write(target, chart(result))
+    print(f"\nresult: {path} (chart: {path.with_suffix('.svg')})")
     return 0
+
+
+def chart(result: dict) -> str:
+    """SLO goodput per phase and overall, each variant a bar: the rebalancer against every static split and
+    the oracle."""
+    names = list(result["results"])
+    phases = [p["name"] for p in result["phases"]]
+    groups = [f"{i + 1}. {name}" for i, name in enumerate(phases)] + ["overall"]
+
+    def goodput(cell: dict) -> float:
+        return (cell.get("goodput") or 0.0) * 100
+    series = {n: [goodput(ph) for ph in result["results"][n]["phases"]] + [goodput(result["results"][n]["overall"])]
+              for n in names}
+    return charts.grouped_bars(f"SLO goodput, {result['servers']} servers, live: every static split, the "
+                               f"rebalancer, the oracle", groups, series, y_max=100.0)
 
 
 if __name__ == "__main__":

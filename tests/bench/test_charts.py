@@ -24,3 +24,15 @@ def test_a_value_over_the_axis_is_clipped_not_drawn_off_the_chart():
     svg = charts.grouped_bars("t", ["a"], {"x": [150.0]}, y_max=100.0, height=300)
     (bar,) = [r for r in ET.fromstring(svg).iter(SVG + "rect") if r.find(SVG + "title") is not None]
     assert float(bar.get("y")) >= 0
+
+
+def test_the_live_benchmarks_chart_has_a_bar_per_variant_and_phase_and_overall():
+    from bench import rebalance_splits as rs
+    result = {"servers": 4, "phases": [{"name": "prefill-heavy"}, {"name": "decode-heavy"}],
+              "results": {name: {"phases": [{"goodput": a}, {"goodput": b}], "overall": {"goodput": (a + b) / 2}}
+                          for name, a, b in (("static 3P1D", 1.0, 0.0), ("rebalancer", 0.9, 0.5))}}
+    root = ET.fromstring(rs.chart(result))
+    titles = [r.find(SVG + "title").text for r in root.iter(SVG + "rect") if r.find(SVG + "title") is not None]
+    assert titles == ["1. prefill-heavy: static 3P1D 100.0%", "1. prefill-heavy: rebalancer 90.0%",
+                      "2. decode-heavy: static 3P1D 0.0%", "2. decode-heavy: rebalancer 50.0%",
+                      "overall: static 3P1D 50.0%", "overall: rebalancer 70.0%"]
