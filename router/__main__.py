@@ -57,6 +57,14 @@ def serve(argv: list[str] | None = None) -> int:
     except WorkerTlsError as exc:
         print(f"pd-router: error: {exc}", file=sys.stderr)
         return 2
+    if config.worker_sources.pod_discovery:
+        import importlib.util
+
+        if importlib.util.find_spec("kubernetes_asyncio") is None:  # the optional extra
+            from router.control.kubernetes_pods import MISSING_CLIENT
+
+            print(f"pd-router: error: {MISSING_CLIENT}", file=sys.stderr)
+            return 2
     if supervising:
         return supervise(sys.argv[1:] if argv is None else argv, config)
     if place is not None and not supervisor.die_with_supervisor(place):

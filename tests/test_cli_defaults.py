@@ -28,7 +28,8 @@ NO_DEFAULT_SHOWN = {"--prefill", "--decode", "--prefill-bootstrap-ports", "--pre
                     "--cors-allowed-origins",
                     "--request-id-headers",
                     "--control-plane-api-keys", "--discovery-provider",
-                    "--otlp-traces-protocol", "--otlp-service-name"}  # OTel's env vars, else grpc / pd-router
+                    "--otlp-traces-protocol", "--otlp-service-name",  # OTel's env vars, else grpc / pd-router
+                    "--selector", "--prefill-selector", "--decode-selector", "--service-discovery-namespace"}
 # Switches that change nothing (mini_lb and SMG compatibility).
 NO_OP_SWITCHES = {"-h", "--pd-disaggregation", "--mini-lb", "--enable-rl"}
 # Config fields set by the launch forms rather than by a flag row, and the one field no flag sets.
@@ -79,8 +80,10 @@ def test_every_value_flag_shows_its_default_unless_it_has_none(help_options):
 def test_every_switch_moves_its_field_away_from_the_default(help_options):
     switches = {name for name, (takes_value, _) in help_options.items() if not takes_value} - NO_OP_SWITCHES
     assert {"--disable-health-check", "--log-json", "--no-inject-rid", "--disable-load-poll"} <= switches
-    for name in switches:
+    for name in switches - {"--service-discovery"}:
         assert config_from_args([name], env={}) != RouterConfig(), name
+    # pod discovery means nothing without a selector (refused alone): given with one
+    assert config_from_args(["--service-discovery", "--selector", "a=b"], env={}).worker_sources.service_discovery
 
 
 def _leaf_paths(config, prefix: str = "") -> set[str]:

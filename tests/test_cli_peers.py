@@ -104,8 +104,45 @@ def test_discovery_provider():
     assert config.worker_sources.file == "/tmp/w.yaml" and config.worker_sources.provider == "file"
     with pytest.raises(ConfigError, match="needs --discovery-file"):
         parse("--discovery-provider", "file")
-    with pytest.raises(ConfigError, match="kubernetes: not supported"):
+    with pytest.raises(ConfigError, match="--service-discovery needs --prefill-selector"):
         parse("--discovery-provider", "kubernetes")
+
+
+# the peers' Kubernetes PD command lines, as their users write them
+SGL_ROUTER_PODS = ["--pd-disaggregation", "--service-discovery", "--prefill-selector", "app=sglang-prefill",
+                   "--decode-selector", "app=sglang-decode", "--service-discovery-port", "30000",
+                   "--service-discovery-namespace", "llm", "--bootstrap-port-annotation", "sglang.ai/bootstrap-port"]
+SMG_PODS = ["--pd-disaggregation", "--discovery-provider", "kubernetes", "--prefill-selector", "app=p", "tier=gpu",
+            "--decode-selector", "app=d", "--service-discovery-port", "30000"]
+
+
+def test_the_peers_pod_discovery_command_lines_parse_to_pod_discovery():
+    from router.control.kubernetes_pods import PodDiscovery
+
+    sources = config_from_args(SGL_ROUTER_PODS, env={}).worker_sources
+    assert sources.pod_discovery
+    assert PodDiscovery.of(sources) == PodDiscovery({}, {"app": "sglang-prefill"}, {"app": "sglang-decode"}, 30000,
+                                                    "llm", "sglang.ai/bootstrap-port")
+    smg = PodDiscovery.of(config_from_args(SMG_PODS, env={}).worker_sources)
+    assert (smg.prefill_selector, smg.decode_selector, smg.namespace) == ({"app": "p", "tier": "gpu"},
+                                                                          {"app": "d"}, None)
+    any_role = config_from_args(["--service-discovery", "--selector", "app=sglang", "--selector", "tier=a"],
+                                env={}).worker_sources
+    assert PodDiscovery.of(any_role).selector == {"app": "sglang", "tier": "a"}  # each given adds (extend)
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--service-discovery"], "--service-discovery needs --prefill-selector"),
+    (["--service-discovery", "--selector", "app"], "--selector: expected key=value, got 'app'"),
+    (["--prefill-selector", "app=p"], "need --service-discovery"),
+    (["--service-discovery", "--selector", "a=b", "--service-discovery-port", "0"], "--service-discovery-port must"),
+    (["--service-discovery", "--discovery-provider", "file", "--discovery-file", "f", "--selector", "a=b"],
+     "give one provider"),
+])
+def test_pod_discovery_flags_that_cannot_work_are_refused_saying_why(argv, says):
+    with pytest.raises(ConfigError) as refused:
+        config_from_args(argv, env={})
+    assert any(says in problem for problem in refused.value.problems), refused.value.problems
 
 
 def test_control_plane_api_keys_parse_and_bad_entries_are_named():

@@ -93,11 +93,13 @@ def test_installs_the_wheel_of_every_package_pyproject_ships():
                 and any(fnmatch.fnmatch(p.name, pattern) for pattern in include)}
     assert packages and packages <= copied, f"not copied: {sorted(packages - copied)}"
     assert {"pyproject.toml", PYPROJECT["project"]["readme"]} <= copied
-    assert any(c.cmd == "RUN" and "pip wheel" in c.value[0] and c.value[0].rstrip().endswith(" .")
+    # with the k8s extra (--service-discovery's client), in the wheels and in the install
+    assert any(c.cmd == "RUN" and "pip wheel" in c.value[0] and c.value[0].rstrip().endswith(" '.[k8s]'")
                for c in build)
     installs = [c for c in run if c.cmd == "RUN" and "pip install" in c.value[0]]
     assert len(installs) == 1
-    assert "--no-index" in installs[0].value[0] and installs[0].value[0].rstrip().endswith(" pd-router")
+    assert "--no-index" in installs[0].value[0] and installs[0].value[0].rstrip().endswith(" 'pd-router[k8s]'")
+    assert "k8s" in PYPROJECT["project"]["optional-dependencies"]
     assert "from=build" in " ".join(installs[0].flags) + installs[0].value[0]
     assert PYPROJECT["project"]["name"] == "pd-router"
 

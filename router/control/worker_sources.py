@@ -295,7 +295,8 @@ class SourceReconciler:
 
 
 class WorkerSource(Protocol):
-    """One listing of workers kept outside the router (`--discovery-file`, `--discovery-etcd-endpoints`)."""
+    """One listing of workers kept outside the router (`--discovery-file`, `--discovery-etcd-endpoints`,
+    `--service-discovery`)."""
 
     reconciler: SourceReconciler
 

@@ -226,16 +226,42 @@ def etcd_endpoint_problems(flag: str, endpoints: tuple[str, ...]) -> list[str]:
     return found
 
 
+def selector_labels(items: tuple[str, ...]) -> tuple[dict[str, str], list[str]]:
+    """`key=value` items (one argv item may hold several, space-separated, as SMG's launcher allows) as a label
+    map, and the items that are not `key=value`."""
+    labels: dict[str, str] = {}
+    bad: list[str] = []
+    for token in " ".join(items).split():
+        key, sep, value = token.partition("=")
+        if not sep or not key:
+            bad.append(token)
+        else:
+            labels[key] = value
+    return labels, bad
+
+
 @dataclass(frozen=True, slots=True)
 class WorkerSourcesConfig:
     """Workers listed outside the command line and the API (router/control/worker_sources.py)."""
 
     file: str | None = None  # a YAML or JSON file of workers, polled
-    provider: str | None = None  # SMG's --discovery-provider: "file" (the file above); "kubernetes" is refused
+    provider: str | None = None  # SMG's --discovery-provider: "file" (the file above) or "kubernetes"
     file_interval_secs: float = 1.0
     # etcd keys that workers (or their sidecars) write under a lease: /pd-router/<name>/v1/discovery/<url>
     etcd_endpoints: tuple[str, ...] = ()
     etcd_cluster_name: str = "pd-router"
+    # Kubernetes pod discovery (sgl-router's and SMG's flags; router/control/kubernetes_pods.py)
+    service_discovery: bool = False  # SMG's other spelling: --discovery-provider kubernetes
+    selector: tuple[str, ...] = ()  # key=value: pods whose server's live role names their pool
+    prefill_selector: tuple[str, ...] = ()
+    decode_selector: tuple[str, ...] = ()
+    service_discovery_port: int = 80
+    service_discovery_namespace: str | None = None  # None: every namespace
+    bootstrap_port_annotation: str = "sglang.ai/bootstrap-port"
+
+    @property
+    def pod_discovery(self) -> bool:
+        return self.service_discovery or self.provider == "kubernetes"
 
     def problems(self) -> list[str]:
         found = []
@@ -243,11 +269,27 @@ class WorkerSourcesConfig:
             found.append(f"--discovery-file-interval-secs must be positive, got {self.file_interval_secs}")
         if self.file is not None and not self.file:
             found.append("--discovery-file must name a file")
-        if self.provider == "kubernetes":
-            found.append("--discovery-provider kubernetes: not supported: no Kubernetes pod discovery; list the "
-                         "workers in --discovery-file (watched) or announce them in etcd (--discovery-etcd-endpoints)")
-        elif self.provider == "file" and not self.file:
+        if self.provider == "file" and not self.file:
             found.append("--discovery-provider file needs --discovery-file")
+        if self.provider == "file" and self.service_discovery:
+            found.append("--service-discovery is --discovery-provider kubernetes: give one provider")
+        for flag_name, items in (("--selector", self.selector), ("--prefill-selector", self.prefill_selector),
+                                 ("--decode-selector", self.decode_selector)):
+            bad = selector_labels(items)[1]
+            if bad:
+                found.append(f"{flag_name}: expected key=value, got {', '.join(map(repr, bad))}")
+        if self.pod_discovery:
+            if not (self.selector or self.prefill_selector or self.decode_selector):
+                found.append("--service-discovery needs --prefill-selector and --decode-selector (or --selector: "
+                             "the pods' servers say their role)")
+            problem = validate_port(self.service_discovery_port, "--service-discovery-port")
+            if problem is not None:
+                found.append(problem.replace(" or null", ""))
+            if not self.bootstrap_port_annotation:
+                found.append("--bootstrap-port-annotation must name an annotation")
+        elif self.selector or self.prefill_selector or self.decode_selector:
+            found.append("--selector, --prefill-selector and --decode-selector need --service-discovery "
+                         "(or --discovery-provider kubernetes)")
         found += etcd_endpoint_problems("--discovery-etcd-endpoints", self.etcd_endpoints)
         if not CLUSTER_NAME.fullmatch(self.etcd_cluster_name):
             found.append(f"--discovery-cluster-name must be letters, digits, '.', '_' or '-', "

@@ -1,8 +1,8 @@
 """The peers' flags that set no pd-router setting (sglang-router 0.3.2's and SMG 1.13's own parsers; the whole
 table with each flag's handling: docs/PEERS.md, tests/fixtures/peers/).
 
-- REFUSED: a feature pd-router does not have (tokenizer, parsers, MCP, databases, WASM, multimodal, mesh, pod
-  discovery, EPD, JWT, tenants). Given, the router exits 2 with one line naming the flag and saying what pd-router
+- REFUSED: a feature pd-router does not have (tokenizer, parsers, MCP, databases, WASM, multimodal, mesh, vLLM's
+  KV connectors, EPD, JWT, tenants). Given, the router exits 2 with one line naming the flag and saying what pd-router
   does instead, where argparse would say "unrecognized arguments" and nothing else. The peer's own
   default value asks for nothing (`--backend sglang`, `--history-backend memory`): accepted.
 - IGNORED: tunes a part of the peer that pd-router does not have and does not need: accepted (so that the
@@ -42,10 +42,9 @@ REFUSED: tuple[tuple[str, str], ...] = (
      "docs/CLUSTER.md)",
      "--enable-mesh! --mesh-server-name --mesh-host --mesh-advertise-host --mesh-port --mesh-peer-urls* "
      "--mesh-tls-ca-cert --mesh-tls-cert --mesh-tls-key --router-selector+"),
-    ("no Kubernetes pod discovery: list the workers in --discovery-file (watched) or announce them in etcd "
-     "(--discovery-etcd-endpoints)",
-     "--service-discovery! --selector+ --service-discovery-port --service-discovery-namespace --prefill-selector+ "
-     "--decode-selector+ --kv-connector-annotation --kv-engine-id-annotation"),
+    ("no vLLM KV connectors: pd-router routes SGLang servers, whose prefill's bootstrap port is read from "
+     "--bootstrap-port-annotation or from the server",
+     "--kv-connector-annotation --kv-engine-id-annotation"),
     ("pd-router routes prefill/decode pairs of one model: give --prefill URL [PORT] and --decode URL",
      "--worker-urls* --enable-igw!"),
     ("no encode servers (EPD): pd-router routes prefill/decode pairs",
@@ -68,7 +67,7 @@ PEER_DEFAULTS = {
     "--oracle-pool-max": "16", "--oracle-pool-timeout-secs": "30", "--postgres-pool-max": "16",
     "--postgres-op-timeout-secs": "5", "--redis-pool-max": "16", "--redis-retention-days": "30",
     "--redis-op-timeout-secs": "5", "--mesh-host": "0.0.0.0", "--mesh-port": "39527",
-    "--service-discovery-port": "80", "--kv-connector-annotation": "smg.ai/kv-connector",
+    "--kv-connector-annotation": "smg.ai/kv-connector",
     "--kv-engine-id-annotation": "smg.ai/kv-engine-id", "--priority-scheduler-default-max-class": "default",
     "--priority-scheduler-tenant-metric-top-n": "32",
 }

@@ -1,6 +1,7 @@
-"""The worker sources the command line names (`--discovery-file`, `--discovery-etcd-endpoints`), built with the
-calls that register and remove a worker (the worker API's own, given by the composition root), so a listed
-worker is registered and removed exactly as `POST /workers` and `DELETE /workers/{id}` would."""
+"""The worker sources the command line names (`--discovery-file`, `--discovery-etcd-endpoints`,
+`--service-discovery`), built with the calls that register and remove a worker (the worker API's own, given by the
+composition root), so a listed worker is registered and removed exactly as `POST /workers` and
+`DELETE /workers/{id}` would."""
 
 from __future__ import annotations
 
@@ -50,4 +51,15 @@ def build(config: RouterConfig, registry: Registry, register_worker: RegisterWor
                                         reconciler(f"etcd {discovery_prefix(settings.etcd_cluster_name)}"),
                                         retry_secs=config.health.interval_secs,
                                         startup_timeout=config.worker_startup_timeout_secs))
+    if settings.pod_discovery:
+        # imported only here: a router without pod discovery never loads the Kubernetes client
+        from router.control.kubernetes_pods import PodDiscovery, PodWorkerSource, selector_text
+
+        pods = PodDiscovery.of(settings)
+        where = pods.namespace or "all namespaces"
+        shown = " / ".join(selector_text(s) for s in (pods.prefill_selector, pods.decode_selector, pods.selector)
+                           if s)
+        sources.append(PodWorkerSource(pods, reconciler(f"kubernetes pods {shown} ({where})"),
+                                       retry_secs=config.health.interval_secs,
+                                       startup_timeout=config.worker_startup_timeout_secs))
     return WorkerSources(sources)
