@@ -6,10 +6,7 @@ has open on it (its own counts), a prefill's forward time (`total_prefill_busy_u
 and what it cost (`Interval`): requests that arrived, prefill forwards' seconds per request that left its
 prefill, decode tokens per request through its decode. These are properties of the workload, not of the
 split: moving a server does not change what a request costs, so a conversion does not disturb the fit.
-With router replicas the leader's counts are its own share while the servers' are the fleet's: its rate
-reads that share, each request's cost as much over; what loads a pool (their product) stays right, the waits
-that scale with one request's cost read long. `fit` sums the intervals of the last `window_secs` into a
-`fleet_model.Mix`, with the decodes' fitted step
+`fit` sums the intervals of the last `window_secs` into a `fleet_model.Mix`, with the decodes' fitted step
 line, the backlogs the signals read (`rebalance_signals`: which queue waits on which pool), and the spread
 of request sizes the router saw (`Observation.request_sizes`: relative shapes; the servers' figures set the
 scale).
@@ -199,10 +196,7 @@ def fit(obs: Observation, intervals: tuple[Interval, ...], window_secs: float, p
         finished = [a - 1 for _, a in obs.finished_sizes if a > 1]
         steady = abs(decode_started - decode_done) <= STEADY_SHARE * max(decode_done, decode_started)
         if decode_tokens is not None and finished and steady:
-            # not capped at 1: with router replicas the servers' tokens are the fleet's and the counts this
-            # router's own, so the share reads N times over while the rate reads N times under; their product,
-            # what loads the decodes, stays right
-            answer_share = max(0.01, decode_tokens / (sum(finished) / len(finished)))
+            answer_share = min(1.0, max(0.01, decode_tokens / (sum(finished) / len(finished))))
         decode_tokens = budget * answer_share
     else:
         decode_tokens = _rescaled(decode_tokens, obs, secs, rate, 2)

@@ -189,25 +189,3 @@ def test_the_token_budget_the_router_read_is_the_decode_mix_scaled_by_the_share_
     longer = tuple((t * 0.1, 100, 41) for t in range(100))
     turned = fit(replace(after, request_sizes=longer, finished_sizes=((100, 21),) * 40), (growing,), 10.0, got.mix)
     assert turned.mix.answer_share == pytest.approx(7 / 20) and turned.mix.decode_tokens == pytest.approx(14.0, rel=0.05)
-
-
-@pytest.mark.parametrize("sized", [False, True])
-def test_a_replica_that_routes_half_the_requests_reads_the_same_load(sized):
-    """With two router replicas, the leader's counts are its own half while the servers' forward time and
-    tokens are the fleet's: its rate reads half, each request's cost twice; the loads it predicts (what a split
-    is chosen on) are the fleet's all the same, token budgets read or not."""
-    from policies.fleet_model import predict, Slo
-    from policies.rebalance_estimate import counters
-
-    def loads(started: int) -> tuple[float, float]:
-        before, after = _obs(0.0, 0, 0.0, 0.0), _obs(10.0, started, 10.0, 700.0)  # 14 of a budget of 20 each
-        if sized:
-            count = 2 * started
-            after = replace(after, request_sizes=tuple((t * 10 / count, 100, 21) for t in range(count)),
-                            finished_sizes=((100, 21),) * count)
-        got = fit(after, (interval(counters(before), counters(after), 10.0),), 10.0, None)
-        p = predict(got.mix, 2, 2, Slo(2.0, 0.2))
-        return p.prefill_load, p.decode_load
-
-    alone, leader = loads(50), loads(25)
-    assert leader == pytest.approx(alone, rel=0.06)
