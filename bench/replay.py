@@ -307,24 +307,21 @@ class Fleet:
         for s in self.servers:
             if not s.routable:
                 continue
-            at, busy_before, m0 = s.seen
-            elapsed = self.now - at
+            m0 = s.seen[2]
             if s.role == PREFILL:
-                share = min(1.0, (s.busy_s - busy_before) / elapsed) if elapsed > 0 else None
                 view = WorkerView(id=s.id, inflight=s.inflight, started=s.started, running=len(s.forwarding),
                                   waiting=len(s.queue), waiting_queue=len(s.queue), bootstrap=0, inflight_queue=0,
-                                  prefill_busy=share, busy_total_s=s.busy_s)
+                                  busy_total_s=s.busy_s)
             else:
                 shown = s.shown  # what its last published row says, as a poll would read it
                 steps = shown[0] - m0[0]
                 step_s = (shown[2] - m0[2]) / steps / 1e6 if steps > 0 else None
-                batch = (shown[1] - m0[1]) / steps if steps > 0 else None
                 fit = step_fit(tuple(shown))
                 view = WorkerView(id=s.id, inflight=s.inflight, started=s.started, running=len(s.batch),
                                   max_running=self.capacity.max_running,
                                   waiting=len(s.waiting), waiting_queue=len(s.waiting), prealloc=0, prealloc_ready=0,
-                                  transfer=len(s.pending), retracted=0, kv_usage=0.0, decode_step_s=step_s,
-                                  decode_batch=batch, decode_step_fixed_s=fit.get("decode_step_fixed_s"),
+                                  transfer=len(s.pending), retracted=0, decode_step_s=step_s,
+                                  decode_step_fixed_s=fit.get("decode_step_fixed_s"),
                                   decode_step_per_request_s=fit.get("decode_step_per_request_s"),
                                   tokens_total=shown[5])
             s.seen = (self.now, s.busy_s, tuple((s.moments if s.role == PREFILL else s.shown)[:3]))

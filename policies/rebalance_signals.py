@@ -43,7 +43,6 @@ class WorkerView:
     inflight: int = 0  # the router's own count
     running: int | None = None
     waiting: int | None = None
-    kv_usage: float | None = None  # token_usage
     convertible: bool = True  # healthy, breaker closed, no recent failed conversion
     waiting_queue: int | None = None  # queues.waiting
     bootstrap: int | None = None  # prefill: waiting for the decode side
@@ -52,11 +51,8 @@ class WorkerView:
     prealloc_ready: int | None = None  # decode: handshake done, waiting for KV room
     transfer: int | None = None  # decode: KV room taken, waiting for the prefill's KV
     retracted: int | None = None
-    own_kv_usage: float | None = None  # num_active_tokens / capacity
     used_tokens: int | None = None
-    prefill_busy: float | None = None  # share of time in prefill forwards since the last poll
     decode_step_s: float | None = None  # mean decode step since the last poll
-    decode_batch: float | None = None
     decode_step_fixed_s: float | None = None  # a decode step = fixed + per_request x batch (fitted)
     decode_step_per_request_s: float | None = None
     row_age_s: float | None = None  # how old the row it reported was when it answered

@@ -268,6 +268,6 @@ LINE = dict(decode_step_fixed_s=0.24, decode_step_per_request_s=0.048)
 def _two_decodes(batch: int, started: int) -> tuple[WorkerView, ...]:
     return tuple(WorkerView(f"d{i}", running=batch, waiting=0, waiting_queue=0, prealloc=0, prealloc_ready=0,
                             transfer=0, retracted=0, inflight=batch, started=started,
-                            decode_step_s=0.24 + 0.048 * batch, decode_batch=batch, **LINE) for i in range(2))
+                            decode_step_s=0.24 + 0.048 * batch, **LINE) for i in range(2))
 
 
