@@ -49,7 +49,7 @@ def help_options() -> dict[str, tuple[bool, str | None]]:
     for line in proc.stdout.split("options:", 1)[1].splitlines():
         if re.match(r"  -", line):
             blocks.append([line.strip()])
-        elif line.strip() and blocks:
+        elif line.startswith("   ") and blocks:  # an option's help goes on indented; a section's title does not
             blocks[-1].append(line.strip())
     options = {}
     for block in blocks:

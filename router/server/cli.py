@@ -17,6 +17,7 @@ from dataclasses import replace
 from policies import available_policies
 from router.core.config import DISCOVER, ConfigError, RouterConfig, WorkerSpec
 from router.server.cli_flags import DEFAULTS, Flag, add_flags, config_with_flags, flag
+from router.server.cli_groups import GroupedHelpFormatter, add_sections, section_of
 from router.server.cli_peers import IGNORED_DEST, add_peer_flags, ignored_warning
 from router.server.cli_policies import POLICY_FLAGS, RETIRED_DEST, add_retired_flags, retired_warning
 
@@ -241,11 +242,17 @@ FLAGS = SETTING_FLAGS + POLICY_FLAGS
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="pd-router",
+        usage="%(prog)s --prefill URL [PORT] ... --decode URL ... [options]",
         # the pointer to ctl goes here, not in an epilog: an epilog would run on after the last option's help
         description="Router for SGLang prefill/decode disaggregation (drop-in for mini_lb). To see and act on "
                     "a running router: pd-router ctl --help",
+        formatter_class=GroupedHelpFormatter,
     )
-    add = p.add_argument
+    sections = add_sections(p)
+
+    def add(*names: str, **options) -> None:
+        (sections.get(section_of(names[0])) or p).add_argument(*names, **options)
+
     # mini_lb / sglang_router forms
     add("--prefill", action="append", nargs="+", default=[], metavar="URL [PORT]",
         help="prefill server URL, optionally followed by its bootstrap port (or 'none'); repeatable")
@@ -265,7 +272,7 @@ def build_parser() -> argparse.ArgumentParser:
         action=argparse.BooleanOptionalAction,
         help="remove a worker its probes declare down, so that its worker source registers it again once its "
              "server answers (SMG's); --no-... (the default): hold it out and probe it until it answers")
-    add_flags(p, FLAGS)
+    add_flags(p, FLAGS, lambda row: sections.get(section_of(row.names[0], row)))
     add_peer_flags(p)
     add_retired_flags(p)
     return p

@@ -22,7 +22,7 @@ DEFAULTS = RouterConfig()
 
 @dataclass(frozen=True, slots=True)
 class Flag:
-    names: tuple[str, ...]  # e.g. ("--timeout", "--request-timeout-secs"); the last one names the metavar
+    names: tuple[str, ...]  # e.g. ("--timeout", "--request-timeout-secs"): --help shows the first
     path: str  # the config field: "port", or "<group>.<field>" such as "health.interval_secs" (one level)
     help: str | None = None
     env: str | None = None  # read when the flag is not given (secrets stay out of `ps`)
@@ -76,33 +76,51 @@ def field_flags(group: str, cls: type, prefix: str = "", helps: dict[str, str] |
             for f in fields(cls) if f.name not in skip]
 
 
-def add_flags(parser: argparse.ArgumentParser, rows: list[Flag]) -> None:
+def add_flags(parser: argparse.ArgumentParser, rows: list[Flag],
+              container_for: typing.Callable[[Flag], Any] | None = None) -> None:
+    """Each row as an argument of `parser`, or of the argument group `container_for(row)` names (its --help
+    section; None: the parser's own)."""
     for row in rows:
+        target = (container_for(row) if container_for else None) or parser
         default = row.default
         help_text = row.help
         if row.env:
             help_text = f"{help_text} (env {row.env})"
         if isinstance(default, bool):
             # A switch; the value it sets is the opposite of the default.
-            parser.add_argument(*row.names, dest=row.dest, action="store_false" if default else "store_true",
+            target.add_argument(*row.names, dest=row.dest, action="store_false" if default else "store_true",
                                 default=default, help=help_text)
             continue
         if default is not None and default != ():
             shown = f"(default: {' '.join(map(str, default)) if isinstance(default, tuple) else default})"
             help_text = f"{help_text} {shown}" if help_text else shown
         kind = str if row.choices else row.value_type
-        metavar = None if row.choices else row.names[-1].removeprefix("--").replace("-", "_").upper()
+        metavar = None if row.choices else short_metavar(row.names[0], kind)
         if typing.get_origin(kind) is tuple:  # a list: one or more values after the flag (empty by default)
             (kind, _) = typing.get_args(kind)
             if row.nargs == "*":
-                parser.add_argument(*row.names, dest=row.dest, type=kind, nargs="*", action="extend",
+                target.add_argument(*row.names, dest=row.dest, type=kind, nargs="*", action="extend",
                                     default=list(default), metavar=metavar, help=help_text)
                 continue
-            parser.add_argument(*row.names, dest=row.dest, type=kind, nargs="+", default=default,
+            target.add_argument(*row.names, dest=row.dest, type=kind, nargs="+", default=default,
                                 metavar=metavar, help=help_text)
             continue
-        parser.add_argument(*row.names, dest=row.dest, type=kind, default=default, choices=row.choices,
+        target.add_argument(*row.names, dest=row.dest, type=kind, default=default, choices=row.choices,
                             metavar=metavar, help=help_text)
+
+
+_UNITS = ("secs", "ms", "bytes")
+
+
+def short_metavar(name: str, kind: Any) -> str:
+    """What --help shows for a flag's value: its unit (SECS) or N for a number, else the name's last word
+    (HOST, PATH, ENDPOINTS), so that the help of most flags starts on the flag's own line."""
+    last = name.rsplit("-", 1)[-1]
+    if last in _UNITS:
+        return last.upper()
+    if kind in (int, float):
+        return "N"
+    return last.upper()
 
 
 def config_with_flags(config: RouterConfig, rows: list[Flag], args: argparse.Namespace,
