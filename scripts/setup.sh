@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Create .venv (Python 3.11+) and install pd-router with its test extra. Idempotent.
+# Create .venv (Python 3.11+) and install pd-router with its test, loadtest and docs extras. Idempotent.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-$(command -v python3.11 || command -v python3)}
@@ -7,7 +7,7 @@ if [ ! -x .venv/bin/python ]; then
   "$PYTHON" -m venv .venv
 fi
 .venv/bin/python -m pip install -q --disable-pip-version-check --upgrade pip >/dev/null 2>&1 || true
-.venv/bin/python -m pip install -q --disable-pip-version-check -e '.[test,loadtest]'
+.venv/bin/python -m pip install -q --disable-pip-version-check -e '.[test,loadtest,docs]'
 # SMG's RL client (smg.rl, standard library only) for tests/test_rl_*.py. Without its requirements: those
 # (grpcio, grpcio-health-checking, setproctitle) serve SMG's own gateway, which the tests never start.
 .venv/bin/python -m pip install -q --disable-pip-version-check --no-deps 'smg==1.13.0' \
