@@ -147,9 +147,10 @@ def suite() -> list[Workload]:
     ]
 
 
-def suite_config(workload: Workload) -> RebalanceConfig:
-    """The one configuration every workload runs with (`suite_config_for` its SLOs)."""
-    return suite_config_for(workload.ttft_s, workload.tpot_s)
+def suite_config(workload: Workload, overrides: dict[str, float] | None = None) -> RebalanceConfig:
+    """The one configuration every workload runs with (`suite_config_for` its SLOs), with `overrides` (--set:
+    a field changed for every workload, to see how far the figures depend on it)."""
+    return replace(suite_config_for(workload.ttft_s, workload.tpot_s), **(overrides or {}))
 
 
 def suite_config_for(ttft_s: float, tpot_s: float) -> RebalanceConfig:
@@ -191,7 +192,11 @@ class Result:
         return self.rebalancer[0] / self.oracle[0] if self.oracle[0] > 0 else float("inf")
 
 
-def evaluate(workload: Workload, seed: int = 7) -> Result:
+def evaluate(workload: Workload, seed: int = 7, *, overrides: dict[str, float] | None = None,
+             oracle_delay: float = 0.0) -> Result:
+    """Every static split, the oracle (converting `oracle_delay` after each phase starts: 0 knows the future, a
+    delay is what a policy that needs that long to tell a shift from a burst could reach at best) and the
+    rebalancer on one draw of the workload's arrivals."""
     plan, phases = arrivals(workload, seed)
     n = workload.servers
     slo = (workload.ttft_s, workload.tpot_s)
@@ -201,21 +206,21 @@ def evaluate(workload: Workload, seed: int = 7) -> Result:
     statics = {p: scores(replay.run(plan, phases, p, n - p, workload.capacity, seed=seed)) for p in range(1, n)}
     best_static = max(statics, key=lambda p: statics[p][0])
     per_phase_best = [oracle_split(workload, plan, phases, i, seed) for i in range(len(phases))]
-    schedule = [(start, target) for (name, start, end), target in zip(phases, per_phase_best)][1:]
+    schedule = [(start + oracle_delay, target) for (name, start, end), target in zip(phases, per_phase_best)][1:]
     oracle = scores(replay.run(plan, phases, per_phase_best[0], n - per_phase_best[0], workload.capacity,
                                schedule=schedule, seed=seed))
     start = workload.start_prefills or n // 2
-    config = suite_config(workload)
+    config = suite_config(workload, overrides)
     driven = replay.run(plan, phases, start, n - start, workload.capacity, config=config, decide=rebalance.decide,
                         seed=seed)
     return Result(workload.name, statics, oracle, scores(driven), driven.conversions, driven.flaps(), best_static)
 
 
-def evaluate_seeds(workload: Workload, seeds: list[int]) -> Result:
+def evaluate_seeds(workload: Workload, seeds: list[int], **options) -> Result:
     """`evaluate` on each seed's arrivals, the goodputs averaged, the conversions and flaps added up: a rule
     that wins on one draw of the arrivals and flaps on the next is not a rule (seed 7 alone once passed a
     level-shift detector that flapped on seeds 8 and 9)."""
-    runs = [evaluate(workload, seed) for seed in seeds]
+    runs = [evaluate(workload, seed, **options) for seed in seeds]
 
     def mean(rows: list[list[float]]) -> list[float]:
         return [sum(col) / len(col) for col in zip(*rows)]
@@ -282,12 +287,28 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path("out/bench"))
     parser.add_argument("--chart", type=Path, default=None,
                         help="write the SVG chart here too (docs/img/workload_suite.svg in the docs)")
+    parser.add_argument("--set", nargs="*", default=[], metavar="FIELD=VALUE",
+                        help="change a RebalanceConfig field for every workload (e.g. window_secs=10): how far the "
+                             "figures depend on a setting")
+    parser.add_argument("--oracle-delay", type=float, default=0.0, metavar="SECS",
+                        help="the oracle converts SECS after each phase starts, as a policy that needs SECS to "
+                             "tell a shift from a burst at best could (default 0: it knows the future)")
     args = parser.parse_args(argv)
+    overrides = {}
+    for item in args.set:
+        field, _, value = item.partition("=")
+        if field not in RebalanceConfig.__dataclass_fields__:
+            parser.error(f"--set {item}: {field!r} is not a RebalanceConfig field")
+        kind = type(RebalanceConfig.__dataclass_fields__[field].default)
+        try:
+            overrides[field] = (int if kind is int else float)(value)
+        except ValueError:
+            parser.error(f"--set {item}: expected FIELD=NUMBER ({field} is {'an integer' if kind is int else 'a number'})")
     chosen = [w for w in suite() if not args.only or w.name in args.only]
     results = []
     for w in chosen:
         t0 = time.monotonic()
-        r = evaluate_seeds(w, args.seeds)
+        r = evaluate_seeds(w, args.seeds, overrides=overrides, oracle_delay=args.oracle_delay)
         results.append((w, r))
         print(f"{w.name}: {r.rebalancer[0] * 100:.1f}% vs best static {r.statics[r.best_static][0] * 100:.1f}% "
               f"({r.best_static}P), oracle {r.oracle[0] * 100:.1f}%, {len(r.conversions)} conversions, "

@@ -44,6 +44,17 @@ def test_bursts_shorter_than_a_conversion_are_held_through():
     assert result.flaps == 0
 
 
+def test_the_suite_bounds_a_causal_policy_and_changes_any_setting_for_every_workload():
+    workload = _suite("shift4")
+    knows_the_future, needs_8s = ws.evaluate(workload), ws.evaluate(workload, oracle_delay=8.0)
+    assert needs_8s.oracle[0] < knows_the_future.oracle[0] - 0.05  # 8 s of every 90 s phase lost, and its backlog
+    assert needs_8s.rebalancer == knows_the_future.rebalancer  # the delay is the oracle's alone
+    held = ws.evaluate(workload, overrides={"min_prefill": 2, "min_decode": 2})  # no split but 2P2D allowed
+    assert held.conversions == [] and held.rebalancer[0] < knows_the_future.rebalancer[0]
+    with pytest.raises(SystemExit):
+        ws.main(["--only", "shift4", "--set", "no_such_field=1"])
+
+
 def test_recorded_observations_replay_to_the_same_decisions():
     workload = _suite("shift4")
     run = _driven(workload, record=True)
