@@ -198,7 +198,7 @@ def make_access_middleware(config: RouterConfig):
 
 
 def routes_by_access(app: web.Application) -> dict[Access, list[tuple[str, str]]]:
-    """(method, canonical path) of every registered route, by class: for tests and the README."""
+    """(method, canonical path) of every registered route, by class: for tests and the docs."""
     out: dict[Access, list[tuple[str, str]]] = {access: [] for access in Access}
     for route in app.router.routes():
         if route.method == "HEAD" or route.resource is None:

@@ -223,7 +223,7 @@ async def add_worker_json(request: web.Request) -> web.Response:
                                    settings=entry.settings)
     body = {"success": True, "message": f"Successfully added worker: {worker.url}", "worker_id": worker.id,
             "url": worker.url, "worker": worker.to_dict()}
-    if entry.ignored:  # the peers' fields that mean nothing to pd-router's pools (README: Worker API)
+    if entry.ignored:  # the peers' fields that mean nothing to pd-router's pools (docs/guides/workers.md: Worker entries)
         body["ignored_fields"] = list(entry.ignored)
     return json_response(body)
 

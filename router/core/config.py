@@ -187,7 +187,7 @@ class PdAdmissionConfig:
 
 @dataclass(frozen=True, slots=True)
 class ConnectionTimeouts:
-    """SMG's connection bounds, seconds; 0 turns each off (README: Connections)."""
+    """SMG's connection bounds, seconds; 0 turns each off (docs/guides/reliability.md: Limits)."""
 
     # Pooled connections to the workers (the legs' and the control plane's) idle this long are closed: below
     # SGLang's own keep-alive (uvicorn's 5 s), so that the router never reuses one the server is closing.

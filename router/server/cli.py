@@ -106,7 +106,7 @@ SETTING_FLAGS: list[Flag] = [
     flag("--max-connections-per-worker",
          help="this router's legs on one server at once; more requests wait in the router's queue until their "
               "deadline; 0: no bound per worker"),
-    # SMG's connection bounds (README: Connections); 0 turns each off
+    # SMG's connection bounds (docs/guides/reliability.md: Limits); 0 turns each off
     flag("--upstream-pool-idle-timeout-secs", path="connections.upstream_pool_idle_timeout_secs",
          help="close pooled connections to the workers idle this long (below SGLang's 5 s keep-alive)"),
     flag("--header-read-timeout-secs", path="connections.header_read_timeout_secs",
@@ -119,7 +119,7 @@ SETTING_FLAGS: list[Flag] = [
     flag("--sse-keepalive-secs", path="connections.sse_keepalive_secs",
          help="write an SSE comment (': keep-alive') on a stream after this much silence, a long prefill before "
               "the first token included; 0: none (SGLang's bench_serving parses every line as an event)"),
-    # workers listed outside the command line (README: Worker discovery)
+    # workers listed outside the command line (docs/guides/workers.md)
     flag("--discovery-file", path="worker_sources.file",
          help="a YAML or JSON file listing workers (url, worker_type, bootstrap_port), watched: workers added to "
               "it are registered, removed ones removed; a bad version changes nothing"),
@@ -178,7 +178,7 @@ SETTING_FLAGS: list[Flag] = [
               "beyond: 429 with Retry-After; default: no limit"),
     flag("--queue-size", path="admission.queue_size"),
     flag("--queue-timeout-secs", path="admission.queue_timeout_secs"),
-    # SMG's PD admission (README: Limits)
+    # SMG's PD admission (docs/guides/reliability.md: Limits)
     flag("--prefill-max-inflight-requests-per-worker", path="pd_admission.prefill_max_inflight_requests_per_worker",
          help="at most this many requests on each prefill, the rest wait in one FIFO queue; <= 0: no bound"),
     flag("--prefill-queue-size", path="pd_admission.prefill_queue_size",
@@ -211,7 +211,7 @@ SETTING_FLAGS: list[Flag] = [
     flag("--cluster-name", path="cluster.name", help="the fleet's name in etcd (keys under /pd-router/NAME/v1/)"),
     flag("--etcd-lease-ttl-secs", path="cluster.lease_ttl_secs",
          help="a replica's lease: its membership and the operations it runs outlive it by at most this long"),
-    # OpenTelemetry traces (SGLang's and sgl-router's flags; README: Traces)
+    # OpenTelemetry traces (SGLang's and sgl-router's flags; docs/guides/observability.md: Traces)
     flag("--enable-trace", path="trace.enabled",
          help="export a span per request (and per leg, conversion, fleet operation) over OTLP, and send each leg "
               "its traceparent so SGLang's own spans join the trace (needs pip install 'pd-router[trace]')"),

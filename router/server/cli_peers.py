@@ -8,7 +8,7 @@ table with each flag's handling: docs/PEERS.md, tests/fixtures/peers/).
 - IGNORED: tunes a part of the peer that pd-router does not have and does not need: accepted (so that the
   peer's command line starts unchanged) and named in one warning line at start-up (`RouterConfig.warnings`).
 
-Both are hidden from `--help` (README "Coming from sgl-router / SMG" lists them).
+Both are hidden from `--help` (docs/guides/migrating.md and docs/PEERS.md list them).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """SMG's discovery rows (`GET /v1/rl/workers`) for the router's workers, and the keys a selector matches.
 
 A row has the fields of `smg.rl.Worker` (SMG 1.13.0's `RlWorkerEntry`). What pd-router knows differs from
-SMG in three places, each documented in the README:
+SMG in three places, each documented in docs/guides/rl/smg-client.md:
 - `worker_type` and `role` are the worker's P/D role (`prefill`, `decode`); pd-router has no free labels.
 - `weight_version` is the version the router last saw the server serve (kept current by the weight flows),
   not the value recorded at registration.
