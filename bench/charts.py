@@ -40,7 +40,7 @@ def grouped_bars(title: str, groups: list[str], series: dict[str, list[float]], 
             out.append(f'<rect x="{x:.1f}" y="{y:.1f}" width="{bar_w - 1:.1f}" height="{h:.1f}" fill="{colour}">'
                        f'<title>{escape(group)}: {escape(name)} {value:.1f}{escape(unit)}</title></rect>')
             out.append(f'<text x="{x + bar_w / 2:.1f}" y="{y - 3:.1f}" text-anchor="middle" font-size="9">'
-                       f'{value:.0f}</text>')
+                       f'{_figure(value)}</text>')
         out.append(f'<text x="{left + g * group_w + group_w / 2:.1f}" y="{upper + plot_h + 16}" '
                    f'text-anchor="middle">{escape(group)}</text>')
     for s, name in enumerate(names):  # legend, under the axis
@@ -49,6 +49,11 @@ def grouped_bars(title: str, groups: list[str], series: dict[str, list[float]], 
         out.append(f'<text x="{x + 16}" y="{height - 12}">{escape(name)}</text>')
     out.append("</svg>")
     return "\n".join(out) + "\n"
+
+
+def _figure(value: float) -> str:
+    """A bar's figure: whole numbers from 10 up, two significant digits below (0.15 ms, not 0)."""
+    return f"{value:.0f}" if abs(value) >= 10 else f"{value:.2g}"
 
 
 def write(path: Path, svg: str) -> Path:

@@ -2,6 +2,7 @@
 
     python -m bench.conversion_overhead [--conversions 4] [--modes drain,abort] [--api 0.5.23|convert]
                                         [--concurrency 12] [--role-switch-s 0.3] [--decode-step-s 0.01]
+                                        [--chart docs/img/conversion.svg]
 
 Starts a simulated fleet (2 prefill + 2 decode, one process each, plus one spare worker the router does not
 know), pd-router in its own process, and closed-loop clients sending a mix of streaming and non-streaming
@@ -13,13 +14,15 @@ Each conversion's record splits its time: emptying the worker (the drain/abort s
 idle polls, probing the switch API, reading the live role back, moving the worker). The baseline measured in
 the same run: the same switch called directly on the idle spare worker, no router in between. Printed: one
 JSON line per conversion, then a summary line with medians, the overhead as a ratio of the direct switch,
-and the number of failed client requests (target 0).
+and the number of failed client requests (target 0). `--chart PATH` also draws each conversion's parts as an
+SVG (bench/charts.py), beside the direct switch.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import math
 import statistics
 import sys
 import tempfile
@@ -30,7 +33,7 @@ from pathlib import Path
 import aiohttp
 import orjson
 
-from bench import procs
+from bench import charts, procs
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 BODY = {"text": "the quick brown fox jumps over the lazy dog", "sampling_params": {"max_new_tokens": 16,
@@ -86,8 +89,30 @@ def summarize(records: list[dict], direct_switch_s: list[float], problems: Count
         "client_requests": completed,
         "failed_requests": sum(problems.values()),
         "failure_kinds": dict(problems),
+        # each conversion's parts, for the chart
+        "steps_ms": [{"label": f"{r.get('mode')} {str(r.get('old_role', ''))[:1].upper()}>"
+                               f"{str(r.get('new_role', ''))[:1].upper()}",
+                      "empty": ms(r["empty_s"]), "switch": ms(r["server_switch_s"]), "router": ms(r["overhead_s"])}
+                     for r in converted],
     }
     return summary
+
+
+def chart(summary: dict) -> str:
+    """Each conversion split into emptying the worker, the server's own switch and the router's part, in ms,
+    beside the same switch called directly (no router): the router's part is the one to keep small."""
+    steps = summary["steps_ms"]
+    tallest = max([summary["direct_switch_ms_median"] or 0.0] + [v or 0.0 for step in steps for v in
+                                                                 (step["empty"], step["switch"], step["router"])])
+    return charts.grouped_bars(
+        f"Live conversions under load: where the time goes (router-side median {summary['overhead_ms_median']} ms,"
+        f" {summary['failed_requests']} failed requests)",
+        [step["label"] for step in steps],
+        {"emptying the worker": [step["empty"] for step in steps],
+         "the server's switch": [step["switch"] for step in steps],
+         "router-side": [step["router"] for step in steps],
+         "direct switch, no router": [summary["direct_switch_ms_median"]] * len(steps)},
+        unit=" ms", y_max=100.0 * max(1, math.ceil(tallest / 100)))  # round gridlines
 
 
 class Clients:
@@ -205,6 +230,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--role-switch-s", type=float, default=0.3, help="the simulated server's switch time")
     parser.add_argument("--decode-step-s", type=float, default=0.01)
     parser.add_argument("--warmup", type=float, default=1.0)
+    parser.add_argument("--chart", type=Path, help="also write the conversions' parts as an SVG chart here")
     args = parser.parse_args(argv)
     args.modes = [m for m in args.modes.split(",") if m]
     if not set(args.modes) <= {"drain", "abort"} or args.conversions < 1:
@@ -212,6 +238,8 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="conversion-bench-") as tmp:
         summary = asyncio.run(run(args, Path(tmp)))
     print(orjson.dumps({"summary": summary}).decode())
+    if args.chart is not None:
+        print(f"chart: {charts.write(args.chart, chart(summary))}")
     return 0 if summary["failed_requests"] == 0 and summary["converted"] == summary["conversions"] else 1
 
 

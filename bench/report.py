@@ -172,19 +172,55 @@ def markdown(result: dict) -> str:
     return "\n".join(lines)
 
 
+CHART_METRICS = {"rps": ("requests per second", ""), "router_cpu_ms_per_req": ("router CPU per request, ms", "")}
+
+
+def chart(result: dict, metric: str = "rps") -> str:
+    """One saved run as an SVG: a group per point (mode and connections), a bar per router (the direct baseline
+    left out: it is no router), the metric from each router's best round."""
+    from bench import charts
+
+    title, unit = CHART_METRICS[metric]
+    best = [r for r in result["best"] if r["router"] != DIRECT]
+    points = sorted({(r["mode"], r["concurrency"]) for r in best}, key=lambda p: (p[0] != "non-stream", p[1]))
+    # the peers first (mini_lb takes the palette's grey, a baseline's colour), pd-router last
+    routers = [name for name in ("mini_lb", "sgl-router", "smg", "pd-router-base", *result.get("variants", {}),
+                                 "pd-router") if any(r["router"] == name for r in best)]
+    by_key = {(r["router"], r["mode"], r["concurrency"]): r for r in best}
+    series = {name: [float((by_key.get((name, m, c)) or {}).get(metric) or 0.0) for m, c in points]
+              for name in routers}
+    tallest = max([v for values in series.values() for v in values] or [1.0])
+    step = 10 ** math.floor(math.log10(tallest)) if tallest > 0 else 1.0
+    return charts.grouped_bars(f"{result['setup']}: {title} (best round per point; higher is better)"
+                               if metric == "rps" else f"{result['setup']}: {title} (lower is better)",
+                               [f"{m} c={c}" for m, c in points], series, unit=unit,
+                               y_max=step * math.ceil(tallest / step))  # round gridlines
+
+
 def main(argv: list[str] | None = None) -> None:
-    """`python -m bench.report RESULT.json`: print a saved run again, or (--markdown) its README table."""
+    """`python -m bench.report RESULT.json`: print a saved run again, or (--markdown) its README table;
+    --chart PATH / --cpu-chart PATH draw its requests per second / router CPU per request as SVG."""
     import argparse
     import json
 
     parser = argparse.ArgumentParser(description=main.__doc__)
     parser.add_argument("result", help="a JSON file written by python -m bench.routers")
     parser.add_argument("--markdown", action="store_true")
+    parser.add_argument("--chart", help="write its requests per second as an SVG chart here (one setup per run)")
+    parser.add_argument("--cpu-chart", help="write its router CPU per request as an SVG chart here")
     args = parser.parse_args(argv)
     with open(args.result) as f:
         data = json.load(f)
-    for result in data if isinstance(data, list) else [data]:
+    results = data if isinstance(data, list) else [data]
+    for result in results:
         print(markdown(result) if args.markdown else render(result))
+    from pathlib import Path
+
+    from bench import charts
+
+    for path, metric in ((args.chart, "rps"), (args.cpu_chart, "router_cpu_ms_per_req")):
+        if path:
+            print(f"chart: {charts.write(Path(path), chart(results[0], metric))}")
 
 
 if __name__ == "__main__":

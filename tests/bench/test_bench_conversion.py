@@ -35,3 +35,21 @@ def test_summary_splits_time_and_compares_with_the_direct_switch():
     assert summary["direct_switch_ms_median"] == 250.0
     assert summary["overhead_vs_direct_switch"] == 0.14
     assert summary["failed_requests"] == 2 and summary["client_requests"] == 100
+
+
+def test_the_chart_shows_each_conversions_parts_beside_the_direct_switch():
+    import xml.etree.ElementTree as ET
+
+    from bench.conversion_overhead import chart
+
+    records = [
+        {"outcome": "converted", "mode": "drain", "old_role": "decode", "new_role": "prefill", "duration_s": 0.5,
+         "empty_s": 0.15, "server_switch_s": 0.30, "overhead_s": 0.05},
+        {"outcome": "converted", "mode": "abort", "old_role": "prefill", "new_role": "decode", "duration_s": 0.33,
+         "empty_s": 0.01, "server_switch_s": 0.30, "overhead_s": 0.02},
+    ]
+    root = ET.fromstring(chart(summarize(records, [0.25], Counter(), 10)))
+    svg = "{http://www.w3.org/2000/svg}"
+    titles = [t.text for t in root.iter(svg + "title")]
+    assert "drain D>P: emptying the worker 150.0 ms" in titles and "abort P>D: router-side 20.0 ms" in titles
+    assert titles.count("drain D>P: direct switch, no router 250.0 ms") == 1 and len(titles) == 8

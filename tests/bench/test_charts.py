@@ -36,3 +36,27 @@ def test_the_live_benchmarks_chart_has_a_bar_per_variant_and_phase_and_overall()
     assert titles == ["1. prefill-heavy: static 3P1D 100.0%", "1. prefill-heavy: rebalancer 90.0%",
                       "2. decode-heavy: static 3P1D 0.0%", "2. decode-heavy: rebalancer 50.0%",
                       "overall: static 3P1D 50.0%", "overall: rebalancer 70.0%"]
+
+
+def test_the_router_comparison_chart_has_a_bar_per_router_and_point_without_the_baseline():
+    from bench import report
+
+    def row(router, concurrency, rps, cpu):
+        return {"router": router, "mode": "non-stream", "concurrency": concurrency, "rps": rps,
+                "router_cpu_ms_per_req": cpu}
+
+    result = {"setup": "ceiling", "best": [row("direct", 16, 9000, None), row("pd-router", 16, 4899, 0.23),
+                                           row("mini_lb", 16, 847, 1.43), row("pd-router", 64, 3645, 0.32),
+                                           row("mini_lb", 64, 501, 2.33)]}
+    root = ET.fromstring(report.chart(result))
+    titles = [t.text for t in root.iter(SVG + "title")]
+    assert titles == ["non-stream c=16: mini_lb 847.0", "non-stream c=16: pd-router 4899.0",
+                      "non-stream c=64: mini_lb 501.0", "non-stream c=64: pd-router 3645.0"]
+    cpu = [t.text for t in ET.fromstring(report.chart(result, "router_cpu_ms_per_req")).iter(SVG + "title")]
+    assert cpu[0] == "non-stream c=16: mini_lb 1.4"
+
+
+def test_a_small_figure_keeps_two_significant_digits():
+    svg = charts.grouped_bars("t", ["a"], {"x": [0.152], "y": [7705.0]}, unit="")
+    figures = {t.text for t in ET.fromstring(svg).iter(SVG + "text")}
+    assert {"0.15", "7705"} <= figures  # 0.152 was written as 0
