@@ -21,6 +21,7 @@ from aiohttp.test_utils import make_mocked_request
 from router.obs import logs
 
 from router.obs import metrics
+from router.api import metrics_view
 from router.api.access import make_access_middleware
 from router.dataplane.admission import Admission
 from router.core.config import AdmissionConfig, BreakerConfig, HealthConfig, RouterConfig
@@ -100,7 +101,7 @@ async def measure(iterations: int) -> dict:
     out["baseline_middleware_us"] = round(base_mw, 4)
     middlewares = {
         "request_id_middleware": lambda: logs.request_id_middleware(gen, handler),
-        "metrics_middleware": lambda: metrics.metrics_middleware(gen, handler),
+        "metrics_middleware": lambda: metrics_view.metrics_middleware(gen, handler),
         "access_middleware (no keys)": lambda: open_access(gen, handler),
         "access_middleware (--api-key, generation route)": lambda: keyed_access(gen_keyed, handler),
     }

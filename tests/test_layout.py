@@ -237,6 +237,31 @@ def _sends_abort(call: ast.Call) -> bool:
     return (verb and name not in NOT_ABORT_SENDS) or posted
 
 
+APP_HOLDERS = ("api", "server")  # router/'s layers that may look objects up on the aiohttp app
+
+
+def app_lookups(root: Path) -> list[str]:
+    """Outside api/ and server/, nothing takes the app or looks an object up on it (`app[KEY]`,
+    `request.app.get(KEY)`): what a flow or a component needs, the composition root passes it explicitly."""
+    wrong = []
+    for name, path in modules_of(root, "router").items():
+        parts = name.split(".")
+        if len(parts) < 3 or parts[1] in APP_HOLDERS:
+            continue
+        for node in ast.walk(tree_of(path)):
+            target = None
+            if isinstance(node, ast.Subscript):
+                target = node.value
+            elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "get":
+                target = node.func.value
+            if target is not None and _name(target) == "app":
+                wrong.append(f"{name}:{node.lineno}: looks an object up on the app")
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                arguments = node.args.posonlyargs + node.args.args + node.args.kwonlyargs
+                wrong += [f"{name}:{node.lineno}: {node.name} takes the app" for a in arguments if a.arg == "app"]
+    return wrong
+
+
 def _name(node: ast.AST) -> str | None:
     if isinstance(node, ast.Name):
         return node.id
@@ -285,6 +310,11 @@ def test_flows_abort_again_only_through_the_kernel():
     assert not wrong, "\n".join(wrong)
 
 
+def test_only_the_api_and_the_composition_root_hold_the_app():
+    wrong = app_lookups(ROOT)
+    assert not wrong, "\n".join(wrong)
+
+
 def test_one_free_port_helper():
     wrong = free_port_copies(ROOT)
     assert not wrong, "\n".join(wrong)
@@ -330,6 +360,13 @@ PLANTS = {
         "async def f(registry, upstream, worker):\n    for _ in range(3):\n"
         "        await upstream.post(worker.url, '/abort_request', {'abort_all': True})\n"
         "        await registry.wait_idle(worker, 0.25)\n"),
+    "a flow that looks a service up on the app": (
+        app_lookups, "router/flows/planted.py",
+        "async def f(request):\n    return request.app[KEY].find('x')\n"),
+    "a component handed the app": (
+        app_lookups, "router/control/planted.py", "def build(app, registry):\n    return registry\n"),
+    "a middleware outside the api reading the app": (
+        app_lookups, "router/obs/planted.py", "async def mw(request, handler):\n    m = request.app.get(KEY)\n"),
     "a free port of the simulator's own": (
         free_port_copies, "simulator/planted.py",
         "import socket\ndef free_port():\n    with socket.socket() as sock:\n"

@@ -19,13 +19,14 @@ from aiohttp import web
 from router.api.bodies import read_json_object
 from router.api.conversion import record_body
 from router.api.conversion_bodies import ConvertWorker
-from router.api.workers import apply_settings, entry_of, find_worker
+from router.api.workers import entry_of, find_worker
 from router.core.config import DISCOVER
 from router.core.errors import BadRequest, json_response
 from router.core.keys import REGISTRY
 from router.core.registry import Role
 from router.core.worker_url import identity
 from router.flows.conversion import CONVERSIONS
+from router.flows.worker_lifecycle import WORKER_LIFECYCLE
 
 
 async def update_worker(request: web.Request) -> web.Response:
@@ -44,7 +45,7 @@ async def update_worker(request: web.Request) -> web.Response:
             raise BadRequest("bootstrap_port: only a prefill has one", param="bootstrap_port")
         app[REGISTRY].update_info(worker, bootstrap_port=port)
     if entry.settings:
-        apply_settings(app, worker, entry.settings)
+        app[WORKER_LIFECYCLE].apply_settings(worker, entry.settings)
     role = entry.given_role
     if role is not None and role is not worker.role:
         conversion = await app[CONVERSIONS].begin(worker, ConvertWorker(new_role=role.value).plan())

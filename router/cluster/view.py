@@ -1,4 +1,5 @@
-"""What a replica shows of its cluster: `GET /admin/cluster` and the `pd_router_cluster_*` metrics.
+"""What a replica shows of its cluster: `GET /admin/cluster` (its route is `server/app.py`'s) and the
+`pd_router_cluster_*` metrics.
 
 The view (what `pd-router ctl cluster` prints): the replicas with their leases (TTL left, seconds since the
 last renewal), the leader, the operations running and who runs them, the last ones taken over, etcd's
@@ -16,7 +17,6 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from router.cluster.etcd_types import EtcdError
 from router.cluster.keys import decode
 from router.cluster.runtime import Cluster
-from router.core.errors import json_response
 
 LEASE_INFO_TIMEOUT_S = 1.0
 
@@ -76,10 +76,6 @@ async def describe(cluster: Cluster) -> dict:
                            for kv in mirror.under(keys.removals)), key=lambda r: -float(r.get("at") or 0))[:50],
         "published": cluster.publisher.stats(),
     }
-
-
-async def cluster_view(request: web.Request) -> web.Response:
-    return json_response(await describe(request.app[CLUSTER]))
 
 
 CLUSTER = web.AppKey("cluster", Cluster)

@@ -15,7 +15,6 @@ lock per increment and scan buckets in Python: several microseconds per request)
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
 from bisect import bisect_left
@@ -299,30 +298,14 @@ class BurstLimitsCollector:
                                   value=self.leg_room.waited_total)
 
 
-# ---- wiring -------------------------------------------------------------------------------------------------
-@web.middleware
-async def metrics_middleware(request: web.Request, handler):
-    """Count every request by route pattern and final status (outermost: sees rendered errors)."""
-    resource = request.match_info.route.resource
-    status = 500
-    try:
-        response = await handler(request)
-        status = response.status
-        return response
-    except web.HTTPException as exc:
-        status = exc.status
-        raise
-    except asyncio.CancelledError:
-        status = 499  # the client went away
-        raise
-    finally:
-        metrics = request.app.get(METRICS)
-        if metrics is not None:
-            metrics.count_request(resource.canonical if resource is not None else UNMATCHED, status)
+# ---- wiring (the main app's /metrics route and middleware: router/api/metrics_view.py) -----------------------
+def metrics_handler(metrics: RouterMetrics):
+    """A handler serving `metrics` in Prometheus's text format."""
 
+    async def metrics_endpoint(request: web.Request) -> web.Response:
+        return web.Response(body=metrics.render(), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
-async def metrics_endpoint(request: web.Request) -> web.Response:
-    return web.Response(body=request.app[METRICS].render(), headers={"Content-Type": CONTENT_TYPE_LATEST})
+    return metrics_endpoint
 
 
 @contextlib.asynccontextmanager
@@ -333,8 +316,7 @@ async def metrics_port(metrics: RouterMetrics, config: RouterConfig):
         yield
         return
     exporter = web.Application()
-    exporter[METRICS] = metrics
-    exporter.router.add_get("/metrics", metrics_endpoint)
+    exporter.router.add_get("/metrics", metrics_handler(metrics))
     runner = web.AppRunner(exporter, access_log=None)
     await runner.setup()
     host = config.prometheus_host or config.host
@@ -349,10 +331,6 @@ async def metrics_port(metrics: RouterMetrics, config: RouterConfig):
         yield
     finally:
         await runner.cleanup()
-
-
-def setup(app: web.Application) -> None:
-    app.router.add_get("/metrics", metrics_endpoint)
 
 
 METRICS = web.AppKey("metrics", RouterMetrics)

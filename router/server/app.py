@@ -9,6 +9,7 @@ from router.api import control as api_control
 from router.api import conversion as api_conversion
 from router.api import health_view as api_health
 from router.api import info as api_info
+from router.api import metrics_view as api_metrics
 from router.api import openapi as api_openapi
 from router.api import policy_admin as api_policies
 from router.api import probes as api_probes
@@ -18,12 +19,12 @@ from router.api import workers as api_workers
 from router.api.access import make_access_middleware
 from router.api.cors import Cors
 from router.core.config import RouterConfig
-from router.core.errors import error_middleware
+from router.core.errors import error_middleware, json_response
 from router.core.keys import CONFIG, REGISTRY
 from router.core.registry import Registry
 from router.core.request_shape import GENERATE_ROUTES
 from router.dataplane.proxy import PROXY
-from router.obs import logs, metrics
+from router.obs import logs
 from router.server import replica_info
 from router.server.composition import router_context
 from router.server.replica_info import REPLICA, ReplicaInfo
@@ -31,7 +32,7 @@ from router.server.replica_info import REPLICA, ReplicaInfo
 
 def create_app(config: RouterConfig, *, registry: Registry | None = None,
                replica: ReplicaInfo | None = None) -> web.Application:
-    middlewares = [logs.make_request_id_middleware(config.request_id_headers), metrics.metrics_middleware,
+    middlewares = [logs.make_request_id_middleware(config.request_id_headers), api_metrics.metrics_middleware,
                    error_middleware, make_access_middleware(config)]
     cors = Cors(config.cors_allowed_origins) if config.cors_allowed_origins else None
     if cors is not None:  # preflights answered before the key check
@@ -60,14 +61,16 @@ def add_routes(app: web.Application, config: RouterConfig) -> None:
     api_conversion.setup(app)
     api_health.setup(app)
     api_policies.setup(app)
-    metrics.setup(app)
+    api_metrics.setup(app)
     api_control.setup(app)
     api_rl.setup(app)
     replica_info.setup(app)
     if config.cluster.enabled:
         from router.cluster import view  # etcd's modules only where a cluster is configured
 
-        app.router.add_get("/admin/cluster", view.cluster_view)
+        async def cluster_view(request: web.Request) -> web.Response:
+            return json_response(await view.describe(request.app[view.CLUSTER]))
+        app.router.add_get("/admin/cluster", cluster_view)
     api_openapi.setup(app)  # last: it documents every route above
 
 

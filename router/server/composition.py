@@ -12,7 +12,8 @@ half-way closes what it built. Handlers only read these keys; `setup()` function
                                             flows see of it
     [cluster]                               replicas sharing the fleet: traffic becomes the fleet's holds,
                                             the coordinator etcd's; joined before any worker is registered
-    live state, worker sources              the fleet's servers, read before the router serves
+    live state, worker lifecycle, sources   the fleet's servers (one way in and out for the API, the
+                                            sources and health), read before the router serves
     conversions                             live P/D role conversion
     health (live state, proxy)              probes and breakers; a worker found down is evicted
     load monitor, upkeep, rebalancer        what policies need beside the request path
@@ -35,7 +36,6 @@ import aiohttp
 from aiohttp import web
 
 from policies import Policy, make_policy
-from router.api import workers as api_workers
 from router.api.info import SHARED_ROUTES
 from router.api.probes import SHARED_ROUTES as PROBE_ROUTES
 from router.api.rl.relay import RELAY, Relay
@@ -72,6 +72,7 @@ from router.flows.memory import MEMORY, MemoryOccupation
 from router.flows.pauses import PAUSES, Pauses
 from router.flows.request_aborts import ABORTS, RequestAborts
 from router.flows.weight_updates import UPDATE_KINDS, UPDATES, WeightUpdates
+from router.flows.worker_lifecycle import WORKER_LIFECYCLE, WorkerLifecycle
 from router.obs import logs
 from router.obs.metrics import METRICS, BurstLimitsCollector, RouterMetrics, metrics_port
 from router.obs.policy_metrics import PolicyCollector
@@ -152,7 +153,10 @@ async def assemble(app: web.Application, stack: contextlib.AsyncExitStack) -> No
     live_state = app[LIVE_STATE] = LiveStateReader(
         registry, upstream, spawn, retry_interval=config.worker_startup_check_interval_secs or config.health.interval_secs)
     stack.push_async_callback(live_state.close)
-    sources = app[WORKER_SOURCES] = worker_sources.build(config, registry, *_worker_api(app))
+    worker_lifecycle = app[WORKER_LIFECYCLE] = WorkerLifecycle(config, registry, upstream, live_state, coordinator,
+                                                                app[WORKER_ALLOW])
+    sources = app[WORKER_SOURCES] = worker_sources.build(config, registry, *_worker_api(worker_lifecycle, upstream,
+                                                                                        config))
     stack.push_async_callback(sources.close)
     _register_command_line(config, registry, coordinator, live_state)
     await sources.load()
@@ -173,7 +177,7 @@ async def assemble(app: web.Application, stack: contextlib.AsyncExitStack) -> No
     # ---- health: probes and breakers --------------------------------------------------------------------------
     health = app[HEALTH] = HealthMonitor(registry, upstream, config.health, config.breaker,
                                          is_held=lambda: not admission.is_open, refresh=live_state.refresh,
-                                         on_down=[proxy.evict, *([_remove_unhealthy(app, sources, spawn)]
+                                         on_down=[proxy.evict, *([_remove_unhealthy(registry, worker_lifecycle, sources, spawn)]
                                                                  if config.health.remove_unhealthy else [])])
     proxy.leg_observers.append(health.on_leg)
     health.start()
@@ -284,38 +288,37 @@ def _register_command_line(config: RouterConfig, registry: Registry, coordinator
             live_state.register(spec.url, Role.DECODE, None, port_given=True, source="--decode")
 
 
-def _worker_api(app: web.Application):
-    """The worker API's own calls, for the worker sources: a listed worker is registered and removed exactly
+def _worker_api(lifecycle: WorkerLifecycle, upstream: Upstream, config: RouterConfig):
+    """The worker lifecycle's calls, for the worker sources: a listed worker is registered and removed exactly
     as `POST /workers` and `DELETE /workers/{id}` would."""
 
     async def register(url: str, role: Role | None, bootstrap_port, source: str, read: bool, seed: bool,
                        settings: dict):
         # read in the background (a source does not wait for a server), or at start-up with the others
-        return await api_workers.register_worker(app, url, role, bootstrap_port, source=source,
-                                                 settle=0.0 if read else None, seed=seed, settings=settings)
+        return await lifecycle.register(url, role, bootstrap_port, source=source, settle=0.0 if read else None,
+                                        seed=seed, settings=settings)
 
     async def unregister(worker, by: str) -> None:
-        await api_workers.unregister_worker(app, worker, by=by)
+        await lifecycle.unregister(worker, by=by)
 
     async def answers(url: str) -> str | None:
-        health = app[CONFIG].health
-        reply = await app[UPSTREAM].health(url, health.endpoint, timeout=health.timeout_secs)
+        health = config.health
+        reply = await upstream.health(url, health.endpoint, timeout=health.timeout_secs)
         return None if reply.ok else reply.message() or f"HTTP {reply.status}"
 
     return register, unregister, answers
 
 
-def _remove_unhealthy(app: web.Application, sources, spawn):
+def _remove_unhealthy(registry: Registry, lifecycle: WorkerLifecycle, sources, spawn):
     """--remove-unhealthy-workers: a worker its probes declare down is removed as `DELETE /workers/{id}` would
     (the cluster's record too); the worker source that listed it registers it again once its server answers."""
-    registry = app[REGISTRY]
 
     async def remove(worker, reason: str) -> None:
         if registry.find(worker.id) is not worker or worker.healthy:
             return  # gone already, or back meanwhile
         with sources.unhealthy_removal(worker) as listed:
             try:
-                await api_workers.unregister_worker(app, worker, by=f"the health checker ({reason})")
+                await lifecycle.unregister(worker, by=f"the health checker ({reason})")
             except RouterError as exc:  # an operation owns it (a conversion): it stays, held out
                 logger.warning("%s is unhealthy but not removed: %s", worker.url, exc.message)
                 return
