@@ -9,7 +9,8 @@ aiohttp server speaks the part of the real protocol that kubernetes_asyncio (the
 - a `resourceVersion` older than the compacted history: an `ERROR` event with a `Status` of code 410 (`Expired`,
   "too old resource version"), as the real server answers a watch;
 - RBAC: 403 with a `Status` body (`Forbidden`, the verb and resource named) while `forbidden` is set;
-- an outage: 503 `Status` bodies while `down` is set (open watches are cut).
+- an outage: 503 `Status` bodies while `down` is set (open watches are cut);
+- a slow list: the lists of the selector `held` names wait until `release` is set.
 
 Known differences from a real API server: label selectors are equality terms only (no set-based `in`, `!=`);
 one store version for every namespace and no field selectors; no authentication (any bearer token passes);
@@ -66,6 +67,9 @@ class FakeApiServer:
         self.compacted = 0  # versions up to this one are gone: a watch from them gets 410
         self.forbidden = False
         self.down = False
+        self.expired = 0  # 410 ERROR events sent
+        self.held: str | None = None  # a label selector whose lists wait until `release` is set
+        self.release = asyncio.Event()
         self.requests: list[str] = []  # "list <path>?<query>" / "watch ..." as they came
         self._changed = asyncio.Event()  # set (and replaced) at each change: what open watches wait on
         self.delivering = asyncio.Event()  # cleared: open watches send nothing (changes wait in the history)
@@ -176,6 +180,8 @@ class FakeApiServer:
             return (namespace is None or item["metadata"]["namespace"] == namespace) and _selected(item, selector)
 
         if not watching:
+            if selector is not None and selector == self.held:
+                await self.release.wait()
             items = [copy.deepcopy(p) for p in self.pods.values() if wanted(p)]
             for item in items:
                 item.pop("kind", None)
@@ -205,6 +211,7 @@ class FakeApiServer:
             for _ in itertools.count():
                 await self.delivering.wait()
                 if seen < self.compacted:  # what it has not seen yet is gone
+                    self.expired += 1
                     await send("ERROR", _status(410, "Expired", f"too old resource version: {seen} "
                                                                 f"({self.compacted})"))
                     break

@@ -235,3 +235,72 @@ async def test_a_converted_pod_keeps_its_live_pool_across_events_and_re_lists(cl
     assert cluster.workers(Role.PREFILL) == {p0} and p1 in cluster.workers(Role.DECODE)
     assert cluster.client.registry.get(p1) is worker and worker.state is WorkerState.ACTIVE
     await cluster.generate()
+
+
+async def test_an_expired_watch_is_listed_again_keeping_the_workers(cluster):
+    """410 Gone: the router lists again (it cannot resume), sees what changed meanwhile, and no worker is
+    dropped and registered again on the way."""
+    p0 = await cluster.add("p0", "prefill", 1)
+    d0 = await cluster.add("d0", "decode", 2)
+    await cluster.start_router()
+    kept = {url: cluster.client.registry.get(url) for url in (p0, d0)}
+    await wait_for(lambda: cluster.api.watches_open() == 2, message="both selectors watched")
+    lists = sum(r.startswith("list") for r in cluster.api.requests)
+    cluster.api.delivering.clear()  # the open watches see nothing of what follows ...
+    p1 = await cluster.add("p1", "prefill", 3)
+    await cluster.api.change("d0", annotations={"note": "touched"})
+    cluster.api.compact()  # ... and it is forgotten: resuming from their versions is 410 Gone
+    cluster.api.delivering.set()
+    await wait_for(lambda: cluster.workers(Role.PREFILL) == {p0, p1}, message="p1 seen by a new list")
+    assert cluster.api.expired >= 1 and sum(r.startswith("list") for r in cluster.api.requests) > lists
+    assert all(cluster.client.registry.get(url) is worker for url, worker in kept.items())
+    assert (await cluster.discovery())["error"] is None
+    await cluster.generate()
+
+
+async def test_after_an_api_server_outage_the_router_catches_up(cluster):
+    """What changed while the API server was down is applied once it answers again; the error is cleared."""
+    p0 = await cluster.add("p0", "prefill", 1)
+    d0 = await cluster.add("d0", "decode", 2)
+    await cluster.start_router()
+    cluster.api.down = True
+    await cluster.api.cut_watches()
+
+    async def error() -> str | None:
+        return (await cluster.discovery())["error"]
+
+    await wait_for(error, timeout=10, message="the outage shown")
+    p1 = await cluster.add("p1", "prefill", 3)  # while it is down
+    await cluster.api.delete("d0")
+    d1 = await cluster.add("d1", "decode", 4)
+    assert cluster.workers() == {p0, d0}
+    cluster.api.down = False
+    await wait_for(lambda: cluster.workers() == {p0, p1, d1}, timeout=15, message="the changes applied")
+    assert await error() is None
+    await cluster.generate()
+
+
+@pytest.mark.timeout(30)  # the bug this guards against holds the event loop: only the timeout's signal ends it
+async def test_one_selector_listing_again_does_not_hold_the_router(cluster):
+    """While one selector's list is under way the others' changes wait for it (the listing is applied whole),
+    and the router serves meanwhile: the applier, woken by a change it may not apply yet, must not spin."""
+    p0 = await cluster.add("p0", "prefill", 1)
+    d0 = await cluster.add("d0", "decode", 2)
+    await cluster.start_router()
+    await wait_for(lambda: cluster.api.watches_open() == 2, message="both selectors watched")
+    cluster.api.held = "app=sglang-decode"
+    lists = len(cluster.api.requests)
+    await cluster.api.cut_watches()  # both selectors listed again; the decode one's list waits
+    await wait_for(lambda: any(r.startswith("list") and "sglang-decode" in r for r in cluster.api.requests[lists:]),
+                   message="the decode selector listed again")
+    p1 = await cluster.add("p1", "prefill", 3)
+    seen = str(cluster.api.version)
+
+    async def prefill_selector_saw_p1() -> bool:
+        return (await cluster.discovery())["resource_versions"]["app=sglang-prefill"] == seen
+
+    await wait_for(prefill_selector_saw_p1, message="the prefill selector's list or watch saw p1")
+    await cluster.generate()  # served while the list is held
+    assert cluster.workers() == {p0, d0}
+    cluster.api.release.set()
+    await wait_for(lambda: cluster.workers() == {p0, p1, d0}, message="p1 applied once every selector listed")

@@ -308,6 +308,10 @@ class PodWorkerSource:
                 if self._dirty.is_set() and all(w.listed for w in self.watches):
                     await self._apply(read=True)
                 else:
+                    # a selector being listed again: its list sets the flag when done. Left set, the wait above
+                    # would return at once, and retry() awaits nothing when nothing waits: this loop would hold
+                    # the event loop for ever, the router's requests and that very list with it
+                    self._dirty.clear()
                     await self.reconciler.retry()
             except Exception:  # keep applying: a bug here must not leave the fleet unwatched
                 logger.exception("%s: applying the pods failed", self.reconciler.name)
