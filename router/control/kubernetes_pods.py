@@ -142,9 +142,6 @@ class SelectorWatch:
         self._changed = changed
 
     def _call(self, **kwargs: Any):
-        # one connection per call: a watch the API server ends (410, its timeout) leaves its connection mid-stream,
-        # and a list sent on it after would wait for ever; a few calls a minute need no keep-alive
-        kwargs["_headers"] = {"Connection": "close"}
         if self.namespace:
             return self.api.list_namespaced_pod, (self.namespace,), kwargs
         return self.api.list_pod_for_all_namespaces, (), kwargs
