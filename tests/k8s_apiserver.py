@@ -10,7 +10,8 @@ aiohttp server speaks the part of the real protocol that kubernetes_asyncio (the
   "too old resource version"), as the real server answers a watch;
 - RBAC: 403 with a `Status` body (`Forbidden`, the verb and resource named) while `forbidden` is set;
 - an outage: 503 `Status` bodies while `down` is set (open watches are cut);
-- a slow list: the lists of the selector `held` names wait until `release` is set.
+- a slow list: the lists of the selector `held` names wait until `release` is set; a silent watch: while
+  `silent` is set, a watch opened sends nothing and never ends (a half-open connection after a partition).
 
 Known differences from a real API server: label selectors are equality terms only (no set-based `in`, `!=`);
 one store version for every namespace and no field selectors; no authentication (any bearer token passes);
@@ -70,6 +71,8 @@ class FakeApiServer:
         self.expired = 0  # 410 ERROR events sent
         self.held: str | None = None  # a label selector whose lists wait until `release` is set
         self.release = asyncio.Event()
+        self.silent = False  # watches opened while set send nothing, ever (a connection gone quiet)
+        self.silenced = 0  # watches that went silent so far
         self.requests: list[str] = []  # "list <path>?<query>" / "watch ..." as they came
         self._changed = asyncio.Event()  # set (and replaced) at each change: what open watches wait on
         self.delivering = asyncio.Event()  # cleared: open watches send nothing (changes wait in the history)
@@ -200,6 +203,12 @@ class FakeApiServer:
         response.enable_chunked_encoding()
         await response.prepare(request)
         self._watches[id(request)] = request
+        if self.silent:  # not even its timeoutSeconds ends it: only the client's own deadline does
+            self.silenced += 1
+            try:
+                await asyncio.Event().wait()
+            finally:
+                self._watches.pop(id(request), None)
 
         async def send(kind: str, item: dict) -> None:
             await response.write(orjson.dumps({"type": kind, "object": item}) + b"\n")

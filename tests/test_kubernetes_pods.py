@@ -304,3 +304,38 @@ async def test_one_selector_listing_again_does_not_hold_the_router(cluster):
     assert cluster.workers() == {p0, d0}
     cluster.api.release.set()
     await wait_for(lambda: cluster.workers() == {p0, p1, d0}, message="p1 applied once every selector listed")
+
+
+async def test_every_call_to_the_api_server_has_a_deadline(cluster, monkeypatch):
+    """A list that never answers and a watch that goes silent (a half-open connection: no data, no end) are
+    given up at their deadline, the workers kept; what changed meanwhile is then listed."""
+    monkeypatch.setattr(kubernetes_pods, "REQUEST_TIMEOUT_S", 1)
+    monkeypatch.setattr(kubernetes_pods, "WATCH_TIMEOUT_S", 1)  # a watch's deadline: 2 s
+    monkeypatch.setattr(kubernetes_pods, "BACKOFF_S", (0.1, 0.5))  # the deadlines under test, not the backoff
+    p0 = await cluster.add("p0", "prefill", 1)
+    d0 = await cluster.add("d0", "decode", 2)
+    await cluster.start_router()
+    await wait_for(lambda: cluster.api.watches_open() == 2, message="both selectors watched")
+    cluster.api.silent = True
+    await cluster.api.cut_watches()  # listed again, then watched through silent connections
+    await wait_for(lambda: cluster.api.silenced == 2, message="both selectors listed, then watched silently")
+    p1 = await cluster.add("p1", "prefill", 3)  # no watch will tell: only a list after a watch's deadline
+    await wait_for(lambda: cluster.workers(Role.PREFILL) == {p0, p1}, timeout=10, message="p1 listed")
+    cluster.api.silent = False
+
+    cluster.api.held = "app=sglang-decode"  # a list that never answers
+    await cluster.api.cut_watches()
+
+    async def said() -> str:
+        return (await cluster.discovery())["error"] or ""
+
+    await wait_for(said, timeout=10, message="the list's deadline said")
+    assert "did not answer in time" in await said()
+    assert cluster.workers() == {p0, p1, d0}
+    cluster.api.release.set()
+
+    async def cleared() -> bool:
+        return await said() == ""
+
+    await wait_for(cleared, timeout=15, message="listed again once it answers")
+    await cluster.generate()
