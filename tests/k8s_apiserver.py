@@ -8,7 +8,8 @@ aiohttp server speaks the part of the real protocol that kubernetes_asyncio (the
   `allowWatchBookmarks` is set and a stream has been quiet, the end of the stream after `timeoutSeconds`;
 - a `resourceVersion` older than the compacted history: an `ERROR` event with a `Status` of code 410 (`Expired`,
   "too old resource version"), as the real server answers a watch;
-- RBAC: 403 with a `Status` body (`Forbidden`, the verb and resource named) while `forbidden` is set;
+- RBAC: 403 with a `Status` body (`Forbidden`, the verb and resource named) while `forbidden` is set, or
+  for a verb that the rules in `roles` do not grant (a test loads them from deploy/'s Role);
 - an outage: 503 `Status` bodies while `down` is set (open watches are cut);
 - a slow list: the lists of the selector `held` names wait until `release` is set; a silent watch: while
   `silent` is set, a watch opened sends nothing and never ends (a half-open connection after a partition).
@@ -67,6 +68,9 @@ class FakeApiServer:
         self.history: list[tuple[int, str, dict]] = []  # (version, type, object) of every change
         self.compacted = 0  # versions up to this one are gone: a watch from them gets 410
         self.forbidden = False
+        # RBAC as the API server's authorizer applies it, while set: (namespace, rules) of each role bound to the
+        # caller, namespace None for a ClusterRole (every namespace); a Role grants in its own namespace only
+        self.roles: list[tuple[str | None, list[dict]]] | None = None
         self.down = False
         self.expired = 0  # 410 ERROR events sent
         self.held: str | None = None  # a label selector whose lists wait until `release` is set
@@ -162,6 +166,18 @@ class FakeApiServer:
     def watches_open(self) -> int:
         return len(self._watches)
 
+    def _granted(self, verb: str, namespace: str | None) -> bool:
+        if self.roles is None:
+            return True
+        return any((scope is None or scope == namespace)
+                   and any(set(rule.get("apiGroups") or ()) & {"", "*"} and set(rule.get("resources") or ()) &
+                           {"pods", "*"} and set(rule.get("verbs") or ()) & {verb, "*"} for rule in rules)
+                   for scope, rules in self.roles)
+
+    def verbs(self) -> set[str]:
+        """The verbs the requests so far asked for on pods (RBAC's names for them)."""
+        return {r.split(" ", 1)[0] for r in self.requests}
+
     # ---- the handlers ------------------------------------------------------------------------------------
     async def _pods(self, request: web.Request) -> web.StreamResponse:
         namespace = request.match_info.get("namespace")
@@ -171,7 +187,7 @@ class FakeApiServer:
         if self.down:
             return web.json_response(_status(503, "ServiceUnavailable", "the API server is unavailable"),
                                      status=503)
-        if self.forbidden:
+        if self.forbidden or not self._granted("watch" if watching else "list", namespace):
             where = f'in the namespace "{namespace}"' if namespace else "at the cluster scope"
             verb = "watch" if watching else "list"
             return web.json_response(_status(403, "Forbidden", f'pods is forbidden: User "system:serviceaccount:'

@@ -136,9 +136,9 @@ async def cluster(aiohttp_client, tmp_path, monkeypatch):
     state = Cluster(api, shared_port())
 
     async def start_router(**sources):
-        settings = dict(service_discovery=True, prefill_selector=("app=sglang-prefill",),
-                        decode_selector=("app=sglang-decode",), service_discovery_port=state.port,
-                        service_discovery_namespace="llm", **sources)
+        settings = {**dict(service_discovery=True, prefill_selector=("app=sglang-prefill",),
+                           decode_selector=("app=sglang-decode",), service_discovery_port=state.port,
+                           service_discovery_namespace="llm"), **sources}
         config = RouterConfig(worker_sources=WorkerSourcesConfig(**settings),
                               health=HealthConfig(interval_secs=0.2)).validated()
         state.client = await aiohttp_client(create_app(config), server_kwargs={"handler_cancellation": True})
@@ -215,7 +215,7 @@ async def test_rbac_forbidden_names_the_missing_permission(cluster):
     await cluster.start_router()
     source = await cluster.discovery()
     assert "forbidden (RBAC)" in source["error"] and "list/watch pods in namespace llm" in source["error"]
-    assert "get, list and watch on pods" in source["error"]
+    assert "grant list and watch on pods" in source["error"]
     assert cluster.client.registry.workers() == []
 
 

@@ -14,7 +14,7 @@ listing says goes through the same `SourceReconciler` as `--discovery-file` and 
 The live role wins over the labels: a listed pool is the registration's hint, and the server's own role decides
 (as for any registration). A pod whose server pd-router converted keeps its listing (its labels did not change), so
 the reconciler leaves the converted worker where it is across watch events and re-lists, and a restarted router
-reads the live role again at registration: no flap back. pd-router writes nothing to the pods (it needs get, list
+reads the live role again at registration: no flap back. pd-router writes nothing to the pods (it needs list
 and watch on pods only; docs/KUBERNETES.md).
 
 Faults: each selector is listed, then watched from the list's resourceVersion (with bookmarks); a watch that
@@ -340,7 +340,7 @@ def describe_failure(exc: BaseException, settings: PodDiscovery) -> str:
     where = f"in namespace {settings.namespace}" if settings.namespace else "in all namespaces (a ClusterRole)"
     if k8s_client is not None and isinstance(exc, ApiException):
         if exc.status == 403:
-            return (f"forbidden (RBAC): the service account may not list/watch pods {where}: grant get, list and "
+            return (f"forbidden (RBAC): the service account may not list/watch pods {where}: grant list and "
                     f"watch on pods (deploy/kubernetes/pod-discovery/rbac.yaml)")
         if exc.status == 401:
             return "unauthorized: the API server refused the credentials"
