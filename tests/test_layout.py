@@ -262,6 +262,16 @@ def app_lookups(root: Path) -> list[str]:
     return wrong
 
 
+def repeated_module_names(root: Path) -> list[str]:
+    """A module's file name says its layer's job: no two modules of router/ share one (`keys.py` in core/ and
+    in cluster/ made a reader open both to learn which is meant)."""
+    where: dict[str, list[str]] = {}
+    for path in sorted((root / "router").rglob("*.py")):
+        if path.name not in ("__init__.py", "__main__.py"):
+            where.setdefault(path.name, []).append(path.relative_to(root).as_posix())
+    return [f"{name}: {', '.join(paths)}" for name, paths in sorted(where.items()) if len(paths) > 1]
+
+
 def _name(node: ast.AST) -> str | None:
     if isinstance(node, ast.Name):
         return node.id
@@ -312,6 +322,11 @@ def test_flows_abort_again_only_through_the_kernel():
 
 def test_only_the_api_and_the_composition_root_hold_the_app():
     wrong = app_lookups(ROOT)
+    assert not wrong, "\n".join(wrong)
+
+
+def test_no_two_modules_share_a_name():
+    wrong = repeated_module_names(ROOT)
     assert not wrong, "\n".join(wrong)
 
 
@@ -367,6 +382,8 @@ PLANTS = {
         app_lookups, "router/control/planted.py", "def build(app, registry):\n    return registry\n"),
     "a middleware outside the api reading the app": (
         app_lookups, "router/obs/planted.py", "async def mw(request, handler):\n    m = request.app.get(KEY)\n"),
+    "a module named as one of another layer": (
+        repeated_module_names, "router/flows/registry.py", "x = 1\n"),
     "a free port of the simulator's own": (
         free_port_copies, "simulator/planted.py",
         "import socket\ndef free_port():\n    with socket.socket() as sock:\n"

@@ -16,7 +16,7 @@ import pytest
 from aiohttp import web
 from multidict import CIMultiDict
 
-from router.api.rl.relay import MAX_BODY_CHARS
+from router.api.rl.engine_relay import MAX_BODY_CHARS
 from router.core.config import AdmissionConfig
 from router.core.keys import CONFIG
 from router.core.registry import Role, WorkerState

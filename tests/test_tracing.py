@@ -20,8 +20,8 @@ pytest.importorskip("opentelemetry.sdk", reason="the `trace` extra (pip install 
 
 from router.core.config import DISCOVER, RetryConfig, RouterConfig, TraceConfig, WorkerSpec  # noqa: E402
 from router.core.keys import REGISTRY  # noqa: E402
-from router.obs import tracing as tracing_module  # noqa: E402
-from router.obs.tracing import TRACING  # noqa: E402
+from router.obs import otel_tracing as tracing_module  # noqa: E402
+from router.obs.otel_tracing import TRACING  # noqa: E402
 from router.server.app import create_app  # noqa: E402
 from simulator.fleet import Fleet  # noqa: E402
 
@@ -217,7 +217,7 @@ async def test_conversions_and_weight_updates_are_spans_with_one_child_per_step(
 
 async def test_collector_down_requests_served_no_hang_one_warning(aiohttp_client, fleet, caplog, monkeypatch):
     monkeypatch.setattr(tracing_module, "EXPORT_TIMEOUT_S", 0.5)
-    caplog.set_level(logging.INFO, logger="router.obs.tracing")
+    caplog.set_level(logging.INFO, logger="router.obs.otel_tracing")
     router = await traced_router(aiohttp_client, fleet, f"127.0.0.1:{free_port()}")  # nothing listens there
     watch = router.app[TRACING].watch
 
@@ -234,14 +234,14 @@ async def test_collector_down_requests_served_no_hang_one_warning(aiohttp_client
     await wait_for(lambda: watch.dropped >= 15 * 3, timeout=15, message="later batches failed too")
     async with asyncio.timeout(12):  # the app's clean-up flushes within its bound
         await router.close()
-    warnings = [r for r in caplog.records if r.name == "router.obs.tracing" and r.levelno >= logging.WARNING]
+    warnings = [r for r in caplog.records if r.name == "router.obs.otel_tracing" and r.levelno >= logging.WARNING]
     assert len(warnings) == 1, [r.getMessage() for r in warnings]
     assert "cannot export spans" in warnings[0].getMessage()
 
 
 async def test_collector_killed_and_back_spans_flow_again(aiohttp_client, fleet, caplog, monkeypatch):
     monkeypatch.setattr(tracing_module, "EXPORT_TIMEOUT_S", 0.5)
-    caplog.set_level(logging.INFO, logger="router.obs.tracing")
+    caplog.set_level(logging.INFO, logger="router.obs.otel_tracing")
     receiver = OtlpReceiver().start(grpc=False)
     port = receiver.http_port
     router = await traced_router(aiohttp_client, fleet, receiver.http_endpoint, "http/protobuf")
@@ -260,7 +260,7 @@ async def test_collector_killed_and_back_spans_flow_again(aiohttp_client, fleet,
     finally:
         await router.close()
         back.stop()
-    lines = [r.getMessage() for r in caplog.records if r.name == "router.obs.tracing"]
+    lines = [r.getMessage() for r in caplog.records if r.name == "router.obs.otel_tracing"]
     assert sum("cannot export spans" in line for line in lines) == 1
     assert sum("works again" in line for line in lines) == 1
 

@@ -1,4 +1,4 @@
-"""The request path's narrow interface to the flows (router/dataplane/traffic.py) over a real Admission and
+"""The request path's narrow interface to the flows (router/dataplane/path_control.py) over a real Admission and
 LiveRequests."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from router.core.registry import Registry, Role, Worker
 from router.core.traffic import AbortAction, RequestPathControl
 from router.dataplane.admission import Admission
 from router.dataplane.live import LiveRequests
-from router.dataplane.traffic import DataplaneControl
+from router.dataplane.path_control import DataplaneControl
 
 
 @dataclass(eq=False)

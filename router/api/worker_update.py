@@ -17,7 +17,7 @@ from __future__ import annotations
 from aiohttp import web
 
 from router.api.bodies import read_json_object
-from router.api.conversion import record_body
+from router.api.conversion_endpoints import record_body
 from router.api.conversion_bodies import ConvertWorker
 from router.api.workers import entry_of, find_worker
 from router.core.config import DISCOVER

@@ -24,10 +24,10 @@ from typing import Callable, Iterator
 
 from router.cluster.etcd_types import KeyValue
 from router.cluster.fleet_gate import FleetGate
-from router.cluster.keys import ClusterKeys, decode
+from router.cluster.etcd_keys import ClusterKeys, decode
 from router.cluster.mirror import Change
 from router.cluster.publisher import Publisher
-from router.cluster.records import FACTS, describe_removal, hold_of, state_of
+from router.cluster.shared_records import FACTS, describe_removal, hold_of, state_of
 from router.core.registry import DuplicateWorker, Registry, Role, Worker, WorkerState
 
 logger = logging.getLogger(__name__)

@@ -20,7 +20,7 @@ from typing import Awaitable, Callable
 
 from router.cluster.etcd import EtcdClient
 from router.cluster.etcd_types import EtcdError
-from router.cluster.keys import ClusterKeys, decode, encode
+from router.cluster.etcd_keys import ClusterKeys, decode, encode
 from router.cluster.mirror import Change
 from router.cluster.replica import Membership
 from router.core.coordination import StopAction, stop_here

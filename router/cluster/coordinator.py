@@ -26,11 +26,11 @@ from router.cluster.etcd import EtcdClient
 from router.cluster.etcd_status import EtcdStatus
 from router.cluster.etcd_lease import LeaseKeeper
 from router.cluster.etcd_types import Compare, EtcdError, EtcdOutcomeUnknown, KeyValue, Op, RangeResult
-from router.cluster.keys import ClusterKeys, decode, encode
+from router.cluster.etcd_keys import ClusterKeys, decode, encode
 from router.cluster.leadership import Leadership
 from router.cluster.mirror import Change, Mirror
 from router.cluster.publisher import Fence, Publisher
-from router.cluster.records import describe_removal, removal_record
+from router.cluster.shared_records import describe_removal, removal_record
 from router.cluster.replica import Membership
 from router.core.coordination import FLEET, StopAction, StopReport, Ticket, stop_here
 from router.core.errors import Conflict, ServiceUnavailable

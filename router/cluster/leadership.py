@@ -9,7 +9,7 @@ import logging
 
 from router.cluster.etcd import EtcdClient
 from router.cluster.etcd_types import EtcdError, EtcdTxnFailed
-from router.cluster.keys import ClusterKeys, decode, encode
+from router.cluster.etcd_keys import ClusterKeys, decode, encode
 from router.cluster.mirror import Mirror
 from router.cluster.replica import Membership
 

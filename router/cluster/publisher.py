@@ -25,9 +25,9 @@ from typing import Callable
 from router.cluster.etcd import EtcdClient
 from router.cluster.etcd_status import EtcdStatus
 from router.cluster.etcd_types import Compare, EtcdError, EtcdOutcomeUnknown, KeyValue, Op, RangeResult
-from router.cluster.keys import ClusterKeys, decode, encode
+from router.cluster.etcd_keys import ClusterKeys, decode, encode
 from router.cluster.mirror import Mirror
-from router.cluster.records import same, worker_record
+from router.cluster.shared_records import same, worker_record
 from router.core.errors import ServiceUnavailable
 from router.core.registry import Registry, Worker, WorkerState
 

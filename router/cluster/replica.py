@@ -25,7 +25,7 @@ from typing import Awaitable, Callable
 from router.cluster.etcd import EtcdClient
 from router.cluster.etcd_lease import LeaseKeeper
 from router.cluster.etcd_types import EtcdError
-from router.cluster.keys import ClusterKeys, encode
+from router.cluster.etcd_keys import ClusterKeys, encode
 
 logger = logging.getLogger(__name__)
 

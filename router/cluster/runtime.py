@@ -25,11 +25,11 @@ from router.cluster.etcd import EtcdClient
 from router.cluster.etcd_status import EtcdStatus
 from router.cluster.etcd_types import EtcdError
 from router.cluster.fleet_gate import FleetGate
-from router.cluster.keys import ClusterKeys
+from router.cluster.etcd_keys import ClusterKeys
 from router.cluster.leadership import Leadership
 from router.cluster.mirror import Mirror
 from router.cluster.publisher import Publisher
-from router.cluster.records import fleet_record
+from router.cluster.shared_records import fleet_record
 from router.cluster.replica import Membership, ReplicaIdentity
 from router.cluster.takeover import Takeover
 from router.core.config import RouterConfig

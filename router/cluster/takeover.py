@@ -22,7 +22,7 @@ from typing import Awaitable, Callable
 
 from router.cluster.coordinator import EtcdCoordinator
 from router.cluster.fleet_gate import FleetGate
-from router.cluster.keys import ClusterKeys, decode
+from router.cluster.etcd_keys import ClusterKeys, decode
 from router.cluster.mirror import Change, Mirror
 from router.cluster.replica import Membership
 from router.core.coordination import Ticket, while_owned

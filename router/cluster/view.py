@@ -15,7 +15,7 @@ from aiohttp import web
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from router.cluster.etcd_types import EtcdError
-from router.cluster.keys import decode
+from router.cluster.etcd_keys import decode
 from router.cluster.runtime import Cluster
 
 LEASE_INFO_TIMEOUT_S = 1.0

@@ -52,7 +52,7 @@ try:
     from kubernetes_asyncio import config as k8s_config
     from kubernetes_asyncio import watch as k8s_watch
     from kubernetes_asyncio.client.exceptions import ApiException
-except ImportError:  # optional: refused with one line at start-up (server/worker_sources.py)
+except ImportError:  # optional: refused with one line at start-up (server/source_builder.py)
     k8s_client = None
 
 MISSING_CLIENT = ("--service-discovery needs the Kubernetes client: pip install 'pd-router[k8s]' "

@@ -299,7 +299,7 @@ class WorkerSourcesConfig:
 
 @dataclass(frozen=True, slots=True)
 class TraceConfig:
-    """OpenTelemetry traces over OTLP (router/obs/tracing.py): SGLang's and sgl-router's flags."""
+    """OpenTelemetry traces over OTLP (router/obs/otel_tracing.py): SGLang's and sgl-router's flags."""
 
     enabled: bool = False
     otlp_traces_endpoint: str = "localhost:4317"  # gRPC: host:port; http/protobuf: the collector's URL

@@ -2,7 +2,7 @@
 
 The request path holds a `RequestTracer` or None: with tracing off it is None, nothing of OpenTelemetry is
 imported and a request pays one `is None` test per place a span would be touched. The implementation, over
-the OpenTelemetry SDK and its OTLP exporters, is `router/obs/tracing.py`, built by the composition root only
+the OpenTelemetry SDK and its OTLP exporters, is `router/obs/otel_tracing.py`, built by the composition root only
 when tracing is on.
 
 Shape of a traced request (SGLang 0.5.23 reads `traceparent`/`tracestate` on /generate and the OpenAI routes,

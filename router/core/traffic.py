@@ -2,7 +2,7 @@
 
 Fleet-wide operations (weight updates, pause, memory release, abort) need to close admission's gate (new requests wait) and to tell
 the request path what to do with requests the router is about to abort. They call this interface; the
-request path implements it (`router/dataplane/traffic.py`), so flows never reach into its internals.
+request path implements it (`router/dataplane/path_control.py`), so flows never reach into its internals.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ import os
 import sys
 from typing import Callable
 
-from router.ctl import actions, operations, views
+from router.ctl import actions, follow_operations, views
 from router.ctl.client import AdminClient, CtlError
 from router.ctl.render import Console
 
@@ -61,7 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--wide", action="store_true", help="also request counts and the state/health reasons")
     command("health", views.health, "router readiness, pools, each worker's probes and breaker (exit 1 if not ready)")
 
-    p = command("convert", operations.convert, "convert a worker to the other role, showing each step")
+    p = command("convert", follow_operations.convert, "convert a worker to the other role, showing each step")
     p.add_argument("worker", metavar="WORKER", help="worker URL or id")
     p.add_argument("--to", required=True, choices=("prefill", "decode"), help="the new role")
     p.add_argument("--mode", default="drain", choices=("drain", "shed", "abort"),
@@ -81,7 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = command("remove", actions.remove, "remove a worker (refused while it is being converted)")
     p.add_argument("worker", metavar="WORKER", help="worker URL or id")
 
-    p = command("update-weights", operations.update_weights,
+    p = command("update-weights", follow_operations.update_weights,
                 "update every server's weights from disk: hold, quiesce, update, verify, release")
     p.add_argument("--path", required=True, help="model_path on the servers")
     p.add_argument("--version", help="the weight_version the fleet then serves")
@@ -89,21 +89,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--retry-aborted", action="store_true",
                    help="re-send aborted requests (not yet seen by their client) after the update")
     p.add_argument("--load-format", help="load_format passed to the servers")
-    p = command("update-version", operations.update_version, "relabel the fleet's weight version")
+    p = command("update-version", follow_operations.update_version, "relabel the fleet's weight version")
     p.add_argument("version", metavar="VERSION")
     p.add_argument("--drain", action="store_true", help="drain running requests instead of aborting them")
     command("rejoin", actions.rejoin, "check now whether left-out servers serve the fleet's version again")
 
-    p = command("pause", operations.pause, "pause generation on every server; new requests wait in the router")
+    p = command("pause", follow_operations.pause, "pause generation on every server; new requests wait in the router")
     p.add_argument("--mode", choices=("abort", "retract", "in_place"), help="SGLang's pause mode (default abort)")
     p.add_argument("--retry-aborted", action="store_true", help="re-send aborted requests after continue")
-    command("continue", operations.resume, "continue generation after pause")
+    command("continue", follow_operations.resume, "continue generation after pause")
     p = command("abort", actions.abort, "abort one request (by rid) or all; returns once they have ended")
     which = p.add_mutually_exclusive_group(required=True)
     which.add_argument("--rid", help="the request id")
     which.add_argument("--all", action="store_true", help="every request")
 
-    p = command("operations", operations.operations,
+    p = command("operations", follow_operations.operations,
                 "weight updates, pauses and role conversions, newest first; or one of them with its steps")
     p.add_argument("id", nargs="?", metavar="ID", help="an operation (opN) or conversion (cN) id")
     p.add_argument("--limit", type=int, default=20, help="how many (default 20)")

@@ -28,7 +28,7 @@ from router.dataplane.aborts import aborted_before_first_token, some_sequence_ab
 from router.dataplane.attempt import Attempt, Leg, LegFailed, answer_signature, first_done
 from router.dataplane.live import LiveRequests
 from router.dataplane.logprobs import index_prefill_events, merge_answer
-from router.dataplane.relay import KEEPALIVE_COMMENT, ClientGone, relay
+from router.dataplane.stream_relay import KEEPALIVE_COMMENT, ClientGone, relay
 from router.dataplane.sse import RESPONSE_HEADERS
 from router.dataplane.upstream_http import (LocalResourceError, UpstreamError, UpstreamPool, UpstreamProtocolError,
                                             UpstreamResponse, UpstreamSilent)

@@ -1,7 +1,7 @@
 """The live requests of the router: every attempt in flight, indexed by rid.
 
 The request path adds an attempt once its pair and rids are chosen and removes it when the attempt ends;
-the flows read and mark it through `RequestPathControl` (dataplane/traffic.py): to abort one request on
+the flows read and mark it through `RequestPathControl` (dataplane/path_control.py): to abort one request on
 exactly the two servers that hold it, or to mark every request on a set of servers before the router aborts
 them (so the request path can tell a router-made abort from a failure, and knows whether to re-send or to
 answer with the abort).

@@ -32,11 +32,11 @@ from router.dataplane.aborts import abort_response
 from router.dataplane.admission import Admission
 from router.dataplane.attempt import Attempt, LegFailed
 from router.dataplane.dispatch import Dispatcher
-from router.dataplane.dp_ranks import RankPlacer, complete_client_ranks, has_client_ranks
+from router.dataplane.rank_placement import RankPlacer, complete_client_ranks, has_client_ranks
 from router.dataplane.leg_room import LegRoom
 from router.dataplane.live import LiveRequests
 from router.dataplane.pd_admission import PdAdmission
-from router.dataplane.relay import ClientGone, end_stream_with_error
+from router.dataplane.stream_relay import ClientGone, end_stream_with_error
 from router.dataplane.upstream_http import UpstreamPool, header_lines
 
 logger = logging.getLogger(__name__)
@@ -60,7 +60,7 @@ class Proxy:
                  ranks: RankPlacer | None = None) -> None:
         """`policies`: each pool's policy (the dict is kept: admin views and upkeep read the same objects).
         `tracer`: with --enable-trace, makes each request's span (None: no tracing, no cost).
-        `ranks`: `--dp-aware`'s rank choice (router/dataplane/dp_ranks.py); None: bodies go out as the client sent
+        `ranks`: `--dp-aware`'s rank choice (router/dataplane/rank_placement.py); None: bodies go out as the client sent
         them (a client's own rank fields checked and completed)."""
         self.config = config
         self._tracer = tracer

@@ -6,7 +6,7 @@ from __future__ import annotations
 from aiohttp import web
 
 from router.api import control as api_control
-from router.api import conversion as api_conversion
+from router.api import conversion_endpoints as api_conversion
 from router.api import health_view as api_health
 from router.api import info as api_info
 from router.api import metrics_view as api_metrics

@@ -38,8 +38,8 @@ from aiohttp import web
 from policies import Policy, make_policy
 from router.api.info import SHARED_ROUTES
 from router.api.probes import SHARED_ROUTES as PROBE_ROUTES
-from router.api.rl.relay import RELAY, Relay
-from router.api.rl.workers import FACTS, LaunchFactsCache
+from router.api.rl.engine_relay import RELAY, Relay
+from router.api.rl.worker_rows import FACTS, LaunchFactsCache
 from router.api.shared_answers import SHARED_ANSWERS, SharedAnswers
 from router.control.live_state import LIVE_STATE, LiveStateReader
 from router.control.health import HEALTH, HealthMonitor
@@ -60,10 +60,10 @@ from router.core.traffic import RequestPathControl
 from router.core.worker_tls import worker_ssl_context
 from router.core.worker_url import identity
 from router.dataplane.admission import ADMISSION, Admission
-from router.dataplane.dp_ranks import RankPlacer
+from router.dataplane.rank_placement import RankPlacer
 from router.dataplane.pd_admission import PdAdmissionCollector
 from router.dataplane.proxy import PROXY, Proxy
-from router.dataplane.traffic import DataplaneControl
+from router.dataplane.path_control import DataplaneControl
 from router.dataplane.upstream_http import UpstreamPool
 from router.flows.conversion import CONVERSIONS, Conversions
 from router.flows.rebalancer import REBALANCER, FlowConverter, Rebalancer
@@ -76,7 +76,7 @@ from router.flows.worker_lifecycle import WORKER_LIFECYCLE, WorkerLifecycle
 from router.obs import logs
 from router.obs.metrics import METRICS, BurstLimitsCollector, RouterMetrics, metrics_port
 from router.obs.policy_metrics import PolicyCollector
-from router.server import policy_runtime, worker_sources
+from router.server import policy_runtime, source_builder
 from router.server.replica_info import REPLICA
 
 logger = logging.getLogger(__name__)
@@ -107,7 +107,7 @@ async def assemble(app: web.Application, stack: contextlib.AsyncExitStack) -> No
     # ---- traces (--enable-trace): OpenTelemetry imported only then; closed last, after the legs -----------------
     tracing = None
     if config.trace.enabled:
-        from router.obs.tracing import TRACING, Tracing
+        from router.obs.otel_tracing import TRACING, Tracing
 
         tracing = app[TRACING] = Tracing(config.trace)
         stack.push_async_callback(tracing.close)
@@ -155,7 +155,7 @@ async def assemble(app: web.Application, stack: contextlib.AsyncExitStack) -> No
     stack.push_async_callback(live_state.close)
     worker_lifecycle = app[WORKER_LIFECYCLE] = WorkerLifecycle(config, registry, upstream, live_state, coordinator,
                                                                 app[WORKER_ALLOW])
-    sources = app[WORKER_SOURCES] = worker_sources.build(config, registry, *_worker_api(worker_lifecycle, upstream,
+    sources = app[WORKER_SOURCES] = source_builder.build(config, registry, *_worker_api(worker_lifecycle, upstream,
                                                                                         config))
     stack.push_async_callback(sources.close)
     _register_command_line(config, registry, coordinator, live_state)

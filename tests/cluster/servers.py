@@ -4,7 +4,7 @@ cluster's own record of the workers (read from etcd): what the removal and chaos
 from __future__ import annotations
 
 from router.cluster.etcd import EtcdClient
-from router.cluster.keys import ClusterKeys, decode
+from router.cluster.etcd_keys import ClusterKeys, decode
 from simulator.fleet import Fleet, WorkerHandle
 from simulator.worker import Worker
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from router.cluster.keys import ClusterKeys, decode, encode, worker_scope
-from router.cluster.records import hold_of, same, state_of, worker_record
+from router.cluster.etcd_keys import ClusterKeys, decode, encode, worker_scope
+from router.cluster.shared_records import hold_of, same, state_of, worker_record
 from router.core.registry import Registry, Role, WorkerState
 from router.core.routability import HoldKind
 

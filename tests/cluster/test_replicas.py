@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from router.cluster.keys import decode
+from router.cluster.etcd_keys import decode
 from router.core.keys import COORDINATOR
 from router.flows.rebalancer import REBALANCER
 from router.flows.fleet_control import FLEET_CONTROL

@@ -4,7 +4,7 @@
     GET       /v1/rl/workers/{id}                    one row; 404 worker_not_found
     GET|POST  /v1/rl/workers/{id}/engine/{path}      one server's answer in SMG's call envelope (relay.py)
     GET|POST  /v1/rl/engine/{path}?selector=...      every selected server (selector.py): fleet operations
-                                                     through the router's flows (fleet.py), the rest relayed
+                                                     through the router's flows (fleet_fanouts.py), the rest relayed
 
 The routes are admin routes (access.py: not public, not generation), so `smg.rl.RL(url, api_key=...)`'s
 Bearer key is the router's admin key. Errors are the router's error object with SMG's error code as
@@ -19,11 +19,11 @@ from __future__ import annotations
 from aiohttp import web
 
 from router.api.access import JSON_BODY
-from router.api.rl import fleet
-from router.api.rl.relay import (FLEET_ONLY_PATHS, RELAY, engine_path, forwarded_headers, query_without_selector,
+from router.api.rl import fleet_fanouts
+from router.api.rl.engine_relay import (FLEET_ONLY_PATHS, RELAY, engine_path, forwarded_headers, query_without_selector,
                                  rl_error)
 from router.api.rl.selector import SelectorError, parse
-from router.api.rl.workers import FACTS, PROTOCOL_VERSION, row_of, selector_keys, sorted_by_url
+from router.api.rl.worker_rows import FACTS, PROTOCOL_VERSION, row_of, selector_keys, sorted_by_url
 from router.core.errors import json_response
 from router.core.keys import REGISTRY
 from router.core.registry import Worker
@@ -88,8 +88,8 @@ async def engine_fanout(request: web.Request) -> web.Response:
         raise rl_error(400, "no_workers_match", f"no worker matches the selector {text!r} (GET /v1/rl/workers "
                                                 "lists the workers and their labels)", selector=text)
     body = request.get(JSON_BODY)
-    if fleet.is_fleet_operation(request.method, path):
-        status, answer = await fleet.run(request.app, path, targets, text, body or {})
+    if fleet_fanouts.is_fleet_operation(request.method, path):
+        status, answer = await fleet_fanouts.run(request.app, path, targets, text, body or {})
     else:
         status, answer = await request.app[RELAY].many(targets, request.method, path + query_without_selector(request),
                                                        body, forwarded_headers(request))

@@ -28,7 +28,7 @@ from router.api.bodies import parse_body
 from router.api.control import init_update_group
 from router.api.control_bodies import (BROADCAST_BODIES, UPDATE_BODIES, AbortRequest, ContinueGeneration,
                                        InitUpdateGroup, PauseGeneration, ReleaseMemory, ResumeMemory)
-from router.api.rl.relay import fanout_answer, rl_error
+from router.api.rl.engine_relay import fanout_answer, rl_error
 from router.core.errors import BadRequest
 from router.core.keys import CONFIG, REGISTRY
 from router.core.registry import Worker
