@@ -134,10 +134,12 @@ async def test_sigterm_during_a_drain_conversion_rolls_it_back_and_leaves_the_se
     async with Fleet(1, 2, **SIM) as fleet, \
             RouterProcess(fleet, "--shutdown-grace-secs", "3", log_path=tmp_path / "router.log") as router, \
             aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as clients:
-        target = fleet.decode[0]
         requests = [asyncio.ensure_future(generate(clients, router.url, f"r{i}", LONG_TOKENS, stream=True))
                     for i in range(4)]
         await wait_for(lambda: running_on_decode(fleet, {f"r{i}" for i in range(4)}), timeout=10)
+        # a decode the requests run on (the policy may have sent all four to one of the two: the other would
+        # drain at once and switch before the signal lands)
+        target = [h for h in fleet.decode if (await fleet.state(h))["running_rids"]][0]
         status, answer = await router.call(f"/admin/workers/{quote(target.url, safe='')}/convert",
                                           {"mode": mode, "wait": False})
         assert status in (200, 202), answer
