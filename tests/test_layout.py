@@ -272,6 +272,29 @@ def repeated_module_names(root: Path) -> list[str]:
     return [f"{name}: {', '.join(paths)}" for name, paths in sorted(where.items()) if len(paths) > 1]
 
 
+OWNERSHIP_KERNEL = "router/flows/ownership.py"
+OPERATION_CALLS = frozenset({"acquire", "release", "progress", "stop_routing", "inflight_elsewhere",
+                             "wait_idle_elsewhere", "wait_lost"})
+
+
+def operations_owned_by_hand(root: Path) -> list[str]:
+    """A flow owns an operation only through `Owned` (flows/ownership.py): no flow calls the coordinator's
+    operation calls or `while_owned` itself, so none keeps a ticket or wraps a lost lease its own way."""
+    wrong = []
+    for path in sorted((root / "router" / "flows").rglob("*.py")):
+        if path.relative_to(root).as_posix() == OWNERSHIP_KERNEL:
+            continue
+        for node in ast.walk(tree_of(path)):
+            if not isinstance(node, ast.Call):
+                continue
+            func = node.func
+            if isinstance(func, ast.Attribute) and func.attr in OPERATION_CALLS and _name(func.value) == "coordinator":
+                wrong.append(f"{path.relative_to(root)}:{node.lineno}: coordinator.{func.attr}")
+            elif _name(func) == "while_owned":
+                wrong.append(f"{path.relative_to(root)}:{node.lineno}: while_owned")
+    return wrong
+
+
 def _name(node: ast.AST) -> str | None:
     if isinstance(node, ast.Name):
         return node.id
@@ -330,6 +353,11 @@ def test_no_two_modules_share_a_name():
     assert not wrong, "\n".join(wrong)
 
 
+def test_flows_own_operations_only_through_the_kernel():
+    wrong = operations_owned_by_hand(ROOT)
+    assert not wrong, "\n".join(wrong)
+
+
 def test_one_free_port_helper():
     wrong = free_port_copies(ROOT)
     assert not wrong, "\n".join(wrong)
@@ -384,6 +412,12 @@ PLANTS = {
         app_lookups, "router/obs/planted.py", "async def mw(request, handler):\n    m = request.app.get(KEY)\n"),
     "a module named as one of another layer": (
         repeated_module_names, "router/flows/registry.py", "x = 1\n"),
+    "a flow that takes a ticket itself": (
+        operations_owned_by_hand, "router/flows/planted.py",
+        "async def f(self):\n    self.ticket = await self.coordinator.acquire('x', 'fleet', {})\n"),
+    "a flow that runs its waits under the lease itself": (
+        operations_owned_by_hand, "router/flows/planted.py",
+        "from router.core.coordination import while_owned\nasync def f(c, t, w):\n    await while_owned(c, t, w)\n"),
     "a free port of the simulator's own": (
         free_port_copies, "simulator/planted.py",
         "import socket\ndef free_port():\n    with socket.socket() as sock:\n"

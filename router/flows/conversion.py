@@ -27,24 +27,26 @@ import collections
 import itertools
 import logging
 import math
-from typing import Any, Awaitable, Callable
+from typing import Any, Awaitable, Callable, TypeVar
 
 from aiohttp import web
 
 from router.control.live_state import rejoin_check
 from router.control.upstream import Upstream
-from router.core.coordination import Coordinator, StopAction, StopReport, Ticket, while_owned, worker_scope
+from router.core.coordination import Coordinator, StopAction, Ticket, worker_scope
 from router.core.errors import Conflict, RouterError, ServiceUnavailable
 from router.core.reabort import abort_until_ended
 from router.core.registry import Registry, Role, Worker, WorkerState
 from router.core.traffic import RequestPathControl
 from router.flows.conversion_record import Conversion, ConversionOutcome, DrainMode, Plan
 from router.flows.fleet import Quiet, wait_quiet
+from router.flows.ownership import Owned
 from router.flows.conversion_recovery import recover_conversion
 from router.flows.role_switch import RoleSwitch
 from router.flows.steps import Step, StepFailed, run_step
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 VERIFY_TIMEOUT_SECS = 15.0
 HISTORY_SIZE = 100
@@ -76,7 +78,6 @@ class Conversions:
         # this conversion across all of them, and every replica stops routing to it before it drains.
         self.coordinator = coordinator
         self.traffic = traffic  # the request path's live requests: `shed` mode re-sends some of them
-        self._tickets: dict[str, Ticket] = {}  # by conversion id
         self._ids = itertools.count(1)
         self._running: dict[str, Conversion] = {}  # by worker id
         self._tasks: dict[str, asyncio.Task] = {}  # by conversion id
@@ -120,27 +121,28 @@ class Conversions:
                    "new_role": new_role.value, "mode": plan.mode.value,
                    "switch_timeout_s": _positive(plan.switch_timeout_s, self.switch_timeout_s)}
         try:
-            ticket = await self.coordinator.acquire("conversion", worker_scope(worker.url), details)
+            owned = await Owned.acquire(self.coordinator, "conversion", worker_scope(worker.url), details)
         except RouterError as error:
             conversion = Conversion(id=f"c{next(self._ids)}", worker_id=worker.id, worker_url=worker.url,
                                     old_role=worker.role, new_role=new_role, mode=plan.mode)
             self._refuse(conversion, error.message, error.status)
             raise
         try:
-            conversion = self.start(worker, plan, ticket)
+            conversion = self.start(worker, plan, owned)
         except BaseException as exc:
-            await self.coordinator.release(ticket, "refused", str(exc))
+            await owned.release("refused", str(exc))
             raise
         if conversion is None:
-            await self.coordinator.release(ticket, "unchanged")
+            await owned.release("unchanged")
         return conversion
 
-    def start(self, worker: Worker, plan: Plan, ticket: Ticket | None = None) -> Conversion | None:
+    def start(self, worker: Worker, plan: Plan, owned: Owned | None = None) -> Conversion | None:
         """Check, take the worker out of routing and run the flow in the background.
 
         Returns None when the worker already has the asked role (nothing to do). Raises Conflict, after
         recording the refusal, when the conversion must not start. Everything up to taking the worker out of
-        routing happens without awaiting, so two concurrent calls cannot both pass the checks."""
+        routing happens without awaiting, so two concurrent calls cannot both pass the checks. `owned`: the
+        worker's conversion across the router replicas (`begin`); none: nobody else to agree with."""
         new_role = plan.new_role or worker.role.opposite
         refusal = self._busy(worker)
         if refusal is None and new_role is worker.role:
@@ -151,8 +153,6 @@ class Conversions:
         if refusal is not None:
             self._refuse(conversion, refusal, 409)
             raise Conflict(refusal, conversion_id=conversion.id)
-        if ticket is not None:
-            self._tickets[conversion.id] = ticket
         self._running[worker.id] = conversion
         self._remember(conversion)
         if plan.mode is DrainMode.DRAIN:
@@ -164,7 +164,7 @@ class Conversions:
             self._set(worker, conversion, WorkerState.ABORTING, "abort", "aborting its requests")
         logger.info("conversion %s: %s %s -> %s (%s mode) started", conversion.id, worker.url, worker.role,
                     new_role, plan.mode)
-        task = self.spawn(self._run(conversion, worker, plan))
+        task = self.spawn(self._run(conversion, worker, plan, owned or Owned.alone(self.coordinator)))
         self._tasks[conversion.id] = task
         task.add_done_callback(lambda _t, cid=conversion.id: self._tasks.pop(cid, None))
         return conversion
@@ -228,7 +228,7 @@ class Conversions:
                                                f"{conversion.new_role} ({conversion.mode}): {detail}")
 
     # ---- the flow ----------------------------------------------------------------------------------
-    async def _run(self, conversion: Conversion, worker: Worker, plan: Plan) -> None:
+    async def _run(self, conversion: Conversion, worker: Worker, plan: Plan, owned: Owned) -> None:
         switch_called = False
         try:
             try:
@@ -236,13 +236,14 @@ class Conversions:
                 if plan.mode is not DrainMode.ABORT:
                     action = StopAction.SHED if plan.mode is DrainMode.SHED else StopAction.ROUTING
                     await self._step(conversion, "drain", empty_timeout,
-                                     lambda s: self._owned(conversion, self._drain(conversion, worker, s, action)),
+                                     lambda s: self._while_owned(owned, self._drain(owned, worker, s, action)),
                                      on_timeout=lambda s: self._empty_timeout(worker, s, "drain"))
                 else:
                     await self._step(conversion, "abort", empty_timeout,
-                                     lambda s: self._owned(conversion, self._abort(conversion, worker, s)),
+                                     lambda s: self._while_owned(owned, self._abort(conversion, owned, worker, s)),
                                      on_timeout=lambda s: self._empty_timeout(worker, s, "abort"))
-                await self._progress(conversion, "switch")  # another replica taking it over knows from here on
+                # another replica taking it over knows from here on
+                await self._while_owned(owned, owned.progress("switch"))
                 self._set(worker, conversion, WorkerState.CONVERTING, "switch", "the server is switching role")
                 switch_called = True
                 answer = await self._step(
@@ -278,9 +279,8 @@ class Conversions:
                 del self._running[worker.id]
             if not conversion.done.is_set():  # defensive: every path above finishes the record
                 self._finish(conversion, ConversionOutcome.FAILED, "conversion ended without an outcome", 500)
-            ticket = self._tickets.pop(conversion.id, None)
-            if ticket is not None:  # its outcome shared before anyone hears it (shielded: a shutdown waits)
-                await asyncio.shield(self.coordinator.release(ticket, str(conversion.outcome), conversion.message))
+            # its outcome shared before anyone hears it (shielded: a shutdown waits)
+            await owned.release(str(conversion.outcome), conversion.message)
             conversion.settled.set()
 
     async def _step(self, conversion: Conversion, name: str, deadline_s: float,
@@ -301,76 +301,53 @@ class Conversions:
                    step.duration_s or 0.0, f" ({step.message})" if step.message else "")
 
     # ---- emptying the worker -----------------------------------------------------------------------
-    async def _drain(self, conversion: Conversion, worker: Worker, step: Step, action: StopAction) -> None:
+    async def _drain(self, owned: Owned, worker: Worker, step: Step, action: StopAction) -> None:
         """Every replica, this one first, stops routing to the worker; with SHED each also marks its requests on
         it that still wait on their prefill to be re-sent and aborts them on both their servers (the prefill
         drops them from its queues). This one's are aborted again while they have not ended (an abort can reach
         a server before the request does). Then the wait for the rest."""
-        report = await self._report(conversion, worker, action)
+        report = await owned.stop_routing([worker], action)
         if action is StopAction.SHED:
             step.details["resent"] = report.marked
         here = list(report.here)
         resending = self.spawn(abort_until_ended(lambda: self.traffic.still_live(here), self.traffic.abort,
                                                  math.inf)) if here else None
         try:
-            await self._wait_quiet(conversion, worker, step, abort=False)
+            await self._wait_quiet(owned, worker, step, abort=False)
         finally:
             if resending is not None:
                 resending.cancel()
 
-    async def _stop(self, conversion: Conversion, worker: Worker, action: StopAction) -> int:
-        """Every router replica, this one first, stopped routing to the worker and did `action` (EPOCH: their
-        requests on it are router-aborted from here on); how many requests they had on it (EPOCH) or marked
-        (`stop_here`'s count, at every replica)."""
-        return (await self._report(conversion, worker, action)).marked
-
-    async def _report(self, conversion: Conversion, worker: Worker, action: StopAction) -> StopReport:
-        """`_stop`, and the whole report (SHED: `here`, this replica's requests marked, for it to abort)."""
+    @staticmethod
+    async def _while_owned(owned: Owned, work: Awaitable[T]) -> T:
+        """The steps before the switch, ended the moment this replica stops owning the conversion (its lease
+        ended) or the replicas cannot confirm what it asks of them: nothing was asked of the server yet, so
+        that is a safe failure (503, naming why)."""
         try:
-            return await self.coordinator.stop_routing(self._tickets.get(conversion.id), [worker], action)
+            return await owned.run(work)
         except ServiceUnavailable as exc:
             raise StepFailed(exc.message, safe=True, status=503) from None
 
-    async def _owned(self, conversion: Conversion, work: Awaitable[None]) -> None:
-        """An emptying step's waits, ended the moment this replica stops owning the conversion (its lease
-        ended): nothing was asked of the server yet, so the step fails safely (503, naming why)."""
-        try:
-            await while_owned(self.coordinator, self._tickets.get(conversion.id), work)
-        except ServiceUnavailable as exc:
-            raise StepFailed(exc.message, safe=True, status=503) from None
-
-    async def _progress(self, conversion: Conversion, step: str) -> None:
-        ticket = self._tickets.get(conversion.id)
-        if ticket is not None:
-            try:
-                await self.coordinator.progress(ticket, step)
-            except ServiceUnavailable as exc:
-                raise StepFailed(exc.message, safe=True, status=503) from None
-
-    async def _abort(self, conversion: Conversion, worker: Worker, step: Step) -> None:
+    async def _abort(self, conversion: Conversion, owned: Owned, worker: Worker, step: Step) -> None:
         # Marked first (the abort epochs): a request aborted by these calls is recognisable as router-aborted.
         # The router's requests on the worker are counted once: it is out of routing, so a later round finds
         # the same requests (still ending), not new ones.
-        stopped = await self._stop(conversion, worker, StopAction.EPOCH)
+        stopped = (await owned.stop_routing([worker], StopAction.EPOCH)).marked
         try:
-            await self._wait_quiet(conversion, worker, step, abort=True)
+            await self._wait_quiet(owned, worker, step, abort=True)
         finally:
             self._notify("abort_all", conversion, inflight=stopped, aborts=step.attempts)
 
-    async def _wait_quiet(self, conversion: Conversion, worker: Worker, step: Step, *, abort: bool) -> None:
+    async def _wait_quiet(self, owned: Owned, worker: Worker, step: Step, *, abort: bool) -> None:
         """The fleet's idle wait on this one server (`wait_quiet`): no replica has a request on it, then the
         server reports nothing running, waiting or queued; with `abort`, abort_all sent and sent again while
         it is busy. The step's deadline (`run_step`) bounds it; what is still busy is on the step meanwhile."""
-        ticket = self._tickets.get(conversion.id)
-        elsewhere = (lambda w: self.coordinator.inflight_elsewhere(ticket, w)) if ticket is not None else \
-            (lambda w: 0)
-
         def watch(progress: Quiet) -> None:
             step.attempts = progress.aborts_sent
             step.message = _busy_message(progress.busy[0]) if progress.busy else ""
 
         quiet = await wait_quiet(self.registry, self.upstream, [worker], math.inf, abort=abort,
-                                 elsewhere=elsewhere, watch=watch)
+                                 elsewhere=owned.inflight_elsewhere, watch=watch)
         step.attempts = quiet.aborts_sent
         step.details.update(router_idle_s=round(quiet.router_idle_s or 0.0, 6), server_polls=quiet.server_polls,
                             server_idle_after_s=round(quiet.duration_s - (quiet.router_idle_s or 0.0), 6))
@@ -446,17 +423,11 @@ class Conversions:
         ready and on the fleet's weights (`discovery.rejoin_check`: never a silent mix of weights)."""
         if worker.state is not WorkerState.FAILED:
             raise Conflict(f"worker {worker.id} is {worker.state}, not failed: nothing to reinstate")
-        ticket = await self.coordinator.acquire("reinstate", worker_scope(worker.url), {"worker_url": worker.url})
-        outcome, message = "failed", ""
-        try:
-            message = await while_owned(self.coordinator, ticket, self._reinstate(worker, timeout))
-            outcome = "reinstated"
+        async with await Owned.acquire(self.coordinator, "reinstate", worker_scope(worker.url),
+                                       {"worker_url": worker.url}) as owned:
+            message = await owned.run(self._reinstate(worker, timeout))
+            owned.ended("reinstated", message)
             return message
-        except RouterError as error:
-            message = error.message
-            raise
-        finally:
-            await asyncio.shield(self.coordinator.release(ticket, outcome, message))
 
     async def _reinstate(self, worker: Worker, timeout: float) -> str:
         live = await rejoin_check(self.registry, self.upstream, worker, what="reinstate", timeout=timeout)

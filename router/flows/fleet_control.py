@@ -182,9 +182,9 @@ class FleetControl:
         # every replica, this one first, holds and marks its own requests (re-sent or answered with their abort,
         # before the servers abort them), and tells what it still has on the servers
         action = StopAction.ROUTING if not abort else StopAction.RETRY if retry else StopAction.ANSWER
-        stopped = await self.coordinator.stop_routing(op.ticket, workers, action)
+        stopped = await op.owned.stop_routing(workers, action)
         quiet = await wait_quiet(self.registry, self.upstream, workers, time.monotonic() + timeout, abort=abort,
-                                 elsewhere=lambda w: self.coordinator.inflight_elsewhere(op.ticket, w))
+                                 elsewhere=op.owned.inflight_elsewhere)
         op.quiesce_s = time.monotonic() - op.started
         if abort:
             await stopped.wait_all_ended(op.started + timeout - time.monotonic())

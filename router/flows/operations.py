@@ -11,8 +11,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Awaitable, Callable
 
-from router.core.coordination import FLEET, Coordinator, Ticket, while_owned
+from router.core.coordination import FLEET, Coordinator
 from router.core.errors import Conflict, RouterError, ServiceUnavailable
+from router.flows.ownership import Owned
 from router.flows.steps import Step
 
 logger = logging.getLogger(__name__)
@@ -43,7 +44,7 @@ class Operation:
     weight_version: str | None = None
     workers: list[dict] = field(default_factory=list)
     duration_s: float | None = None
-    ticket: Ticket | None = None  # its right to run, given by the coordinator (fleet-wide across replicas)
+    owned: Owned | None = None  # its right to run, given by the coordinator (fleet-wide across replicas)
     lost: str | None = None  # why this replica stopped owning it mid-way (its lease ended), if it did
     # The step from which servers may have changed (a weight update's `update`): before it, the operation can be
     # rolled back at shutdown; from it on, a replica that loses it leaves the fleet's hold for its taker-over.
@@ -85,7 +86,7 @@ class Operation:
                 "finished_requests": self.finished_requests,
                 "held_requests": self.held_requests, "weight_version": self.weight_version,
                 "steps": [s.to_dict() for s in self.steps], "workers": self.workers,
-                "cluster_op": self.ticket.op_id if self.ticket is not None else None}
+                "cluster_op": self.owned.op_id if self.owned is not None else None}
 
 
 def _round(value: float | None) -> float | None:
@@ -175,8 +176,8 @@ class OperationRunner:
                            current=busy) from None
         try:
             self._refuse_while_shutting_down(shutting_down)  # it waited for its turn: check again
-            op.ticket = await self.coordinator.acquire(kind, FLEET, {"options": options, "local_id": op.id},
-                                                       wait_s=max(op.started + self.timeout_s - time.monotonic(), 0))
+            op.owned = await Owned.acquire(self.coordinator, kind, FLEET, {"options": options, "local_id": op.id},
+                                           wait_s=max(op.started + self.timeout_s - time.monotonic(), 0))
         except BaseException:
             self.lock.release()
             raise
@@ -189,7 +190,7 @@ class OperationRunner:
 
         try:
             # every wait of the operation ends when this replica stops owning it (503 naming why)
-            status, answer = await while_owned(self.coordinator, op.ticket, body(op), lost)
+            status, answer = await op.owned.run(body(op), lost)
             return status, answer
         except asyncio.CancelledError:
             if not self._rolling_back:
@@ -208,7 +209,7 @@ class OperationRunner:
         finally:
             op.finish(status, str(answer.get("message", "")))
             # what it changed is shared before its caller hears the answer (shielded: a shutdown waits for it)
-            await asyncio.shield(self.coordinator.release(op.ticket, op.state, op.message))
+            await op.owned.release(op.state, op.message)
             self.current = None
             self._task = None
             self._rolling_back = False

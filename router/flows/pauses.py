@@ -44,14 +44,14 @@ class Pauses:
         workers = fleet.targets()
         # every replica, this one first, marks its requests (abort mode) and tells what it has on the servers
         action = StopAction.ROUTING if mode != "abort" else StopAction.RETRY if retry else StopAction.ANSWER
-        stopped = await fleet.coordinator.stop_routing(op.ticket, workers, action)
+        stopped = await op.owned.stop_routing(workers, action)
         step = op.step("pause", timeout)
         results = await fleet.sent(fan_out(workers, lambda w: fleet.call(w, "/pause_generation", body, timeout)))
         step.end("ok" if all(o.success for o in results) else "failed", summary(results, "pause_generation"))
         if mode == "abort":  # the servers answered once their requests were gone; so must the router's
             step = op.step("quiesce", timeout)
             quiet = await wait_quiet(fleet.registry, fleet.upstream, workers, time.monotonic() + timeout, abort=True,
-                                     elsewhere=lambda w: fleet.coordinator.inflight_elsewhere(op.ticket, w))
+                                     elsewhere=op.owned.inflight_elsewhere)
             op.quiesce_s = time.monotonic() - op.started
             await stopped.wait_all_ended(op.started + timeout - time.monotonic())
             op.aborted_requests, op.finished_requests = stopped.ended()

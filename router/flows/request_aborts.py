@@ -10,11 +10,12 @@ from typing import Callable, Sequence
 from aiohttp import web
 
 from router.control.upstream import INFO_TIMEOUT, Upstream, fan_out
-from router.core.coordination import ABORT, Coordinator, StopAction, Ticket, while_owned
+from router.core.coordination import ABORT, Coordinator, StopAction
 from router.core.reabort import abort_until_ended
 from router.core.registry import Worker
 from router.core.traffic import AbortAction, LiveRequest, RequestPathControl
 from router.flows.fleet import WorkerResult, summary
+from router.flows.ownership import Owned
 
 
 class RequestAborts:
@@ -47,25 +48,21 @@ class RequestAborts:
     async def _abort_all(self, deadline: float) -> tuple[int, dict | None]:
         """Every request of every router replica of the fleet: each marks its own (answered with their abort)
         before the servers abort everything; the answer comes once they have all ended."""
-        ticket = await self.coordinator.acquire("abort_all", ABORT, {})
-        outcome = "failed"
-        try:
+        async with await Owned.acquire(self.coordinator, "abort_all", ABORT, {}) as owned:
             # its waits end when this replica stops owning it (503 naming why)
-            answer = await while_owned(self.coordinator, ticket, self._abort_everything(ticket, deadline))
-            outcome = "succeeded" if answer[0] == 200 else "failed"
+            answer = await owned.run(self._abort_everything(owned, deadline))
+            owned.ended("succeeded" if answer[0] == 200 else "failed")
             return answer
-        finally:
-            await asyncio.shield(self.coordinator.release(ticket, outcome))
 
-    async def _abort_everything(self, ticket: Ticket, deadline: float) -> tuple[int, dict | None]:
+    async def _abort_everything(self, owned: Owned, deadline: float) -> tuple[int, dict | None]:
         # every replica, this one first, marks all its requests to be answered with their abort
-        aborted = list((await self.coordinator.stop_routing(ticket, None, StopAction.ALL)).here)
+        aborted = list((await owned.stop_routing(None, StopAction.ALL)).here)
         results = await fan_out(self.targets(), lambda w: self._abort_call(w, {"abort_all": True}))
         pending = await self._wait_ended(aborted, deadline)
         left_elsewhere = 0
         try:
             async with asyncio.timeout(max(deadline - time.monotonic(), 0.0)):
-                await self.coordinator.wait_idle_elsewhere(ticket)
+                await owned.wait_idle_elsewhere()
         except TimeoutError:
             left_elsewhere = 1
         return self._answer(results, pending, left_elsewhere)

@@ -93,7 +93,7 @@ class WeightUpdates:
                 return fleet.quiesce_timeout_answer(op, "update")
             before = dict(zip(workers, snapshot))
 
-            await fleet.coordinator.progress(op.ticket, "update")  # a replica taking it over knows from here on
+            await op.owned.progress("update")  # a replica taking it over knows from here on
             step = op.step("update", timeout)
             results = await fleet.sent(fan_out(workers, lambda w: self._apply(kind, w, body, deadline)))
             step.end("ok" if all(o.success for o in results) else "failed", summary(results, kind))
