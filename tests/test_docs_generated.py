@@ -85,3 +85,33 @@ def test_check_mode_names_a_stale_page(tmp_path, monkeypatch, capsys):
     assert "metrics.md (metrics)" in capsys.readouterr().err
     assert gen_docs.main([]) == 0 and gen_docs.main(["--check"]) == 0
     assert stale.current() == block.render()
+
+
+def undocumented_routes(app) -> list[str]:
+    """Routes whose summary in the document is only their handler's name."""
+    from router.api.openapi import build_document, openapi_path
+
+    document = build_document(app)
+    bare = []
+    for route in app.router.routes():
+        if route.method == "HEAD" or route.resource is None:
+            continue
+        path = openapi_path(route.resource.canonical)
+        if document["paths"][path][route.method.lower()]["summary"] == route.handler.__name__.replace("_", " "):
+            bare.append(f"{route.method} {path}")
+    return bare
+
+
+def test_every_route_says_what_it_does():
+    bare = undocumented_routes(gen_docs.reference_app())
+    assert not bare, ("give these routes' handlers a docstring, or a line in router/api/openapi.py's SUMMARIES: "
+                      f"{bare}")
+
+
+def test_a_route_without_a_word_is_caught():
+    async def planted_route(request: web.Request) -> web.Response:
+        return web.Response()
+
+    app = gen_docs.reference_app()
+    app.router.add_get("/admin/planted", planted_route)
+    assert undocumented_routes(app) == ["GET /admin/planted"]

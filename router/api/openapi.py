@@ -165,8 +165,75 @@ def openapi_path(canonical: str) -> str:
     return _PARAM.sub(lambda m: "{" + m.group(1) + "}", canonical)
 
 
-def _summary(handler: Any, model: type[BaseModel] | None) -> str:
-    for doc in ((getattr(handler, "__doc__", None) or "").strip(), (model.__doc__ or "").strip() if model else ""):
+# What each route does, for the routes whose handler is shared or says nothing of itself (its docstring wins
+# where it has one): the document's `summary`, and so the docs' HTTP reference.
+SUMMARIES: dict[tuple[str, str], str] = {
+    ("GET", "/health"): "200 when each pool has a routable worker, else 503, with the pools' counts",
+    ("GET", "/health_generate"): "a generation on every worker, one fan-out at a time; non-2xx if any failed",
+    ("GET", "/flush_cache"): "flush every worker's cache; per-worker outcomes, non-2xx if any failed",
+    ("POST", "/flush_cache"): "flush every worker's cache; per-worker outcomes, non-2xx if any failed",
+    ("GET", "/get_server_info"): "every worker's /server_info, fetched concurrently (mini_lb's shape), secrets redacted",
+    ("GET", "/server_info"): "every worker's /server_info, fetched concurrently (mini_lb's shape), secrets redacted",
+    ("GET", "/model_info"): "a worker's model info, with the fleet's live weight version",
+    ("GET", "/get_model_info"): "a worker's model info, with the fleet's live weight version",
+    ("GET", "/v1/models"): "the models, from a worker",
+    ("GET", "/liveness"): "200 OK while the process serves, fleet up or not",
+    ("GET", "/readiness"): "200 while each pool has a routable worker, else 503 (insufficient healthy workers, draining)",
+    ("GET", "/get_loads"): "every worker's load report, read now",
+    ("GET", "/engine_metrics"): "every worker's /metrics in one exposition, labelled worker_addr",
+    ("GET", "/workers"): "the workers: role, state, health, breaker, in-flight, bootstrap port, weight version",
+    ("POST", "/workers"): "register a worker (sgl-router's and SMG's body); its live role and port are read",
+    ("GET", "/workers/{worker_id}"): "one worker",
+    ("DELETE", "/workers/{worker_id}"): "remove a worker: no new request goes to it, those it has finish",
+    ("PUT", "/workers/{worker_id}"): "change a worker's settings (api_key, labels, priority, cost); a role change is a conversion",
+    ("PATCH", "/workers/{worker_id}"): "change a worker's settings (api_key, labels, priority, cost); a role change is a conversion",
+    ("POST", "/add_worker"): "register a worker (query parameters url, role or worker_type, bootstrap_port)",
+    ("POST", "/remove_worker"): "remove a worker by URL",
+    ("GET", "/list_workers"): "the workers' URLs",
+    ("POST", "/convert_pd_role"): "convert a server to the opposite role (or new_role); answers when done",
+    ("POST", "/pd_role_switch"): "convert a server to new_role (mini_lb's shape); answers when done",
+    ("POST", "/admin/workers/{worker_id}/convert"): "convert a worker: mode, deadlines; the whole record with its steps",
+    ("POST", "/admin/workers/{worker_id}/reinstate"): "put a failed worker back in the role its server reports, once healthy and on the fleet's version",
+    ("GET", "/admin/conversions"): "the conversions, newest first, each step with its duration",
+    ("GET", "/admin/conversions/{conversion_id}"): "one conversion's record",
+    ("GET", "/admin/health"): "each worker's probe state, breaker phase and counts; the router's warnings",
+    ("GET", "/admin/policies"): "each pool's policy state, every worker's load as the policies see it",
+    ("GET", "/admin/rebalancer"): "the rebalancer: mode, config, counters, the last decisions with the model's reading",
+    ("PUT", "/admin/rebalancer"): "change the rebalancer's mode or any knob, live (unknown: 400, invalid: 422)",
+    ("GET", "/metrics"): "Prometheus metrics",
+    ("POST", "/abort_request"): "abort one request (by rid) or all, on both their servers; answers once they ended",
+    ("POST", "/pause_generation"): "pause the whole fleet (abort, retract or in_place), holding new requests",
+    ("POST", "/continue_generation"): "continue the whole fleet and release held requests",
+    ("POST", "/update_weights_from_disk"): "update every server from disk: hold, quiesce or abort, update, verify, release",
+    ("POST", "/update_weights_from_distributed"): "update every server over NCCL: hold, quiesce or abort, update, verify, release",
+    ("POST", "/update_weights_from_tensor"): "update every server from tensors: hold, quiesce or abort, update, verify, release",
+    ("POST", "/update_weight_version"): "relabel every server's weight version",
+    ("POST", "/init_weights_update_group"): "open the NCCL group on every server, each with ranks of its own",
+    ("POST", "/destroy_weights_update_group"): "close the NCCL group on every server",
+    ("POST", "/begin_weight_update"): "open a weight-update session on every server (many bucket calls, one session)",
+    ("POST", "/end_weight_update"): "close the weight-update session on every server",
+    ("GET", "/release_memory_occupation"): "release every server's GPU memory (colocated training)",
+    ("POST", "/release_memory_occupation"): "release every server's GPU memory (colocated training)",
+    ("GET", "/resume_memory_occupation"): "take every server's GPU memory back",
+    ("POST", "/resume_memory_occupation"): "take every server's GPU memory back",
+    ("GET", "/get_weight_version"): "the weight version the routable servers agree on, and each server's",
+    ("GET", "/weight_version"): "the weight version the routable servers agree on, and each server's",
+    ("GET", "/weight_updates"): "the fleet operations: version, pause, left-out servers, current, last, history",
+    ("GET", "/weight_updates/{op_id}"): "one fleet operation with its steps",
+    ("GET", "/v1/rl/workers"): "SMG's RL discovery rows, one per server",
+    ("GET", "/v1/rl/workers/{worker_id}"): "one server's SMG RL row",
+    ("GET", "/v1/rl/engine/{path}"): "SMG's RL fan-out to the selected servers; fleet operations run as the router's",
+    ("POST", "/v1/rl/engine/{path}"): "SMG's RL fan-out to the selected servers; fleet operations run as the router's",
+    ("POST", "/v1/rl/engine/update_weights_from_tensor"): "SMG's RL fan-out of a tensor update (bound by --max-payload-size)",
+    ("GET", "/admin/replica"): "the router replica that answered: id, pid, index, connections accepted",
+    ("GET", "/admin/cluster"): "the cluster's replicas, their leases, running operations and etcd's health",
+}
+
+
+def _summary(handler: Any, model: type[BaseModel] | None, method: str, path: str) -> str:
+    """The handler's docstring, else the line above, else the body model's docstring, else the handler's name."""
+    for doc in ((getattr(handler, "__doc__", None) or "").strip(), SUMMARIES.get((method, path), ""),
+                (model.__doc__ or "").strip() if model else ""):
         if doc:
             return " ".join(doc.split("\n\n")[0].split())[:200]
     return getattr(handler, "__name__", "").replace("_", " ")
@@ -193,7 +260,7 @@ def build_document(app: web.Application) -> dict:
         model = BODIES.get((method, path))
         operation: dict[str, Any] = {
             "operationId": method.lower() + "_" + re.sub(r"[^A-Za-z0-9]+", "_", path).strip("_"),
-            "summary": _summary(route.handler, model),
+            "summary": _summary(route.handler, model, method, path),
             "tags": [access.value],
             "responses": {"200": {"description": "done (the route's own answer)"},
                           "4XX": {"description": "the request's fault",
