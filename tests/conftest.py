@@ -15,6 +15,7 @@ from simulator.fleet import Fleet
 
 from .fakes import FakeWorker
 from .sim_support import FAST
+from .tiers import PROCESS, TierGuard, tier_of
 
 # As router/server/serving.py runs the app (the test server cancels a handler whose client leaves, as it does):
 # bodies are decoded by the app. These go to the runner: `aiohttp_client(app, server_kwargs=...)` drops them.
@@ -56,6 +57,22 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.real)
             if not enabled:
                 item.add_marker(skip)
+        item.add_marker(getattr(pytest.mark, tier_of_item(item)))
+
+
+CHECKOUT = os.path.dirname(TESTS_DIR)
+
+
+def tier_of_item(item) -> str:
+    path = os.path.relpath(str(item.fspath), CHECKOUT)
+    return PROCESS if path.startswith("tests/real/") else tier_of(path)
+
+
+@pytest.fixture(autouse=True)
+def tier_guard(request):
+    """What the test's tier forbids raises while it runs (tests/tiers.py)."""
+    with TierGuard(tier_of_item(request.node), os.path.relpath(str(request.node.fspath), CHECKOUT)):
+        yield
 
 
 @pytest.fixture
