@@ -23,7 +23,7 @@ BEGIN, END = "<!-- flags:begin (scripts/peers_doc.py) -->", "<!-- flags:end -->"
 PEERS = {"S": "sglang_router-0.3.2", "M": "smg-1.13.0"}
 CLASS_WORDS = {
     "same": "has it", "alias": "alias", "build": "to build", "ignored": "accepted, no effect",
-    "refuse": "exit 2", "issue-24": "issue 24",
+    "refuse": "exit 2",
 }
 
 

@@ -15,7 +15,7 @@ from router.server.cli import build_parser
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = ROOT / "tests" / "fixtures" / "peers"
 PEERS = ("sglang_router-0.3.2", "smg-1.13.0")
-CLASSES = {"same", "alias", "build", "ignored", "refuse", "issue-24"}
+CLASSES = {"same", "alias", "build", "ignored", "refuse"}
 
 sys.path.insert(0, str(ROOT / "scripts"))
 import peer_flags  # noqa: E402

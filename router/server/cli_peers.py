@@ -56,6 +56,8 @@ REFUSED: tuple[tuple[str, str], ...] = (
      "--priority-scheduler-enabled! --priority-scheduler-default-max-class --priority-scheduler-config "
      "--priority-scheduler-tenant-metric-top-n --tenant-rate-limit-enabled! --tenant-rate-limit-config"),
     ("the probes (/liveness, /readiness, /health) are answered on --port", "--health-check-port"),
+    ("no minimum-tokens scheduler: --dp-aware picks each leg's rank by --prefill-dp-rank-policy / "
+     "--decode-dp-rank-policy (least_loaded, round_robin, random)", "--dp-minimum-tokens-scheduler!"),
 )
 
 # A refused flag given its peer's default value asks for nothing pd-router lacks.
