@@ -17,7 +17,7 @@ from router.server.cli_groups import SECTIONS, with_other_names
 # Every option string the parser accepted before --help was split into sections (peers' refused and ignored
 # flags and the retired ones included): a flag may be added, never dropped.
 ACCEPTED_BEFORE = Path(__file__).resolve().parent / "fixtures" / "cli_flags.txt"
-HELP_COLUMNS = 100
+HELP_COLUMNS = 80  # a pipe's and a default terminal's width: argparse wraps to it
 SECTION_MAX_LINES = 40
 
 

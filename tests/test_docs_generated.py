@@ -32,7 +32,7 @@ def test_a_new_flag_shows_as_drift():
     from router.server.cli import build_parser
 
     parser = build_parser()
-    section = next(group for group in parser._action_groups if group.title == "security")
+    section = next(group for group in parser._action_groups if group.title == "security: keys")
     section.add_argument("--planted-flag", "--planted-alias", default=7, help="a flag the page lacks")
     planted = gen_docs.cli_reference(parser)
     assert planted != BLOCKS["cli"].current()

@@ -15,16 +15,21 @@ from router.server.cli_flags import Flag
 PROCESS = "the router process"
 WORKERS = "workers"
 DISCOVERY = "worker discovery"
+KUBERNETES = "Kubernetes pod discovery"
 HEALTH = "health, circuit breaker and retries"
 ROUTING = "routing and policies"
 POLICY_TUNING = "policy parameters"
+CACHE_AWARE_TUNING = "policy parameters: cache_aware"
 CONVERSION = "conversion"
 AUTOPILOT = "the autopilot"
+AUTOPILOT_BOUNDS = "the autopilot's bounds"
 RL = "weight updates and RL"
 REPLICAS = "replicas and etcd"
-SECURITY = "security"
+SECURITY = "security: keys"
+NETWORK_SECURITY = "security: networks and TLS"
 OBSERVABILITY = "observability"
-CONNECTIONS = "connections and timeouts"
+CONNECTIONS = "connections to the workers"
+CLIENT_CONNECTIONS = "client connections"
 ADMISSION = "admission and limits"
 PEERS = "peer compatibility"
 
@@ -32,17 +37,23 @@ PEERS = "peer compatibility"
 SECTIONS: tuple[tuple[str, str], ...] = (
     (PROCESS, "where the router listens and how it stops"),
     (WORKERS, "the prefill and decode servers on the command line (the API adds and removes them too)"),
-    (DISCOVERY, "workers listed in a watched file, announced in etcd or found as Kubernetes pods"),
+    (DISCOVERY, "workers listed in a watched file or announced in etcd"),
+    (KUBERNETES, "workers found as Kubernetes pods by label selectors (sgl-router's and SMG's flags)"),
     (HEALTH, "when a worker is taken out of routing and when a request is tried again"),
     (ROUTING, "which server each leg of a request goes to"),
-    (POLICY_TUNING, "the knobs of each policy (the prefix before the colon names the policy a knob tunes)"),
+    (CACHE_AWARE_TUNING, "the prefix tree and the load balance of the cache_aware policy"),
+    (POLICY_TUNING, "the knobs of the other policies (power_of_two, least_load, prefix_hash, manual, bucket) and "
+                    "of sticky routing keys"),
     (CONVERSION, "moving a server between prefill and decode (pd-router ctl convert, the autopilot)"),
     (AUTOPILOT, "the rebalancer: converts servers when its fleet model predicts a better split for the SLOs"),
+    (AUTOPILOT_BOUNDS, "what the rebalancer may never do, and how it empties a server"),
     (RL, "fleet-wide abort, pause and weight updates, and SMG's /v1/rl control plane"),
     (REPLICAS, "several router processes sharing one fleet"),
-    (SECURITY, "keys, allowed networks, TLS"),
+    (SECURITY, "who may call what: Bearer keys for clients, admins, the control plane and the workers"),
+    (NETWORK_SECURITY, "who may connect and register: allowed networks, CORS, TLS to clients and to workers"),
     (OBSERVABILITY, "metrics, logs and traces"),
-    (CONNECTIONS, "deadlines of requests and connections, upstream pools"),
+    (CONNECTIONS, "deadlines of requests and of the legs to the servers, connection bounds, upstream pools"),
+    (CLIENT_CONNECTIONS, "how long a client's connection may idle or stall, and SSE keep-alives"),
     (ADMISSION, "how many requests get in, how big they may be"),
     (PEERS, "accepted so that mini_lb's, sgl-router's and SMG's command lines start unchanged (the peers' flags "
             "pd-router refuses or ignores are not listed: see the peers' reference)"),
@@ -72,10 +83,22 @@ BY_FLAG = {
     "--rl-control-timeout-secs": RL, "--rl-fanout-concurrency": RL,
     "--replicas": REPLICAS, "--etcd-data-dir": REPLICAS,
     "--api-key": SECURITY, "--admin-api-key": SECURITY, "--control-plane-api-keys": SECURITY,
-    "--control-plane-audit-enabled": SECURITY, "--cors-allowed-origins": SECURITY, "--worker-api-key": SECURITY,
-    "--admin-allow-cidrs": SECURITY, "--worker-allow": SECURITY, "--tls-cert-path": SECURITY,
-    "--tls-key-path": SECURITY, "--client-cert-path": SECURITY, "--client-key-path": SECURITY,
-    "--ca-cert-paths": SECURITY,
+    "--control-plane-audit-enabled": SECURITY, "--worker-api-key": SECURITY,
+    "--cors-allowed-origins": NETWORK_SECURITY, "--admin-allow-cidrs": NETWORK_SECURITY,
+    "--worker-allow": NETWORK_SECURITY, "--tls-cert-path": NETWORK_SECURITY, "--tls-key-path": NETWORK_SECURITY,
+    "--client-cert-path": NETWORK_SECURITY, "--client-key-path": NETWORK_SECURITY,
+    "--ca-cert-paths": NETWORK_SECURITY,
+    "--service-discovery": KUBERNETES, "--prefill-selector": KUBERNETES, "--decode-selector": KUBERNETES,
+    "--selector": KUBERNETES, "--service-discovery-port": KUBERNETES, "--service-discovery-namespace": KUBERNETES,
+    "--bootstrap-port-annotation": KUBERNETES,
+    "--header-read-timeout-secs": CLIENT_CONNECTIONS, "--idle-connection-timeout-secs": CLIENT_CONNECTIONS,
+    "--stream-body-stall-timeout-secs": CLIENT_CONNECTIONS, "--sse-keepalive-secs": CLIENT_CONNECTIONS,
+    "--cache-threshold": CACHE_AWARE_TUNING, "--balance-abs-threshold": CACHE_AWARE_TUNING,
+    "--balance-rel-threshold": CACHE_AWARE_TUNING, "--max-tree-size": CACHE_AWARE_TUNING,
+    "--eviction-interval-secs": CACHE_AWARE_TUNING, "--prefix-chunk-chars": CACHE_AWARE_TUNING,
+    "--rebalance-failure-cooldown-secs": AUTOPILOT_BOUNDS, "--rebalance-min-prefill": AUTOPILOT_BOUNDS,
+    "--rebalance-min-decode": AUTOPILOT_BOUNDS, "--rebalance-min-samples": AUTOPILOT_BOUNDS,
+    "--rebalance-conversion-mode": AUTOPILOT_BOUNDS, "--rebalance-refill-empty-pool": AUTOPILOT_BOUNDS,
     "--prometheus-port": OBSERVABILITY, "--prometheus-host": OBSERVABILITY,
     "--prometheus-duration-buckets": OBSERVABILITY, "--log-level": OBSERVABILITY, "--log-json": OBSERVABILITY,
     "--log-dir": OBSERVABILITY, "--request-id-headers": OBSERVABILITY,
