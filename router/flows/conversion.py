@@ -23,7 +23,6 @@ in `role_switch.py`, the plan and the record in `conversion_record.py`.
 from __future__ import annotations
 
 import asyncio
-import collections
 import itertools
 import logging
 import math
@@ -38,7 +37,7 @@ from router.core.errors import Conflict, RouterError, ServiceUnavailable
 from router.core.reabort import abort_until_ended
 from router.core.registry import Registry, Role, Worker, WorkerState
 from router.core.traffic import RequestPathControl
-from router.flows.conversion_record import Conversion, ConversionOutcome, DrainMode, Plan
+from router.flows.conversion_record import Conversion, ConversionBook, ConversionOutcome, DrainMode, Plan
 from router.flows.fleet import Quiet, wait_quiet
 from router.flows.ownership import Owned
 from router.flows.conversion_recovery import recover_conversion
@@ -79,27 +78,24 @@ class Conversions:
         self.coordinator = coordinator
         self.traffic = traffic  # the request path's live requests: `shed` mode re-sends some of them
         self._ids = itertools.count(1)
-        self._running: dict[str, Conversion] = {}  # by worker id
-        self._tasks: dict[str, asyncio.Task] = {}  # by conversion id
-        self._history: collections.OrderedDict[str, Conversion] = collections.OrderedDict()
-        self._history_size = history_size
+        self.book = ConversionBook(history_size)  # what runs now and the last ones
         # (event, conversion, details): "finished" once per conversion (refusals included); "abort_all" once
         # its abort step ends, with `inflight` = the router's requests it aborted and `aborts` = abort_all sent
         self.observers = observers if observers is not None else []
 
     # ---- reads -------------------------------------------------------------------------------------
     def running(self) -> list[Conversion]:
-        return list(self._running.values())
+        return self.book.running()
 
     def history(self) -> list[Conversion]:
         """Newest first, running ones included."""
-        return list(reversed(self._history.values()))
+        return self.book.history()
 
     def get(self, conversion_id: str) -> Conversion | None:
-        return self._history.get(conversion_id)
+        return self.book.get(conversion_id)
 
     def of_worker(self, worker: Worker) -> Conversion | None:
-        return self._running.get(worker.id)
+        return self.book.of_worker(worker.id)
 
     async def recover(self, ticket: Ticket, record: dict) -> tuple[str, str]:
         """A conversion whose router replica died, recovered from its record (`core/recovery.py`)."""
@@ -153,8 +149,7 @@ class Conversions:
         if refusal is not None:
             self._refuse(conversion, refusal, 409)
             raise Conflict(refusal, conversion_id=conversion.id)
-        self._running[worker.id] = conversion
-        self._remember(conversion)
+        self.book.started(conversion)
         if plan.mode is DrainMode.DRAIN:
             self._set(worker, conversion, WorkerState.DRAINING, "drain", "no new requests; in-flight ones finish")
         elif plan.mode is DrainMode.SHED:
@@ -165,14 +160,13 @@ class Conversions:
         logger.info("conversion %s: %s %s -> %s (%s mode) started", conversion.id, worker.url, worker.role,
                     new_role, plan.mode)
         task = self.spawn(self._run(conversion, worker, plan, owned or Owned.alone(self.coordinator)))
-        self._tasks[conversion.id] = task
-        task.add_done_callback(lambda _t, cid=conversion.id: self._tasks.pop(cid, None))
+        self.book.runs_in(conversion, task)
         return conversion
 
     def _refuse(self, conversion: Conversion, refusal: str, status: int) -> None:
         self._finish(conversion, ConversionOutcome.REFUSED, refusal, status)
         conversion.settled.set()
-        self._remember(conversion)
+        self.book.remember(conversion)
         # a 503 (the replicas cannot agree now: etcd) is logged where it is answered
         logger.log(logging.INFO if status == 503 else logging.WARNING, "conversion %s of %s refused: %s",
                    conversion.id, conversion.worker_url, refusal)
@@ -180,7 +174,7 @@ class Conversions:
     def _busy(self, worker: Worker) -> str | None:
         if self.registry.find(worker.id) is not worker:
             return f"worker {worker.id} is no longer registered"
-        running = self._running.get(worker.id)
+        running = self.book.of_worker(worker.id)
         if running is not None:
             return (f"worker {worker.id} ({worker.url}) is already being converted by {running.id} "
                     f"(step {running.state}); one conversion per worker at a time")
@@ -213,14 +207,6 @@ class Conversions:
                 observe(event, conversion, details)
             except Exception:  # an observer (metrics) must not break a flow
                 logger.exception("conversion observer failed on %s", event)
-
-    def _remember(self, conversion: Conversion) -> None:
-        self._history[conversion.id] = conversion
-        while len(self._history) > self._history_size:
-            oldest_id = next(iter(self._history))
-            if self._history[oldest_id].running:  # never forget a running one; the bound is soft
-                break
-            self._history.pop(oldest_id)
 
     def _set(self, worker: Worker, conversion: Conversion, state: WorkerState, step: str, detail: str) -> None:
         conversion.state = step
@@ -275,8 +261,7 @@ class Conversions:
             failure = StepFailed(f"internal error: {type(exc).__name__}: {exc}", safe=not switch_called, status=500)
             self._end_failed(conversion, worker, failure, not switch_called)
         finally:
-            if self._running.get(worker.id) is conversion:
-                del self._running[worker.id]
+            self.book.ended(conversion)
             if not conversion.done.is_set():  # defensive: every path above finishes the record
                 self._finish(conversion, ConversionOutcome.FAILED, "conversion ended without an outcome", 500)
             # its outcome shared before anyone hears it (shielded: a shutdown waits)
@@ -451,7 +436,7 @@ class Conversions:
         server finishes a switch it has started either way, and the flow records where it ended."""
         cancelled = []
         for conversion in self.running():
-            task = self._tasks.get(conversion.id)
+            task = self.book.task_of(conversion)
             if conversion.state in ("drain", "abort") and task is not None and not task.done():
                 task.cancel()
                 cancelled.append(conversion)
@@ -463,7 +448,7 @@ class Conversions:
             await asyncio.gather(*(c.wait() for c in running))
 
     async def close(self) -> None:
-        tasks = list(self._tasks.values())
+        tasks = self.book.tasks()
         for task in tasks:
             task.cancel()
         if tasks:

@@ -1,10 +1,11 @@
 """What an operator asks of a live P/D role conversion (`Plan`) and the record the flow keeps of it
 (`Conversion`, with its steps), with how the worker is emptied (`DrainMode`) and how a conversion ended
-(`ConversionOutcome`)."""
+(`ConversionOutcome`); `ConversionBook`: which run now, on which worker, with which task, and the last ones."""
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import enum
 import time
 from dataclasses import dataclass, field
@@ -115,3 +116,53 @@ class Conversion:
             "notes": list(self.notes),
             "steps": [{"step": s.name, **s.to_dict()} for s in self.steps],  # "step": the API's first key
         }
+
+
+class ConversionBook:
+    """The conversions running (one per worker, with the task that runs each) and the last `size` of them, newest
+    last; a running one is never forgotten (the bound is soft)."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self._running: dict[str, Conversion] = {}  # by worker id
+        self._tasks: dict[str, asyncio.Task] = {}  # by conversion id
+        self._history: collections.OrderedDict[str, Conversion] = collections.OrderedDict()
+
+    def running(self) -> list[Conversion]:
+        return list(self._running.values())
+
+    def history(self) -> list[Conversion]:
+        """Newest first, running ones included."""
+        return list(reversed(self._history.values()))
+
+    def get(self, conversion_id: str) -> Conversion | None:
+        return self._history.get(conversion_id)
+
+    def of_worker(self, worker_id: str) -> Conversion | None:
+        return self._running.get(worker_id)
+
+    def task_of(self, conversion: Conversion) -> asyncio.Task | None:
+        return self._tasks.get(conversion.id)
+
+    def tasks(self) -> list[asyncio.Task]:
+        return list(self._tasks.values())
+
+    def started(self, conversion: Conversion) -> None:
+        self._running[conversion.worker_id] = conversion
+        self.remember(conversion)
+
+    def runs_in(self, conversion: Conversion, task: asyncio.Task) -> None:
+        self._tasks[conversion.id] = task
+        task.add_done_callback(lambda _t, cid=conversion.id: self._tasks.pop(cid, None))
+
+    def ended(self, conversion: Conversion) -> None:
+        if self._running.get(conversion.worker_id) is conversion:
+            del self._running[conversion.worker_id]
+
+    def remember(self, conversion: Conversion) -> None:
+        self._history[conversion.id] = conversion
+        while len(self._history) > self.size:
+            oldest_id = next(iter(self._history))
+            if self._history[oldest_id].running:
+                break
+            self._history.pop(oldest_id)
