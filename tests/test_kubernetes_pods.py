@@ -16,6 +16,7 @@ from router.core.config import DISCOVER, HealthConfig, RouterConfig, WorkerSourc
 from router.core.keys import REGISTRY
 from router.core.registry import Role, WorkerState
 from router.server.app import create_app
+from router.server.cli import config_from_args
 from simulator.fleet import Fleet
 
 from .helpers import wait_for
@@ -339,3 +340,16 @@ async def test_every_call_to_the_api_server_has_a_deadline(cluster, monkeypatch)
 
     await wait_for(cleared, timeout=15, message="listed again once it answers")
     await cluster.generate()
+
+
+def test_a_selector_written_as_kubectl_writes_it_is_the_same_selector():
+    """`app=sglang,role=prefill` (kubectl's -l form) is two labels, as `app=sglang role=prefill` is: read as one,
+    the value `sglang,role=prefill` matches no pod (no label value holds a comma) and every pod is skipped."""
+    sources = config_from_args(["--pd-disaggregation", "--service-discovery", "--prefill-selector",
+                                "app=sglang,role=prefill", "--decode-selector", "app=sglang", "role=decode"],
+                               env={}).worker_sources
+    settings = PodDiscovery.of(sources)
+    assert settings.prefill_selector == {"app": "sglang", "role": "prefill"}
+    assert settings.decode_selector == {"app": "sglang", "role": "decode"}
+    listing = judge_pod(pod("p0", "10.0.0.1", {"app": "sglang", "role": "prefill"}), settings).listing
+    assert listing is not None and listing.role is Role.PREFILL

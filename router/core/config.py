@@ -227,11 +227,12 @@ def etcd_endpoint_problems(flag: str, endpoints: tuple[str, ...]) -> list[str]:
 
 
 def selector_labels(items: tuple[str, ...]) -> tuple[dict[str, str], list[str]]:
-    """`key=value` items (one argv item may hold several, space-separated, as SMG's launcher allows) as a label
-    map, and the items that are not `key=value`."""
+    """`key=value` items (one argv item may hold several, space-separated as SMG's launcher allows, or
+    comma-joined as kubectl's `-l` takes them: no label value holds a comma) as a label map, and the items that
+    are not `key=value`."""
     labels: dict[str, str] = {}
     bad: list[str] = []
-    for token in " ".join(items).split():
+    for token in " ".join(items).replace(",", " ").split():
         key, sep, value = token.partition("=")
         if not sep or not key:
             bad.append(token)
