@@ -84,6 +84,7 @@ TIERS: dict[str, str] = {
     "tests/test_deploy_etcd.py": PROCESS,
     "tests/test_deploy_image.py": PROCESS,
     "tests/test_deploy_kubernetes.py": PROCESS,
+    "tests/test_deploy_pod_discovery.py": PROCESS,
     "tests/test_discovery_file_process.py": PROCESS,
     "tests/test_docs_site.py": PROCESS,
     "tests/test_dp_aware.py": PROCESS,
