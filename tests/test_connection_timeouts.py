@@ -21,7 +21,7 @@ from .router_process import RouterProcess
 
 
 def _legs(router):
-    return router.app[PROXY]._dispatcher.upstream  # the legs' pool, as the composition root built it
+    return router.app[PROXY].dispatcher.upstream  # the legs' pool, as the composition root built it
 
 
 async def _generate(router, **extra) -> dict:

@@ -68,7 +68,7 @@ async def sim_router(aiohttp_client):
         ).validated()
         http = await aiohttp_client(create_app(config), server_kwargs={"handler_cancellation": True})
         client = Client(http, fleet)
-        http.app[PROXY].request_observers.append(client.records.append)
+        http.app[PROXY].request_observers += (client.records.append,)
         return client
 
     yield build

@@ -295,6 +295,56 @@ def operations_owned_by_hand(root: Path) -> list[str]:
     return wrong
 
 
+# An object's observers are given at its construction (issue 32): nothing outside it adds to them afterwards,
+# which hid who is told of what until the root's last lines ran.
+ADDED_TO = frozenset({"append", "extend", "insert"})
+# The request path's objects are given their collaborators by the composition root; they build none themselves.
+GIVEN_ONLY = frozenset({"Proxy", "Dispatcher"})
+
+
+def observers_wired_afterwards(root: Path) -> list[str]:
+    """No `x.leg_observers.append(f)`, `x.request_observers += (f,)` or `x.observers = [...]` on another
+    object (`self.` is its owner's own business)."""
+    wrong = []
+    for path in sorted((root / "router").rglob("*.py")):
+        for node in ast.walk(tree_of(path)):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in ADDED_TO:
+                targets = [node.func.value]
+            elif isinstance(node, ast.AugAssign):
+                targets = [node.target]
+            elif isinstance(node, ast.Assign):
+                targets = node.targets
+            else:
+                continue
+            for target in targets:
+                if (isinstance(target, ast.Attribute) and _is_observers(target.attr)
+                        and _name(target.value) != "self"):
+                    wrong.append(f"{path.relative_to(root)}:{node.lineno}: {ast.unparse(node)[:100]}")
+    return wrong
+
+
+def _is_observers(attr: str) -> bool:
+    return attr == "observers" or attr.endswith("_observers")
+
+
+def collaborators_built_inside(root: Path) -> list[str]:
+    """`Proxy.__init__` and `Dispatcher.__init__` construct nothing (no call of a class, by its capitalised
+    name): the composition root builds the dispatcher, the live requests, the leg room and the PD admission and
+    passes them in."""
+    wrong = []
+    for path in sorted((root / "router").rglob("*.py")):
+        for node in ast.walk(tree_of(path)):
+            if not (isinstance(node, ast.ClassDef) and node.name in GIVEN_ONLY):
+                continue
+            for method in node.body:
+                if not (isinstance(method, ast.FunctionDef) and method.name == "__init__"):
+                    continue
+                wrong += [f"{path.relative_to(root)}:{call.lineno}: {node.name}.__init__ builds "
+                          f"{ast.unparse(call)[:80]}" for call in ast.walk(method)
+                          if isinstance(call, ast.Call) and (_name(call.func) or "")[:1].isupper()]
+    return wrong
+
+
 def _name(node: ast.AST) -> str | None:
     if isinstance(node, ast.Name):
         return node.id
@@ -363,6 +413,16 @@ def test_one_free_port_helper():
     assert not wrong, "\n".join(wrong)
 
 
+def test_observers_are_given_at_construction():
+    wrong = observers_wired_afterwards(ROOT)
+    assert not wrong, "\n".join(wrong)
+
+
+def test_the_request_path_is_given_its_collaborators():
+    wrong = collaborators_built_inside(ROOT)
+    assert not wrong, "\n".join(wrong)
+
+
 def test_every_test_has_a_deadline(pytestconfig):
     """pytest-timeout bounds each test (pyproject's `timeout`), so a hang fails one test, not the run."""
     assert pytestconfig.pluginmanager.hasplugin("timeout")
@@ -418,6 +478,22 @@ PLANTS = {
     "a flow that runs its waits under the lease itself": (
         operations_owned_by_hand, "router/flows/planted.py",
         "from router.core.coordination import while_owned\nasync def f(c, t, w):\n    await while_owned(c, t, w)\n"),
+    "a leg observer appended after construction": (
+        observers_wired_afterwards, "router/server/planted.py",
+        "def wire(proxy, health):\n    proxy.dispatcher.leg_observers.append(health.on_leg)\n"),
+    "request observers added to afterwards": (
+        observers_wired_afterwards, "router/server/planted.py",
+        "def wire(proxy, metrics):\n    proxy.request_observers += (metrics.observe_request,)\n"),
+    "a flow's observers replaced from outside": (
+        observers_wired_afterwards, "router/server/planted.py",
+        "def wire(conversions, f):\n    conversions.observers = [f]\n"),
+    "a proxy that builds its own live requests": (
+        collaborators_built_inside, "router/dataplane/planted.py",
+        "class Proxy:\n    def __init__(self, registry):\n        self.live = LiveRequests()\n"),
+    "a dispatcher that builds its own abort sender": (
+        collaborators_built_inside, "router/dataplane/planted.py",
+        "class Dispatcher:\n    def __init__(self, legs, spawn):\n"
+        "        self.aborts = leg_aborts.LegAborts(legs, spawn)\n"),
     "a free port of the simulator's own": (
         free_port_copies, "simulator/planted.py",
         "import socket\ndef free_port():\n    with socket.socket() as sock:\n"

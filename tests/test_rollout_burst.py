@@ -69,7 +69,7 @@ async def test_a_leg_the_router_cannot_open_blames_no_worker_and_goes_again_on_t
     await first.read()
     errors = client.app[LOCAL_RESOURCES]
     verdicts: list = []
-    client.app[PROXY].leg_observers.append(lambda worker, verdict: verdicts.append((worker.role, verdict)))
+    client.app[PROXY].dispatcher.leg_observers += (lambda worker, verdict: verdicts.append((worker.role, verdict)),)
 
     with descriptors_exhausted():
         pending = asyncio.ensure_future(client.post("/generate", json=body))

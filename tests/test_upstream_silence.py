@@ -25,7 +25,7 @@ IDLE_S = 0.3
 
 
 def pool(client):
-    return client.app[PROXY]._dispatcher.upstream
+    return client.app[PROXY].dispatcher.upstream
 
 
 async def test_a_stream_that_stalls_mid_answer_is_cut_with_an_error_event(fake_fleet, make_router):

@@ -28,7 +28,7 @@ async def test_removing_a_worker_drops_its_metric_series_and_its_pooled_connecti
     for i in range(4):
         assert (await client.post("/generate", json={"text": f"{i}"})).status == 200
     d1.behaviour.status = 200
-    legs = client.app[PROXY]._dispatcher.upstream
+    legs = client.app[PROXY].dispatcher.upstream
     assert legs.knows(d1.url) and legs.knows(d2.url)
     before = await scrape(client)
     assert {name for name, _ in series_of(before, d1.url)} >= {

@@ -7,11 +7,11 @@ transition (tests/test_health_rules.py); `HealthMonitor` only applies them:
   worker unhealthy (its first probe failing is enough for a worker that never passed one);
   `success_threshold` passes in a row bring it back. A probe whose worker changed meanwhile (the registry's
   revision moved: state change, role switch, removal) is discarded.
-- breaker: the proxy reports every leg's verdict (`Proxy.leg_observers`); `failure_threshold` worker faults
+- breaker: the proxy reports every leg's verdict (`Dispatcher.leg_observers`); `failure_threshold` worker faults
   in a row open it (the worker leaves routing), after `timeout` it goes half-open (traffic again), and
   `success_threshold` served legs close it, while one fault re-opens it.
 - a worker its probes declare down has the requests still waiting on it (no byte sent to their clients)
-  re-routed at once (`Proxy.evict`), instead of waiting for the request deadline;
+  re-routed at once (`Eviction.evict`, dataplane/eviction.py), instead of waiting for the request deadline;
 - the monitor's verdict (probes pass, breaker not open) goes to `registry.set_health`; the registry judges
   routability from it with the rest (state, weight version against the fleet's, holds). A worker coming back
   from being unhealthy has its live state read again first (`refresh`: role, bootstrap port, weight version,
@@ -188,7 +188,7 @@ class HealthMonitor:
         self._closed = False
         self.rounds = 0  # probe rounds run (tests wait on it)
         # Called with (worker, reason) when probes declare a worker down: the proxy re-routes the requests
-        # still waiting on it (Proxy.evict), which would otherwise wait for the request deadline.
+        # still waiting on it (Eviction.evict), which would otherwise wait for the request deadline.
         self.on_down = on_down if on_down is not None else []
         registry.subscribe(self._on_registry_event)
 

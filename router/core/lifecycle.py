@@ -1,7 +1,9 @@
-"""Where the router process is in its life: serving, or shutting down (and in which phase).
+"""Where the router process is in its life: starting (its fleet not read yet), serving, or shutting down (and
+in which phase).
 
-Set by the server layer's shutdown sequence (`router/server/shutdown.py`); read by `/health` (503 while
-shutting down, so a balancer stops sending) and by the flows (no new operation starts).
+Set by the composition root's start step (`fleet_read`) and the server layer's shutdown sequence
+(`router/server/shutdown.py`); read by `/health` (503 while shutting down, so a balancer stops sending), by
+the flows (no new operation starts) and by the rebalancer (no decision on a fleet not read yet).
 """
 
 from __future__ import annotations
@@ -15,9 +17,12 @@ CLOSING = "closing"  # connections and background tasks are being closed
 
 
 class Lifecycle:
-    __slots__ = ("phase", "signal", "started", "deadline")
+    __slots__ = ("fleet_read", "phase", "signal", "started", "deadline")
 
     def __init__(self) -> None:
+        # The start step has read the fleet's servers: before, a pool looks empty only because its servers are
+        # still being read.
+        self.fleet_read = False
         self.phase = SERVING
         self.signal: str | None = None  # the signal that started the shutdown
         self.started: float | None = None  # monotonic

@@ -18,6 +18,7 @@ from aiohttp import web
 from policies import LegOutcome
 from router.core.registry import Role, Worker
 from router.core.traffic import AbortAction, MarkTally
+from router.dataplane.leg_aborts import LegAborts
 
 # SGLang's message for a KV transfer that failed: it implicates the pair, not necessarily this server.
 KV_TRANSFER_FAILURE = b"KVTransferError"
@@ -116,7 +117,7 @@ class Attempt:
     rids: list[str]
     epochs: tuple[int, int]
     legs: list["Leg"] = field(default_factory=list)
-    evicted: str | None = None  # why the router gave up on one of its workers (see Proxy.evict)
+    evicted: str | None = None  # why the router gave up on one of its workers (see Eviction.evict)
     streaming: bool = False  # the client has seen bytes of this attempt: it can no longer be re-sent
     # Set (through `Proxy.live`) when an operator or a flow aborts this attempt.
     abort_action: AbortAction | None = None
@@ -141,7 +142,7 @@ class Attempt:
         return any(leg.role is Role.PREFILL and leg.is_open and not leg.task.done() for leg in self.legs)
 
     def give_up_on(self, worker: Worker, reason: str) -> bool:
-        """Stop waiting on `worker` for this attempt (`Proxy.evict`): its leg there is stopped and the attempt
+        """Stop waiting on `worker` for this attempt (`Eviction.evict`): its leg there is stopped and the attempt
         fails as `reason` says, to be retried on another pair. False (nothing done) once the client has seen
         bytes of it, or when it has no open leg of its own there."""
         if self.streaming:
@@ -168,7 +169,8 @@ class LegOwner(Protocol):
 
     def leg_done(self, worker: Worker, role: Role, outcome: LegOutcome, fault: bool = True) -> None: ...
 
-    def abort_on(self, worker: Worker, rids: list[str]) -> None: ...
+    @property
+    def aborts(self) -> LegAborts: ...
 
 
 class Leg:
@@ -201,7 +203,7 @@ class Leg:
         """Stop the leg here and on its server (the other leg failed, or the client left)."""
         if self.is_open:
             self.stop()
-            self.owner.abort_on(self.worker, rids)
+            self.owner.aborts.abort_on(self.worker, rids)
             self.finish(LegOutcome.CANCELLED)
 
     def detach(self) -> None:

@@ -26,8 +26,11 @@ from router.core.traffic import AbortAction
 from router.dataplane import sse
 from router.dataplane.aborts import aborted_before_first_token, some_sequence_aborted
 from router.dataplane.attempt import Attempt, Leg, LegFailed, answer_signature, first_done
+from router.dataplane.leg_aborts import LegAborts, with_authorization
+from router.dataplane.leg_room import LegRoom
 from router.dataplane.live import LiveRequests
 from router.dataplane.logprobs import index_prefill_events, merge_answer
+from router.dataplane.pd_admission import PdAdmission
 from router.dataplane.stream_relay import KEEPALIVE_COMMENT, ClientGone, relay
 from router.dataplane.sse import RESPONSE_HEADERS
 from router.dataplane.upstream_http import (LocalResourceError, UpstreamError, UpstreamPool, UpstreamProtocolError,
@@ -43,7 +46,6 @@ CLOSED_BEFORE_ANSWER = "closed the connection before answering"  # upstream_http
 # Server errors a request can cause (an exception on its input, an unsupported feature); 502, 503 and 504 tell
 # the server's state (a proxy's, overloaded, unavailable), not the request's.
 REQUEST_SHAPED = frozenset({500, 501})
-ABORT_TIMEOUT_S = 5.0
 LINGER_LOOKS_PER_TIMEOUT = 4  # how often overdue prefill legs are looked for (at most every 5 s)
 LINGER_LOOK_MAX_S = 5.0
 
@@ -64,32 +66,28 @@ async def open_stream(request: web.Request, record: RequestRecord) -> web.Stream
     return record.response
 
 
-def with_authorization(headers: bytes, line: bytes) -> bytes:
-    """Header lines (`header_lines`' bytes) with their Authorization line replaced by `line`."""
-    kept = b"".join(h + b"\r\n" for h in headers.split(b"\r\n") if h and h[:14].lower() != b"authorization:")
-    return kept + line
-
-
 class Dispatcher:
     """Runs attempts on their pairs: `unary` and `stream` return the client's response or raise LegFailed."""
 
     def __init__(self, *, registry: Registry, upstream: UpstreamPool, policies: dict[Role, Policy],
-                 spawn: Callable[[Awaitable], asyncio.Task], abort_headers: bytes, retry_aborted: bool,
-                 live: LiveRequests | None = None, linger_timeout: float | None = None,
-                 sse_keepalive: float | None = None, leg_ended: Callable[[Role], None] | None = None) -> None:
-        """`linger_timeout`: how long a prefill leg may run on after its decode answered (None: no bound).
+                 spawn: Callable[[Awaitable], asyncio.Task], aborts: LegAborts, live: LiveRequests,
+                 room: LegRoom, pd_admission: PdAdmission | None, retry_aborted: bool,
+                 leg_observers: tuple[LegObserver, ...] = (), linger_timeout: float | None = None,
+                 sse_keepalive: float | None = None) -> None:
+        """`room` counts the legs in flight; a leg's end frees room there and in `pd_admission` (SMG's gates;
+        None when both are off). `leg_observers`: told each leg's verdict (passive health). `linger_timeout`: how long a prefill leg may run on after its decode answered (None: no bound).
         `sse_keepalive`: --sse-keepalive-secs on the streams relayed (None: none)."""
         self._sse_keepalive = sse_keepalive
-        self._leg_ended = leg_ended  # the leg queue and SMG's PD admission: a leg's end frees room
-        self.open_legs = 0  # legs in flight (lingering prefill legs included): LegRoom's bound
+        self.room = room
+        self.pd_admission = pd_admission
         self.registry = registry
-        self.upstream = upstream  # the legs and their aborts
+        self.upstream = upstream  # the legs
+        self.aborts = aborts  # a stopped leg's rids aborted on its server
         self.policies = policies
-        self.spawn = spawn  # owned background tasks (aborts, lingering prefill legs)
-        self.leg_observers: list[LegObserver] = []
-        self._abort_headers = abort_headers
+        self.spawn = spawn  # owned background tasks (lingering prefill legs)
+        self.leg_observers = leg_observers
         self._retry_aborted = retry_aborted
-        self._live = live if live is not None else LiveRequests()
+        self._live = live
         self._linger_timeout = linger_timeout
         self._lingering: dict[Leg, tuple[Attempt, float]] = {}  # leg -> (its attempt, its deadline)
         self._linger_look: asyncio.TimerHandle | None = None
@@ -109,15 +107,15 @@ class Dispatcher:
     # ---- legs --------------------------------------------------------------------------------------
     def _open_leg(self, worker: Worker, role: Role, coro, attempt: Attempt) -> Leg:
         self.registry.acquire(worker)
-        self.open_legs += 1
+        self.room.open_legs += 1
         trace = None if attempt.traces is None else attempt.traces[role is Role.DECODE]
         return Leg(self, worker, role, asyncio.get_running_loop().create_task(coro), trace)
 
     def leg_done(self, worker: Worker, role: Role, outcome: LegOutcome, fault: bool = True) -> None:
         self.registry.release(worker)
-        self.open_legs -= 1
-        if self._leg_ended is not None:
-            self._leg_ended(role)
+        self.room.leg_ended()
+        if (pd := self.pd_admission) is not None:
+            pd.leg_ended(role)
         if outcome is LegOutcome.SUCCESS:
             verdict: bool | None = True
         else:
@@ -127,26 +125,6 @@ class Dispatcher:
         for observe in self.leg_observers:
             observe(worker, verdict)
         self.policies[role].on_complete(worker, outcome)
-
-    def abort_on(self, worker: Worker, rids: list[str]) -> None:
-        if rids:
-            self.spawn(self._send_aborts(worker, rids))
-
-    async def _send_aborts(self, worker: Worker, rids: list[str]) -> None:
-        # Over the legs' pool: a burst of disconnects (a load test stopping, a client timing out many
-        # requests) sends two aborts per request while the router is busiest.
-        for rid in rids:
-            try:
-                async with asyncio.timeout(ABORT_TIMEOUT_S):
-                    resp = await self.upstream.post(worker.url, "/abort_request", orjson.dumps({"rid": rid}),
-                                                    self._abort_headers if worker.auth_line is None else
-                                                    with_authorization(self._abort_headers, worker.auth_line))
-                    try:
-                        await resp.read()
-                    finally:
-                        resp.close()
-            except (UpstreamError, TimeoutError, OSError) as exc:
-                logger.debug("abort of %s on %s failed: %s", rid, worker.url, exc)
 
     def _failure(self, leg: Leg, attempt: Attempt) -> LegFailed | None:
         """Classify a finished leg task: None if it answered 200."""
@@ -218,7 +196,7 @@ class Dispatcher:
             if now >= deadline and not leg.task.done():
                 logger.warning("prefill %s had not ended its answer %g s after its decode answered: cut and "
                                "aborted (rids %s)", leg.worker.url, self._linger_timeout, attempt.rids)
-                self.abort_on(leg.worker, attempt.rids)
+                self.aborts.abort_on(leg.worker, attempt.rids)
                 leg.stop()  # _finish_later concludes it: an error that counts against the worker
         if self._lingering:
             self._linger_look = asyncio.get_running_loop().call_later(
@@ -273,7 +251,7 @@ class Dispatcher:
         try:
             return resp.status, await resp.read(), resp.content_type
         except UpstreamSilent:
-            self.abort_on(worker, attempt.rids)  # cut for its silence: the server may still hold the request
+            self.aborts.abort_on(worker, attempt.rids)  # cut for its silence: the server may still hold the request
             raise
         finally:
             resp.close()
@@ -330,7 +308,7 @@ class Dispatcher:
         try:
             body = await resp.read()
         except UpstreamSilent:
-            self.abort_on(worker, attempt.rids)
+            self.aborts.abort_on(worker, attempt.rids)
             raise
         finally:
             resp.close()
@@ -356,7 +334,7 @@ class Dispatcher:
                     return 200, b"", opened.content_type, (opened, events, splitter)
             raise UpstreamProtocolError("decode stream ended before its first event")
         except UpstreamSilent:
-            self.abort_on(worker, attempt.rids)
+            self.aborts.abort_on(worker, attempt.rids)
             raise
         finally:
             if resp is not None:
@@ -420,7 +398,7 @@ class Dispatcher:
             ok = await relay(response, d_resp, events, splitter, prefill_first, record, first_at, self._sse_keepalive,
                              attempt)
             if not ok:  # cut mid-stream (silent, closed early): the server may still hold the request
-                self.abort_on(d.worker, attempt.rids)
+                self.aborts.abort_on(d.worker, attempt.rids)
             d.finish(LegOutcome.SUCCESS if ok else LegOutcome.ERROR)
             return response
         except (asyncio.CancelledError, ClientGone):  # the client left: both legs stop, here and on the servers

@@ -15,8 +15,6 @@ for one could otherwise wait for a KV transfer that its partner, queued behind i
 
 from __future__ import annotations
 
-from typing import Callable
-
 from router.core.registry import Registry, Role, Worker
 from router.dataplane.turns import Turns
 
@@ -24,15 +22,15 @@ from router.dataplane.turns import Turns
 class LegRoom:
     """At most `total` legs in flight, at most `per_worker` on one server; the rest wait in arrival order."""
 
-    __slots__ = ("per_worker", "total", "registry", "_open_legs", "_turns", "waited_total")
+    __slots__ = ("per_worker", "total", "registry", "open_legs", "_turns", "waited_total")
 
-    def __init__(self, per_worker: int | None, total: int, registry: Registry,
-                 open_legs: Callable[[], int]) -> None:
-        """`open_legs`: the legs in flight now (the dispatcher's count, lingering prefill legs included)."""
+    def __init__(self, per_worker: int | None, total: int, registry: Registry) -> None:
         self.per_worker = per_worker or None
         self.total = max(total, 2)
         self.registry = registry
-        self._open_legs = open_legs
+        # legs in flight, lingering prefill legs included: the dispatcher counts a leg up as it opens it, and
+        # down (`leg_ended`) as it ends
+        self.open_legs = 0
         self._turns = Turns()
         self.waited_total = 0  # requests that waited for room (not the ones that found it at once)
 
@@ -53,7 +51,7 @@ class LegRoom:
     def ready(self) -> bool:
         """Room for one more pair now (or no routable worker of a pool: the selection answers that at once)."""
         registry = self.registry
-        return (self._open_legs() + 2 <= self.total and self._has_room(registry.routable(Role.PREFILL))
+        return (self.open_legs + 2 <= self.total and self._has_room(registry.routable(Role.PREFILL))
                 and self._has_room(registry.routable(Role.DECODE)))
 
     def can_enter_now(self) -> bool:
@@ -65,9 +63,10 @@ class LegRoom:
         self.waited_total += 1
         await self._turns.wait(self.ready)
 
-    def room_freed(self) -> None:
+    def leg_ended(self) -> None:
+        self.open_legs -= 1
         self._turns.wake_head()
 
     def state(self) -> dict:
         return {"max_connections_per_worker": self.per_worker or 0, "max_legs": self.total,
-                "legs_in_flight": self._open_legs(), "waiting": self.waiting, "waited_total": self.waited_total}
+                "legs_in_flight": self.open_legs, "waiting": self.waiting, "waited_total": self.waited_total}

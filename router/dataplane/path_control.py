@@ -19,7 +19,7 @@ class DataplaneControl:
 
     def __init__(self, admission: Admission, live: LiveRequests, legs: UpstreamPool | None = None,
                  abort_on: Callable[[Worker, list[str]], None] | None = None) -> None:
-        """`abort_on(worker, rids)`: the request path's own abort sender (`Dispatcher.abort_on`)."""
+        """`abort_on(worker, rids)`: the request path's own abort sender (`LegAborts.abort_on`)."""
         self._admission = admission
         self._live = live
         self._legs = legs

@@ -13,7 +13,6 @@ import asyncio
 import logging
 import random
 import time
-from typing import Awaitable, Callable
 
 import orjson
 from aiohttp import web
@@ -37,7 +36,7 @@ from router.dataplane.leg_room import LegRoom
 from router.dataplane.live import LiveRequests
 from router.dataplane.pd_admission import PdAdmission
 from router.dataplane.stream_relay import ClientGone, end_stream_with_error
-from router.dataplane.upstream_http import UpstreamPool, header_lines
+from router.dataplane.upstream_http import header_lines
 
 logger = logging.getLogger(__name__)
 
@@ -54,14 +53,22 @@ LOCAL_RETRY_WAIT_S = 0.5
 class Proxy:
     """One client request from admission to its record: attempts on fresh pairs until one answers."""
 
-    def __init__(self, *, config: RouterConfig, registry: Registry, upstream: UpstreamPool,
-                 policies: dict[Role, Policy], admission: Admission,
-                 spawn: Callable[[Awaitable], asyncio.Task], tracer: RequestTracer | None = None,
-                 ranks: RankPlacer | None = None) -> None:
+    def __init__(self, *, config: RouterConfig, registry: Registry, policies: dict[Role, Policy],
+                 admission: Admission, dispatcher: Dispatcher, live: LiveRequests, leg_room: LegRoom,
+                 pd_admission: PdAdmission | None, tracer: RequestTracer | None = None,
+                 ranks: RankPlacer | None = None, request_observers: tuple[RequestObserver, ...] = (),
+                 arrival_observers: tuple[RequestObserver, ...] = ()) -> None:
         """`policies`: each pool's policy (the dict is kept: admin views and upkeep read the same objects).
+        `dispatcher`: runs one attempt's legs; `live`: the attempts in flight, by rid (the abort endpoint, the
+        flows); `leg_room`: the router's bounds on the legs' connections; `pd_admission`: SMG's PD admission
+        gates (None when both are off). The composition root builds them and gives the dispatcher the same
+        `live`, `leg_room` and `pd_admission`.
         `tracer`: with --enable-trace, makes each request's span (None: no tracing, no cost).
         `ranks`: `--dp-aware`'s rank choice (router/dataplane/rank_placement.py); None: bodies go out as the client sent
-        them (a client's own rank fields checked and completed)."""
+        them (a client's own rank fields checked and completed).
+        `request_observers`: told one `RequestRecord` per request at its end (metrics, access log, rebalancer);
+        `arrival_observers`: told of every request whose shape was read, as it arrives (the rebalancer's mix:
+        sizes at arrival)."""
         self.config = config
         self._tracer = tracer
         self._forwarded_headers = FORWARDED_HEADERS if tracer is not None else UNTRACED_FORWARDED_HEADERS
@@ -69,31 +76,13 @@ class Proxy:
         # With a worker key, every call to a worker carries it (the client's own Authorization is for us).
         self._worker_auth = f"Bearer {config.worker_api_key}" if config.worker_api_key else None
         self.admission = admission
-        self.live = live = LiveRequests()  # attempts in flight, by rid (abort endpoint, flows)
-        pd = PdAdmission(config.pd_admission, registry)  # SMG's PD admission gates (None when both are off)
-        self.pd_admission = pd if pd.enabled else None
-        self._legs = upstream
-        self._dispatcher = dispatcher = Dispatcher(
-            registry=registry, upstream=upstream, spawn=spawn,
-            policies=policies,
-            abort_headers=HOP_LINE + (header_lines({"Authorization": self._worker_auth}) if self._worker_auth
-                                      else b""),
-            retry_aborted=config.retry.retry_aborted, live=live,
-            linger_timeout=config.upstream_idle_timeout_secs or None,
-            sse_keepalive=config.connections.sse_keepalive_secs or None,
-            leg_ended=self._leg_ended)
-        # The legs' descriptors: at most the pool's bound in flight, --max-connections-per-worker on one server.
-        self.leg_room = LegRoom(config.max_connections_per_worker, upstream.max_connections, registry,
-                                lambda: dispatcher.open_legs)
+        self.dispatcher = dispatcher
+        self.live = live
+        self.leg_room = leg_room
+        self.pd_admission = pd_admission
         self.policies = policies
-        self.leg_observers = dispatcher.leg_observers  # (worker, verdict) of every leg: passive health
-        # Bound once: the attempt loop calls them without a hop through the dispatcher.
-        self._unary = dispatcher.unary
-        self.abort_on = dispatcher.abort_on  # (worker, rids): in the background, over the legs' pool
-        self._stream = dispatcher.stream
-        self.request_observers: list[RequestObserver] = []
-        # told of every request whose shape was read, as it arrives (the rebalancer's mix: sizes at arrival)
-        self.arrival_observers: list[RequestObserver] = []
+        self.request_observers = request_observers
+        self.arrival_observers = arrival_observers
         self._needs_text = any(policy.needs_text for policy in policies.values())
         self._timeout = config.request_timeout_secs
         self._retry = config.retry
@@ -101,11 +90,6 @@ class Proxy:
         self._body_stall = config.connections.stream_body_stall_timeout_secs  # 0: a body may stall for ever
         self._limits = config.admission  # --max-n, --max-batch-size
         self._ranks = ranks
-
-    def _leg_ended(self, role: Role) -> None:
-        self.leg_room.room_freed()
-        if self.pd_admission is not None:
-            self.pd_admission.leg_ended(role)
 
     # ---- entry point -----------------------------------------------------------------------------
     async def handle(self, request: web.Request, route: str, upstream_path: str) -> web.StreamResponse:
@@ -298,12 +282,12 @@ class Proxy:
                 self.live.add(attempt)
                 try:
                     if shape.stream:
-                        return await self._stream(request, upstream_path, attempt, shape, headers, record)
-                    return await self._unary(upstream_path, attempt, shape, headers, record)
+                        return await self.dispatcher.stream(request, upstream_path, attempt, shape, headers, record)
+                    return await self.dispatcher.unary(upstream_path, attempt, shape, headers, record)
                 except LegFailed as failure:
                     if failure.local is not None:  # the router's own descriptors ran out: no server's fault
                         record.local_retries += 1
-                        await self._legs.wait_descriptor(LOCAL_RETRY_WAIT_S)
+                        await self.dispatcher.upstream.wait_descriptor(LOCAL_RETRY_WAIT_S)
                         pinned = (prefill, decode)
                         continue
                     if failure.abort is not None:  # the router aborted its servers (a flow, an operator)
@@ -356,32 +340,13 @@ class Proxy:
                         self.live.discard(attempt)
         finally:
             for failure in held:
-                self._dispatcher.blame(failure.worker)
+                self.dispatcher.blame(failure.worker)
 
     async def _traced_wait_open(self, trace, deadline: float) -> None:
         """`Admission.wait_open`, and an `admission_held` event when the request waited out a fleet-wide hold."""
         started, holds = time.monotonic(), str(self.admission.gate_reasons)
         await self.admission.wait_open(deadline)
         trace.event("admission_held", {"pd.wait_s": time.monotonic() - started, "pd.holds": holds})
-
-    # ---- eviction: giving up on a worker for requests that can still go elsewhere -------------------
-    def evict(self, worker: Worker, reason: str) -> int:
-        """Stop waiting on `worker` (declared down by its health probes) for every request that has not sent
-        a byte to its client: its leg is cancelled and aborted on the server, and the request is retried on
-        another pair like any failure before the first byte. Requests already streaming are left alone.
-        Returns how many requests were re-routed. Nothing happens while the worker is the last of its pool:
-        with nowhere else to go, waiting on a slow server beats failing its requests."""
-        if not self.registry.routable(worker.role):
-            logger.warning("%s is down but the last of its pool: its requests keep waiting", worker.url)
-            return 0
-        count = 0
-        for attempt in self.live.on((worker,)):
-            if attempt.give_up_on(worker, reason):
-                self._dispatcher.abort_on(worker, attempt.rids)
-                count += 1
-        if count:
-            logger.warning("re-routing %d request(s) waiting on %s: %s", count, worker.url, reason)
-        return count
 
 
 def _pair_of(record: RequestRecord) -> dict:

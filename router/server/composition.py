@@ -1,36 +1,42 @@
 """The composition root: every long-lived object of one router, built here and nowhere else.
 
-`assemble` reads top to bottom in the order the objects need each other. Each is built with explicit
-constructor arguments, stored under its typed key (declared beside its type), started where it must start,
-and its closing is registered at once, so the router closes in the reverse order and a start-up that fails
-half-way closes what it built. Handlers only read these keys; `setup()` functions only add routes.
+Two steps. `build` makes the objects, top to bottom in the order they need each other, each with explicit
+constructor arguments (its collaborators, and its observers as tuples: nothing is wired in afterwards), and
+stores each under its typed key (declared beside its type); it opens no socket, starts no task and calls no
+server. `start` then starts them (etcd, the fleet's servers, probes, loops, the metrics port), registering each
+closing as it starts it, so the router closes in the reverse order and a start-up that fails half-way closes
+what it started. Handlers only read the keys; `setup()` functions only add routes.
 
     lifecycle, tasks, admission, metrics    what everything else reports into
-    [tracing]                               --enable-trace: spans of requests, legs and flows
-    session -> upstream                     the control plane's client of the servers
-    policies, ranks, legs -> proxy -> traffic  the request path (ranks: --dp-aware), and the narrow face the
-                                            flows see of it
+    session -> upstream; [tracing]          the control plane's client of the servers; --enable-trace's spans
+    policies, legs, live, leg aborts,       the request path's parts the control plane needs too, and the
+    eviction, leg room, [pd admission]      narrow face the flows see of it (traffic)
+      -> traffic
     [cluster]                               replicas sharing the fleet: traffic becomes the fleet's holds,
                                             the coordinator etcd's; joined before any worker is registered
     live state, worker lifecycle, sources   the fleet's servers (one way in and out for the API, the
                                             sources and health), read before the router serves
     conversions                             live P/D role conversion
-    health (live state, proxy)              probes and breakers; a worker found down is evicted
+    health (live state, eviction)           probes and breakers; a worker found down is evicted
     load monitor, upkeep, rebalancer        what policies need beside the request path
+    dispatcher (health), proxy (rebalancer, the request path, last: its observers exist by then
+      metrics, access log)
     fleet control (conversions)             fleet-wide operations: updates, pauses, memory, aborts
     RL relay, shared answers                what handlers keep between calls
 
-Adding a component: build it here where what it needs exists, give it its key beside its class, register
-its closing on `stack`; a route that shows it goes in its api module's `setup`.
+Adding a component: build it in `build` where what it needs exists, give it its key beside its class; start it
+in `start`, registering its closing there; a route that shows it goes in its api module's `setup`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import ssl
-from typing import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable, Coroutine
 
 import aiohttp
 from aiohttp import web
@@ -45,7 +51,7 @@ from router.control.live_state import LIVE_STATE, LiveStateReader
 from router.control.health import HEALTH, HealthMonitor
 from router.control.load_monitor import LOAD_MONITOR, LoadMonitor
 from router.control.upstream import UPSTREAM, Upstream
-from router.control.worker_sources import WORKER_SOURCES
+from router.control.worker_sources import WORKER_SOURCES, WorkerSources
 from router.core.allowlists import WorkerAllowList
 from router.core.config import DISCOVER, RouterConfig
 from router.core.coordination import Coordinator, LocalCoordinator
@@ -60,10 +66,15 @@ from router.core.traffic import RequestPathControl
 from router.core.worker_tls import worker_ssl_context
 from router.core.worker_url import identity
 from router.dataplane.admission import ADMISSION, Admission
-from router.dataplane.rank_placement import RankPlacer
-from router.dataplane.pd_admission import PdAdmissionCollector
-from router.dataplane.proxy import PROXY, Proxy
+from router.dataplane.dispatch import Dispatcher
+from router.dataplane.eviction import Eviction
+from router.dataplane.leg_aborts import LegAborts
+from router.dataplane.leg_room import LegRoom
+from router.dataplane.live import LiveRequests
 from router.dataplane.path_control import DataplaneControl
+from router.dataplane.pd_admission import PdAdmission, PdAdmissionCollector
+from router.dataplane.proxy import PROXY, Proxy
+from router.dataplane.rank_placement import RankPlacer
 from router.dataplane.upstream_http import UpstreamPool
 from router.flows.conversion import CONVERSIONS, Conversions
 from router.flows.rebalancer import REBALANCER, FlowConverter, Rebalancer
@@ -79,12 +90,39 @@ from router.obs.policy_metrics import PolicyCollector
 from router.server import policy_runtime, source_builder
 from router.server.replica_info import REPLICA
 
+if TYPE_CHECKING:
+    from router.cluster.runtime import Cluster
+
 logger = logging.getLogger(__name__)
 
 
-async def assemble(app: web.Application, stack: contextlib.AsyncExitStack) -> None:
-    """Build, store and start every long-lived object of the router `app` serves (its CONFIG, REGISTRY and
-    REPLICA are given); `stack` closes them."""
+@dataclass(frozen=True, slots=True)
+class Assembly:
+    """What `build` made that `start` starts or closes (each is also under its key, for the handlers)."""
+
+    config: RouterConfig
+    registry: Registry
+    lifecycle: Lifecycle
+    tasks: BackgroundTasks
+    legs: UpstreamPool
+    cluster: Cluster | None
+    coordinator: Coordinator
+    live_state: LiveStateReader
+    sources: WorkerSources
+    conversions: Conversions
+    health: HealthMonitor
+    loops: tuple[Callable[[], Coroutine], ...]  # run from start-up until the router closes
+    metrics: RouterMetrics
+    fleet: FleetControl
+    updates: WeightUpdates
+    answers: SharedAnswers
+
+
+def build(app: web.Application, stack: contextlib.AsyncExitStack) -> Assembly:
+    """Build and store every long-lived object of the router `app` serves (its CONFIG, REGISTRY and REPLICA
+    are given), each with its collaborators and observers as constructor arguments. Nothing is started here:
+    no socket, no task, no call to a server or etcd. `stack` gets the closing of what holds something from its
+    construction on (the session's connector, the tracing exporter's thread)."""
     config, registry = app[CONFIG], app[REGISTRY]
 
     # ---- what everything reports into ------------------------------------------------------------------
@@ -112,7 +150,7 @@ async def assemble(app: web.Application, stack: contextlib.AsyncExitStack) -> No
         tracing = app[TRACING] = Tracing(config.trace)
         stack.push_async_callback(tracing.close)
 
-    # ---- the request path ----------------------------------------------------------------------------------
+    # ---- the request path's parts that the control plane needs too --------------------------------------------
     policies: dict[Role, Policy] = {Role.PREFILL: make_policy(config.prefill_policy, config.policy_params),
                                     Role.DECODE: make_policy(config.decode_policy, config.policy_params)}
     app[POLICIES] = policies
@@ -120,51 +158,40 @@ async def assemble(app: web.Application, stack: contextlib.AsyncExitStack) -> No
                         max_open=budget.legs, local_errors=local_errors,
                         silence_timeout=config.upstream_idle_timeout_secs, ssl_context=worker_tls,
                         idle_timeout=config.connections.upstream_pool_idle_timeout_secs or float("inf"))  # 0: ever
-    stack.push_async_callback(legs.close)
-    stack.push_async_callback(tasks.close)  # before the pools close: aborts and lingering legs use them
     registry.subscribe(_forget_removed(legs))
-    ranks = RankPlacer(config.dp_ranks.prefill_policy, config.dp_ranks.decode_policy) \
-        if config.dp_ranks.aware else None  # --dp-aware
-    proxy = app[PROXY] = Proxy(config=config, registry=registry, upstream=legs, policies=policies,
-                               admission=admission, spawn=spawn,
-                               tracer=tracing.requests if tracing is not None else None, ranks=ranks)
-    metrics.prometheus.register(BurstLimitsCollector(local_errors, budget, proxy.leg_room))
-    if proxy.pd_admission is not None:  # SMG's PD admission: its queue and refusals on /metrics
-        metrics.prometheus.register(PdAdmissionCollector(proxy.pd_admission))
-    traffic: RequestPathControl = DataplaneControl(admission, proxy.live, legs, abort_on=proxy.abort_on)
+    live = LiveRequests()  # attempts in flight, by rid (the abort endpoint, the flows)
+    leg_aborts = LegAborts(legs, spawn, config.worker_api_key)
+    eviction = Eviction(registry, live, leg_aborts)  # health's answer to a worker found down
+    # The legs' descriptors: at most the pool's bound in flight, --max-connections-per-worker on one server.
+    leg_room = LegRoom(config.max_connections_per_worker, legs.max_connections, registry)
+    metrics.prometheus.register(BurstLimitsCollector(local_errors, budget, leg_room))
+    gates = PdAdmission(config.pd_admission, registry)  # SMG's PD admission gates
+    pd_admission = gates if gates.enabled else None
+    if pd_admission is not None:  # its queue and refusals on /metrics
+        metrics.prometheus.register(PdAdmissionCollector(pd_admission))
+    traffic: RequestPathControl = DataplaneControl(admission, live, legs, abort_on=leg_aborts.abort_on)
     coordinator: Coordinator = LocalCoordinator(registry, traffic)
 
-    # ---- replicas sharing the fleet: joined before any worker of the command line is registered ---------------
+    # ---- replicas sharing the fleet: joined by `start` before any worker of the command line is registered ----
     cluster = None
     if config.cluster.enabled:
         from router.cluster import view  # etcd's modules only where a cluster is configured
         from router.cluster.runtime import Cluster
 
-        cluster = app[view.CLUSTER] = Cluster(config, registry, traffic, spawn,
-                                              replica_id=app[REPLICA].id)
+        cluster = app[view.CLUSTER] = Cluster(config, registry, traffic, spawn, replica_id=app[REPLICA].id)
         traffic, coordinator = cluster.gate, cluster.coordinator  # the flows' holds and turns are the fleet's
         metrics.prometheus.register(view.ClusterCollector(cluster))
-        await cluster.start(config.worker_startup_timeout_secs)
-        stack.push_async_callback(cluster.close)
     app[TRAFFIC], app[COORDINATOR] = traffic, coordinator
 
-    # ---- the fleet's servers, read before the router serves -------------------------------------------------
+    # ---- the fleet's servers: read by `start` before the router serves ----------------------------------------
     app[WORKER_ALLOW] = WorkerAllowList.parse(config.worker_allow)
     live_state = app[LIVE_STATE] = LiveStateReader(
-        registry, upstream, spawn, retry_interval=config.worker_startup_check_interval_secs or config.health.interval_secs)
-    stack.push_async_callback(live_state.close)
+        registry, upstream, spawn,
+        retry_interval=config.worker_startup_check_interval_secs or config.health.interval_secs)
     worker_lifecycle = app[WORKER_LIFECYCLE] = WorkerLifecycle(config, registry, upstream, live_state, coordinator,
                                                                 app[WORKER_ALLOW])
     sources = app[WORKER_SOURCES] = source_builder.build(config, registry, *_worker_api(worker_lifecycle, upstream,
                                                                                         config))
-    stack.push_async_callback(sources.close)
-    _register_command_line(config, registry, coordinator, live_state)
-    await sources.load()
-    if not sources.sources and (not config.prefill or not config.decode):
-        logger.warning("started with %d prefill and %d decode workers; add workers through POST /workers",
-                       len(config.prefill), len(config.decode))
-    await live_state.start_up(config.worker_startup_timeout_secs)
-    sources.start(spawn)
 
     # ---- live role conversion -------------------------------------------------------------------------------
     conversions = app[CONVERSIONS] = Conversions(
@@ -172,34 +199,40 @@ async def assemble(app: web.Application, stack: contextlib.AsyncExitStack) -> No
         switch_timeout_s=config.switch_timeout_secs, fleet_busy=_conversion_refusal(lifecycle, admission),
         coordinator=coordinator, traffic=traffic, observers=[_observe_conversion(metrics),
                                          *([tracing.flows.conversion_observer] if tracing is not None else [])])
-    stack.push_async_callback(conversions.close)
 
-    # ---- health: probes and breakers --------------------------------------------------------------------------
+    # ---- health: probes and breakers; a worker found down is evicted from the requests waiting on it ----------
+    on_down = [eviction.evict, *([_remove_unhealthy(registry, worker_lifecycle, sources, spawn)]
+                                 if config.health.remove_unhealthy else [])]
     health = app[HEALTH] = HealthMonitor(registry, upstream, config.health, config.breaker,
                                          is_held=lambda: not admission.is_open, refresh=live_state.refresh,
-                                         on_down=[proxy.evict, *([_remove_unhealthy(registry, worker_lifecycle, sources, spawn)]
-                                                                 if config.health.remove_unhealthy else [])])
-    proxy.leg_observers.append(health.on_leg)
-    health.start()
-    stack.push_async_callback(health.close)
+                                         on_down=on_down)
 
     # ---- what policies need beside the request path -----------------------------------------------------------
     load_monitor = app[LOAD_MONITOR] = LoadMonitor(registry, upstream, config.load_monitor)
     registry.subscribe(policy_runtime.forget_departed(policies))
-    rebalancer = app[REBALANCER] = Rebalancer(registry, config.rebalance, converter=FlowConverter(conversions),
-                                              spawn=spawn, leading=lambda: coordinator.leading)
+    rebalancer = app[REBALANCER] = Rebalancer(
+        registry, config.rebalance, converter=FlowConverter(conversions), spawn=spawn,
+        leading=lambda: lifecycle.fleet_read and coordinator.leading)  # no decision while the fleet is read
     metrics.prometheus.register(PolicyCollector(registry, policies, load_monitor, rebalancer))
-    loops = [rebalancer.run(), *(policy_runtime.upkeep(p) for p in {id(p): p for p in policies.values()}.values()
-                                 if p.maintenance_interval)]
+    loops = [rebalancer.run, *(functools.partial(policy_runtime.upkeep, p)
+                               for p in {id(p): p for p in policies.values()}.values() if p.maintenance_interval)]
     if config.load_monitor.enabled and (not config.load_monitor.on_demand
                                         or policy_runtime.loads_read(config, policies)):
-        loops.append(load_monitor.run())
-    stack.push_async_callback(_cancelled, [spawn(loop) for loop in loops])
+        loops.append(load_monitor.run)
 
-    # ---- what the request path's records go to ----------------------------------------------------------------
-    proxy.request_observers += [rebalancer.window.observe, metrics.observe_request, logs.log_request]
-    proxy.arrival_observers.append(rebalancer.window.arrived)
-    await stack.enter_async_context(metrics_port(metrics, config))
+    # ---- the request path: its legs' verdicts go to health, its records to the rebalancer, metrics, the log ---
+    ranks = RankPlacer(config.dp_ranks.prefill_policy, config.dp_ranks.decode_policy) \
+        if config.dp_ranks.aware else None  # --dp-aware
+    dispatcher = Dispatcher(
+        registry=registry, upstream=legs, policies=policies, spawn=spawn, aborts=leg_aborts, live=live,
+        room=leg_room, pd_admission=pd_admission, retry_aborted=config.retry.retry_aborted,
+        leg_observers=(health.on_leg,), linger_timeout=config.upstream_idle_timeout_secs or None,
+        sse_keepalive=config.connections.sse_keepalive_secs or None)
+    app[PROXY] = Proxy(config=config, registry=registry, policies=policies, admission=admission,
+                       dispatcher=dispatcher, live=live, leg_room=leg_room, pd_admission=pd_admission,
+                       tracer=tracing.requests if tracing is not None else None, ranks=ranks,
+                       request_observers=(rebalancer.window.observe, metrics.observe_request, logs.log_request),
+                       arrival_observers=(rebalancer.window.arrived,))
 
     # ---- fleet-wide operations, one at a time: their shared state, then each operation ------------------------
     fleet = app[FLEET_CONTROL] = FleetControl(config, registry, upstream, traffic, spawn, coordinator=coordinator,
@@ -210,23 +243,63 @@ async def assemble(app: web.Application, stack: contextlib.AsyncExitStack) -> No
     app[PAUSES] = Pauses(fleet)
     app[MEMORY] = MemoryOccupation(fleet)
     app[ABORTS] = RequestAborts(traffic, upstream, fleet.targets, config.abort_timeout_secs, coordinator)
-    fleet.start()
-    stack.push_async_callback(fleet.close)
-    if cluster is not None:
-        # the fleet's share of the fleet record (pause, released memory); the flows that recover orphans
-        cluster.attach(fleet, {"conversion": conversions, **{kind: updates for kind in UPDATE_KINDS}})
 
     # ---- what handlers keep between calls -------------------------------------------------------------------
     app[FACTS] = LaunchFactsCache(registry, upstream)
     app[RELAY] = Relay(upstream, config.rl_control_timeout_secs, config.rl_fanout_concurrency)
     answers = app[SHARED_ANSWERS] = SharedAnswers(registry, {**SHARED_ROUTES, **PROBE_ROUTES})
-    stack.callback(answers.close)
+    return Assembly(config=config, registry=registry, lifecycle=lifecycle, tasks=tasks, legs=legs, cluster=cluster,
+                    coordinator=coordinator, live_state=live_state, sources=sources, conversions=conversions,
+                    health=health, loops=tuple(loops), metrics=metrics, fleet=fleet, updates=updates,
+                    answers=answers)
+
+
+async def start(built: Assembly, stack: contextlib.AsyncExitStack) -> None:
+    """Start what `build` made: join the cluster, read the fleet's servers, then the probes, the loops, the
+    metrics port and the fleet's upkeep. Each closing goes on `stack` as its part starts, so the router closes
+    in the reverse order and a start-up that fails half-way closes what it started."""
+    config = built.config
+    stack.push_async_callback(built.legs.close)
+    stack.push_async_callback(built.tasks.close)  # before the pools close: aborts and lingering legs use them
+    if built.cluster is not None:  # joined before any worker of the command line is registered
+        await built.cluster.start(config.worker_startup_timeout_secs)
+        stack.push_async_callback(built.cluster.close)
+    stack.push_async_callback(built.live_state.close)
+    stack.push_async_callback(built.sources.close)
+    stack.push_async_callback(built.health.close)  # it probes a server from the moment it is read
+    await _read_fleet(built)
+    stack.push_async_callback(built.conversions.close)
+    built.health.start()
+    stack.push_async_callback(_cancelled, [built.tasks.spawn(loop()) for loop in built.loops])
+    await stack.enter_async_context(metrics_port(built.metrics, config))
+    built.fleet.start()
+    stack.push_async_callback(built.fleet.close)
+    if built.cluster is not None:
+        # the fleet's share of the fleet record (pause, released memory); the flows that recover orphans
+        built.cluster.attach(built.fleet, {"conversion": built.conversions,
+                                           **{kind: built.updates for kind in UPDATE_KINDS}})
+    stack.callback(built.answers.close)
+
+
+async def _read_fleet(built: Assembly) -> None:
+    """The command line's workers and the worker sources' listings, each server read (within
+    --worker-startup-timeout-secs: the unread stay pending, read again in the background); then the sources
+    watch their listings."""
+    config, sources = built.config, built.sources
+    _register_command_line(config, built.registry, built.coordinator, built.live_state)
+    await sources.load()
+    if not sources.sources and (not config.prefill or not config.decode):
+        logger.warning("started with %d prefill and %d decode workers; add workers through POST /workers",
+                       len(config.prefill), len(config.decode))
+    await built.live_state.start_up(config.worker_startup_timeout_secs)
+    sources.start(built.tasks.spawn)
+    built.lifecycle.fleet_read = True
 
 
 async def router_context(app: web.Application):
-    """The app's one clean-up context (`create_app` gives it): assemble, serve, close in reverse order."""
+    """The app's one clean-up context (`create_app` gives it): build, start, serve, close in reverse order."""
     async with contextlib.AsyncExitStack() as stack:
-        await assemble(app, stack)
+        await start(build(app, stack), stack)
         yield
 
 
