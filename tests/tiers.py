@@ -32,6 +32,7 @@ TIERS: dict[str, str] = {
     "tests/test_cli.py": UNIT,
     "tests/test_cli_peers.py": UNIT,
     "tests/test_deploy_grafana.py": UNIT,
+    "tests/test_composition.py": UNIT,
     "tests/test_docs_autopilot.py": UNIT,
     "tests/test_docs_generated.py": UNIT,
     "tests/test_fleet_model.py": UNIT,
