@@ -20,7 +20,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import sys
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -160,7 +160,7 @@ def reference_app():
     from router.server.app import create_app
 
     config = RouterConfig()
-    config = config.with_(cluster=replace(config.cluster, etcd_endpoints=("http://127.0.0.1:2379",)))
+    config = config.with_(cluster=config.cluster.with_(etcd_endpoints=("http://127.0.0.1:2379",)))
     return create_app(config)
 
 
@@ -200,7 +200,7 @@ async def _started_router_registry():
     from router.server.app import create_app
 
     config = RouterConfig()
-    config = config.with_(pd_admission=replace(config.pd_admission, prefill_max_inflight_requests_per_worker=1))
+    config = config.with_(pd_admission=config.pd_admission.with_(prefill_max_inflight_requests_per_worker=1))
     app = create_app(config)
     runner = web.AppRunner(app)
     await runner.setup()

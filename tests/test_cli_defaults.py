@@ -1,4 +1,4 @@
-"""The command line and the config dataclasses cannot drift apart: what `--help` shows is what a run gets."""
+"""The command line and the config model cannot drift apart: what `--help` shows is what a run gets."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import sys
 import pytest
 
 from router.core.config import RouterConfig
+from router.core.config_model import ConfigModel
 from router.server.cli import FLAGS, config_from_args
 
 # Value flags that show no default: the workers, per-pool policies (they fall back to --policy) and the
@@ -86,14 +87,21 @@ def test_every_switch_moves_its_field_away_from_the_default(help_options):
     assert config_from_args(["--service-discovery", "--selector", "a=b"], env={}).worker_sources.service_discovery
 
 
+def _field_names(group) -> list[str]:
+    """A config group's fields: the model's, or a policies/ dataclass's (policy_params, rebalance)."""
+    if isinstance(group, ConfigModel):
+        return list(type(group).model_fields)
+    return [f.name for f in dataclasses.fields(group)]
+
+
 def _leaf_paths(config, prefix: str = "") -> set[str]:
     paths = set()
-    for f in dataclasses.fields(config):
-        value = getattr(config, f.name)
-        if dataclasses.is_dataclass(value):
-            paths |= _leaf_paths(value, f"{prefix}{f.name}.")
+    for name in _field_names(config):
+        value = getattr(config, name)
+        if isinstance(value, ConfigModel) or dataclasses.is_dataclass(value):
+            paths |= _leaf_paths(value, f"{prefix}{name}.")
         else:
-            paths.add(prefix + f.name)
+            paths.add(prefix + name)
     return paths
 
 

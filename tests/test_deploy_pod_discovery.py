@@ -7,7 +7,6 @@ enforces that Role, and the verbs it asked for are exactly the ones the Role gra
 from __future__ import annotations
 
 import copy
-import dataclasses
 
 import kubernetes_validate
 import pytest
@@ -99,7 +98,7 @@ async def test_discovery_runs_under_the_manifests_role_asking_for_exactly_its_ve
     manifest's flags (its port aside: the pods' servers share one loopback port)."""
     role = find("Role")
     cluster.api.roles = [(role["metadata"]["namespace"], role["rules"])]
-    sources = dataclasses.replace(discovery_config(), service_discovery_port=cluster.port)
+    sources = discovery_config().with_(service_discovery_port=cluster.port)
     labels = {role_: dict(item.split("=") for item in flag_values(args(), f"--{role_}-selector"))
               for role_ in ("prefill", "decode")}
     urls = {}
@@ -107,7 +106,7 @@ async def test_discovery_runs_under_the_manifests_role_asking_for_exactly_its_ve
         ip = await cluster.server(name, role_, index)
         await cluster.api.apply(pod(name, ip, labels[role_], namespace=sources.service_discovery_namespace))
         urls[role_] = f"http://{ip}:{cluster.port}"
-    await cluster.start_router(**{f.name: getattr(sources, f.name) for f in dataclasses.fields(sources)})
+    await cluster.start_router(**dict(sources))
     registry = cluster.client.app[REGISTRY]
     assert {w.url for w in registry.workers(Role.PREFILL)} == {urls["prefill"]}
     assert {w.url for w in registry.workers(Role.DECODE)} == {urls["decode"]}

@@ -31,6 +31,12 @@ def parse_network(entry: str) -> Network | None:
         return None
 
 
+def is_host_pattern(entry: str) -> bool:
+    """A host name or a domain suffix (`.lab`, `*.lab`), as `--worker-allow` takes them (RouterConfig checks
+    its entries with this and `parse_network`)."""
+    return _HOST_NAME.match(entry.strip().lower().rstrip(".")) is not None
+
+
 def _address(text: str | None) -> Address | None:
     try:
         address = ipaddress.ip_address((text or "").strip("[]").split("%", 1)[0])
@@ -47,11 +53,6 @@ class CallerAllowList:
     @classmethod
     def parse(cls, entries: Iterable[str]) -> "CallerAllowList":
         return cls(tuple(n for n in map(parse_network, entries) if n is not None))
-
-    @staticmethod
-    def problems(entries: Iterable[str], flag: str = "--admin-allow-cidrs") -> list[str]:
-        return [f"{flag}: {entry!r} is not a network (CIDR) or an address" for entry in entries
-                if parse_network(entry) is None]
 
     @property
     def restricts(self) -> bool:
@@ -77,18 +78,13 @@ class WorkerAllowList:
         for entry in entries:
             if (network := parse_network(entry)) is not None:
                 networks.append(network)
-            elif _HOST_NAME.match(name := entry.strip().lower().rstrip(".")):
+            elif is_host_pattern(entry):
+                name = entry.strip().lower().rstrip(".")
                 if name.startswith(("*.", ".")):
                     suffixes.append("." + name.lstrip("*."))
                 else:
                     hosts.add(name)
         return cls(tuple(networks), frozenset(hosts), tuple(suffixes))
-
-    @staticmethod
-    def problems(entries: Iterable[str], flag: str = "--worker-allow") -> list[str]:
-        return [f"{flag}: {entry!r} is neither a network (CIDR), an address, a host name nor a .domain"
-                for entry in entries
-                if parse_network(entry) is None and not _HOST_NAME.match(entry.strip().lower().rstrip("."))]
 
     @property
     def restricts(self) -> bool:

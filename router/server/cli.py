@@ -1,7 +1,7 @@
 """Command line: every mini_lb launch form, sgl-router's common flags, and pd-router's own.
 
 The launch forms' flags (workers, policies) are parsed here by hand; every other flag is a row of
-`SETTING_FLAGS` / `POLICY_FLAGS`, whose default and type come from the config dataclasses.
+`SETTING_FLAGS` / `POLICY_FLAGS`, whose default and type come from the config model.
 
 Accepted forms (all may be mixed):
   --prefill URL [URL ...] --decode URL [URL ...] [--prefill-bootstrap-ports P [P ...]]   (launch_lb)
@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import os
-from dataclasses import replace
 
 from policies import available_policies
 from router.core.config import DISCOVER, ConfigError, RouterConfig, WorkerSpec
@@ -325,7 +324,7 @@ def config_from_args(argv: list[str] | None = None, env: dict | None = None) -> 
                                           retired_warning(getattr(args, RETIRED_DEST))) if w),
     )
     if args.remove_unhealthy_workers is not None:
-        config = config.with_(health=replace(config.health, remove_unhealthy=args.remove_unhealthy_workers))
+        config = config.with_(health=config.health.with_(remove_unhealthy=args.remove_unhealthy_workers))
     if config.log_level == "warn":
         config = config.with_(log_level="warning")
     problems.extend(config.problems())

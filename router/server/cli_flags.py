@@ -1,7 +1,7 @@
 """Flags declared once as rows that name a `RouterConfig` field: the parser and the config are built from them.
 
 A row holds what the command line adds (flag names, help, env var, choices); the default and the type come
-from the config dataclasses, so a default is written in exactly one place. A boolean field becomes a switch
+from the config model, so a default is written in exactly one place. A boolean field becomes a switch
 that moves it away from its default (`--disable-health-check` for `enabled=True`, `--log-json` for False).
 """
 
@@ -16,6 +16,7 @@ from dataclasses import dataclass, fields, replace
 from typing import Any
 
 from router.core.config import RouterConfig
+from router.core.config_model import ConfigModel
 
 DEFAULTS = RouterConfig()
 
@@ -57,7 +58,7 @@ class Flag:
 
 @functools.lru_cache(maxsize=None)
 def _type_hints(cls: type) -> dict[str, Any]:
-    """A config dataclass's resolved annotations (resolving them is most of the cost of building the parser)."""
+    """A config group's resolved annotations (resolving them is most of the cost of building the parser)."""
     return typing.get_type_hints(cls)
 
 
@@ -140,5 +141,7 @@ def config_with_flags(config: RouterConfig, rows: list[Flag], args: argparse.Nam
         else:
             top[leaf] = value
     for group, values in groups.items():
-        top[group] = replace(getattr(config, group), **values)
-    return replace(config, **top)
+        part = getattr(config, group)
+        # the config's own groups are checked again by `with_`; the policies' dataclasses are checked by the config
+        top[group] = part.with_(**values) if isinstance(part, ConfigModel) else replace(part, **values)
+    return config.with_(**top)
