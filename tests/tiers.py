@@ -31,6 +31,7 @@ TIERS: dict[str, str] = {
     "tests/test_admission_shutdown.py": UNIT,
     "tests/test_cli.py": UNIT,
     "tests/test_cli_peers.py": UNIT,
+    "tests/test_config_model.py": UNIT,
     "tests/test_deploy_grafana.py": UNIT,
     "tests/test_composition.py": UNIT,
     "tests/test_docs_autopilot.py": UNIT,
