@@ -345,6 +345,21 @@ def collaborators_built_inside(root: Path) -> list[str]:
     return wrong
 
 
+CONFIG_MODEL = "router/core/config_model.py"
+
+
+def hand_written_validation(root: Path) -> list[str]:
+    """A config's rules have one home, the pydantic model (core/config_model.py's `ConfigModel`): no function
+    named `problems` in router/ outside it, so no group goes back to listing its own problems by hand."""
+    wrong = []
+    for path in sorted((root / "router").rglob("*.py")):
+        if path.relative_to(root).as_posix() == CONFIG_MODEL:
+            continue
+        wrong += [f"{path.relative_to(root)}:{node.lineno}: def {node.name}" for node in ast.walk(tree_of(path))
+                  if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name == "problems"]
+    return wrong
+
+
 def _name(node: ast.AST) -> str | None:
     if isinstance(node, ast.Name):
         return node.id
@@ -423,6 +438,11 @@ def test_the_request_path_is_given_its_collaborators():
     assert not wrong, "\n".join(wrong)
 
 
+def test_config_rules_live_in_the_model():
+    wrong = hand_written_validation(ROOT)
+    assert not wrong, "\n".join(wrong)
+
+
 def test_every_test_has_a_deadline(pytestconfig):
     """pytest-timeout bounds each test (pyproject's `timeout`), so a hang fails one test, not the run."""
     assert pytestconfig.pluginmanager.hasplugin("timeout")
@@ -494,6 +514,9 @@ PLANTS = {
         collaborators_built_inside, "router/dataplane/planted.py",
         "class Dispatcher:\n    def __init__(self, legs, spawn):\n"
         "        self.aborts = leg_aborts.LegAborts(legs, spawn)\n"),
+    "a config group that lists its problems by hand": (
+        hand_written_validation, "router/core/planted.py",
+        "class PlantedConfig:\n    def problems(self):\n        return ['--planted must be positive']\n"),
     "a free port of the simulator's own": (
         free_port_copies, "simulator/planted.py",
         "import socket\ndef free_port():\n    with socket.socket() as sock:\n"
