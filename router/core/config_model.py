@@ -15,7 +15,7 @@ makes a rule of a function that lists them.
 
 from __future__ import annotations
 
-from typing import Any, Callable, NoReturn
+from typing import Any, Callable, NoReturn, Self
 
 from pydantic import (AfterValidator, BaseModel, ConfigDict, PrivateAttr, ValidationError, ValidationInfo,
                       field_validator)
@@ -70,6 +70,7 @@ def earlier(info: ValidationInfo, name: str) -> Any:
 def describe(error: ValidationError) -> list[str]:
     """A pydantic error as problems: a rule's as it wrote them, pydantic's own (a wrong type) naming the field."""
     found: list[str] = []
+    wrong_types: set[object] = set()
     for item in error.errors(include_url=False):
         where = ".".join(str(part) for part in item["loc"])
         if item["type"] == _PROBLEMS:
@@ -78,8 +79,9 @@ def describe(error: ValidationError) -> list[str]:
             found.append(f"unknown field {where!r}")
         elif isinstance(nested := item.get("ctx", {}).get("error"), ConfigError):  # a group's unknown field
             found.extend(f"{where}: {problem}" for problem in nested.problems)
-        else:
-            found.append(f"{where}: {item['msg']}, got {item['input']!r}")
+        elif item["loc"][:1] not in wrong_types:  # once a field: a union's every member says it in turn
+            wrong_types.add(item["loc"][:1])
+            found.append(f"{item['loc'][0]}: {item['msg']}, got {item['input']!r}")
     return found
 
 
@@ -129,11 +131,11 @@ class ConfigModel(BaseModel):
         """Everything wrong with this config (its groups' included), each naming its flag or field."""
         return list(self._problems)
 
-    def validated(self):
+    def validated(self) -> Self:
         if self._problems:
             raise ConfigError(list(self._problems))
         return self
 
-    def with_(self, **changes: Any):
+    def with_(self, **changes: Any) -> Self:
         """A copy with `changes`, checked again."""
         return type(self)(**{**{name: getattr(self, name) for name in type(self).model_fields}, **changes})
