@@ -12,7 +12,8 @@ static split. Every run uses the same rebalancer configuration (`suite_config`):
 targets and nothing fitted to a workload.
 
 The oracle knows the phases: from each phase's best static split (measured here), it converts at each phase's
-start, in parallel, to that split. Flaps are conversions undone within a phase.
+start, in parallel, to that split, starting from the split the rebalancer starts from. Flaps are conversions
+undone within a phase.
 """
 
 from __future__ import annotations
@@ -206,10 +207,12 @@ def evaluate(workload: Workload, seed: int = 7, *, overrides: dict[str, float] |
     statics = {p: scores(replay.run(plan, phases, p, n - p, workload.capacity, seed=seed)) for p in range(1, n)}
     best_static = max(statics, key=lambda p: statics[p][0])
     per_phase_best = [oracle_split(workload, plan, phases, i, seed) for i in range(len(phases))]
-    schedule = [(start + oracle_delay, target) for (name, start, end), target in zip(phases, per_phase_best)][1:]
-    oracle = scores(replay.run(plan, phases, per_phase_best[0], n - per_phase_best[0], workload.capacity,
-                               schedule=schedule, seed=seed))
+    # the oracle starts where the rebalancer starts, and converts to the first phase's split at once: the fleet
+    # it is given, not a head start no policy has
     start = workload.start_prefills or n // 2
+    schedule = [(0.0, per_phase_best[0])] + [(begin + oracle_delay, target) for (name, begin, end), target
+                                             in zip(phases[1:], per_phase_best[1:])]
+    oracle = scores(replay.run(plan, phases, start, n - start, workload.capacity, schedule=schedule, seed=seed))
     config = suite_config(workload, overrides)
     driven = replay.run(plan, phases, start, n - start, workload.capacity, config=config, decide=rebalance.decide,
                         seed=seed)

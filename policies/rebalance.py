@@ -65,6 +65,7 @@ class RebalanceState:
     last_counters: tuple | None = None  # every routable server's counters at the last look (rebalance_estimate)
     intervals: tuple = ()  # what happened between looks (rebalance_estimate.Interval), newest last
     mix: object | None = None  # the mix fitted at the last look (fleet_model.Mix)
+    changed_at: float | None = None  # when the fit last read a change of the mix (rebalance_estimate.read_change)
     # the recent successful conversions' durations: ((into prefill...), (into decode...))
     conversion_secs: tuple[tuple[float, ...], tuple[float, ...]] = ((), ())
 
@@ -180,7 +181,8 @@ def observe_counters(obs: Observation, state: RebalanceState) -> RebalanceState:
     now_counters = counters(obs)
     intervals = state.intervals
     if state.last_counters is not None and state.last_look_at is not None and obs.now > state.last_look_at:
-        intervals = (*intervals, interval(state.last_counters, now_counters, obs.now - state.last_look_at))
+        prompts = tuple(e[1] for e in obs.request_sizes if state.last_look_at < e[0] <= obs.now)
+        intervals = (*intervals, interval(state.last_counters, now_counters, obs.now - state.last_look_at, prompts))
         intervals = intervals[-MAX_INTERVALS:]
     return replace(state, last_counters=now_counters, intervals=intervals, last_look_at=obs.now)
 
@@ -198,12 +200,22 @@ def _arriving(obs: Observation, costs: Costs) -> tuple[str, int, float] | None:
     return pool, abs(net), costs.of(pool) / 2
 
 
+def most_robust(moves: list, ends: list[dict]) -> object:
+    """Of the candidate moves (`fleet_model.Candidate`), the one whose value is best at its worst: at the estimate
+    or at either end of its spread (`ends`: each split's value there, by (prefills, decodes)); ties to the
+    better estimate, then to fewer moves."""
+    def worst(c) -> float:
+        return min((c.value, *(end[(c.prefills, c.decodes)] for end in ends)))
+    return max(moves, key=lambda c: (worst(c), c.value, -c.moves))
+
+
 def decide(obs: Observation, state: RebalanceState, config: RebalanceConfig) -> Decision:
     refilled = refill(obs, state)
     if refilled is not None:
         return refilled
     seen = observe_counters(obs, state)
-    fitted = fit(obs, seen.intervals, config.window_secs, state.mix)
+    fitted = fit(obs, seen.intervals, config.window_secs, state.mix, state.changed_at)
+    seen = replace(seen, changed_at=fitted.changed_at)
     slo = Slo(config.ttft_target_secs, config.itl_target_secs)
     costs = costs_of(state, config)
     reading: dict = {"window_secs": round(fitted.window_secs, 2),
@@ -240,24 +252,29 @@ def decide(obs: Observation, state: RebalanceState, config: RebalanceConfig) -> 
     # and it is what a move's urgency and cost are weighed on (a move to clear one is a move back later)
     candidates = [c for c in candidates if c.moves == 0 or c.steady - staying.steady >= config.min_gain]
     best = candidates[0]
-    # the mix is an estimate: a move must not lose at either end of what the window's spread allows (one
-    # standard error more work on one pool and less on the other), or it bets on the noise; near an edge that
-    # bet flips look after look
+    # the mix is an estimate: what the window's spread allows (one standard error more work on one pool and less
+    # on the other, either way) is valued too. Of the moves, the one whose worst case is best is chosen (a split
+    # good at the estimate and bad within its noise, one server short at an edge, is corrected a look later: a
+    # flap), and it must not lose to holding at either end, or it bets on the noise
     error_p, error_d = fitted.spread
     reading["spread"] = {"prefill": round(error_p, 3), "decode": round(error_d, 3)}
+    if fitted.changed_at is not None:  # the mix is read since then (rebalance_estimate.read_change)
+        reading["changed_secs_ago"] = round(obs.now - fitted.changed_at, 2)
     if best.moves and (error_p or error_d):
+        ends = []
         for sign in (1, -1):
             shifted = replace(mix, prefill_s=mix.prefill_s * (1 + sign * error_p),
                               decode_tokens=mix.decode_tokens * (1 - sign * error_d))
-            again = {(c.prefills, c.decodes): c for c in plan(
+            ends.append({(c.prefills, c.decodes): c.value for c in plan(
                 shifted, n_p, n_d, slo, costs, config.horizon_secs, min_prefill=config.min_prefill,
-                min_decode=config.min_decode, arriving=arriving)}
-            kept = again[(staying.prefills, staying.decodes)]
-            if again[(best.prefills, best.decodes)].value < kept.value:
-                reading["choice"] = {"split": f"{staying.prefills}P{staying.decodes}D", "why": UNSURE}
-                return hold(f"{summary}: {best.prefills}P{best.decodes}D gains under the estimate, but loses within "
-                            f"its spread (prefill work +-{error_p * 100:.0f}%, decode +-{error_d * 100:.0f}%)",
-                            (), seen)
+                min_decode=config.min_decode, arriving=arriving)})
+        best = most_robust([c for c in candidates if c.moves], ends)
+        key = (staying.prefills, staying.decodes)
+        if any(end[(best.prefills, best.decodes)] < end[key] for end in ends):
+            reading["choice"] = {"split": f"{staying.prefills}P{staying.decodes}D", "why": UNSURE}
+            return hold(f"{summary}: {best.prefills}P{best.decodes}D gains under the estimate, but loses within "
+                        f"its spread (prefill work +-{error_p * 100:.0f}%, decode +-{error_d * 100:.0f}%)",
+                        (), seen)
     if best.moves == 0 or best.value - staying.value < config.min_gain:
         why = NO_GAIN
         text = f"{summary}: no split gains {config.min_gain * 100:g} points"

@@ -10,10 +10,19 @@ split: moving a server does not change what a request costs, so a conversion doe
 line, the backlogs the signals read (`rebalance_signals`: which queue waits on which pool), and the spread
 of request sizes the router saw (`Observation.request_sizes`: relative shapes; the servers' figures set the
 scale).
+
+What arrives is read two ways. By default as the median of the window's slices: a burst shorter than half the
+window is a backlog, not the mix. When the mix changed within the window (`read_change`: a new level of
+arriving work, its noise known from the sizes themselves, that has lasted a third of the window in every
+slice), it is read since the change, so a shift is acted on in about a third of the window rather than half.
+A prefill request's cost for what arrives comes from a line, fixed + per size, fitted across the memory's
+intervals (`prefill_line`), where the sizes varied enough to fit one; scaling a cost by size alone overstates
+long prompts from short ones' costs, and a shift's first move then overshoots.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from .fleet_model import Mix
@@ -46,6 +55,9 @@ class Interval:
     decode_done: int  # requests that left a decode whose token count is known
     decode_started: int  # requests sent to those decodes
     decode_tokens: float  # the tokens those decodes decoded
+    sized: int = 0  # requests that arrived in it whose prompt size the router read
+    prompt_size: float = 0.0  # their prompt sizes summed
+    prompt_squares: float = 0.0  # and their squares (how far the interval's mean size is from its mix's)
 
 
 def counters(obs: Observation) -> tuple[Counters, ...]:
@@ -53,8 +65,10 @@ def counters(obs: Observation) -> tuple[Counters, ...]:
                  for role in (PREFILL, DECODE) for w in obs.pool(role))
 
 
-def interval(before: tuple[Counters, ...], after: tuple[Counters, ...], secs: float) -> Interval:
-    """The differences between two looks' counters (a server whose counters went back restarted: skipped)."""
+def interval(before: tuple[Counters, ...], after: tuple[Counters, ...], secs: float,
+             prompts: tuple[float, ...] = ()) -> Interval:
+    """The differences between two looks' counters (a server whose counters went back restarted: skipped), with
+    the prompt sizes of the requests that arrived between them (`prompts`)."""
     then = {(c.id, c.role): c for c in before}
     arrivals = prefill_done = decode_done = decode_started = 0
     busy = tokens = 0.0
@@ -74,7 +88,8 @@ def interval(before: tuple[Counters, ...], after: tuple[Counters, ...], secs: fl
             decode_done += done
             decode_started += started
             tokens += c.tokens - old.tokens
-    return Interval(secs, arrivals, prefill_done, busy, decode_done, decode_started, tokens)
+    return Interval(secs, arrivals, prefill_done, busy, decode_done, decode_started, tokens, len(prompts),
+                    float(sum(prompts)), float(sum(p * p for p in prompts)))
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,6 +102,7 @@ class Fit:
     # the relative standard error of the work arriving at each pool (prefill, decode): how far the mix could be
     # from what the window's slices say (their spread over the square root of their number)
     spread: tuple[float, float] = (0.0, 0.0)
+    changed_at: float | None = None  # when the mix changed, while the window still holds the old one
 
 
 def _shapes(sizes: tuple[tuple[float, float, float], ...]) -> tuple[tuple[float, float], ...]:
@@ -132,34 +148,161 @@ def _slices(obs: Observation, secs: float, side: int) -> list[float]:
     return [w / width for w in work]
 
 
-def _rescaled(cost: float | None, obs: Observation, secs: float, rate: float, side: int) -> float | None:
-    """A per-request cost measured on the requests that finished, for those that arrive: in proportion to the
-    sizes the router saw of each (the servers give the scale, the router the mix). The work arriving is the
-    median of the window's slices, as the rate is: a burst shorter than half the window is a backlog, not the
-    mix."""
-    arrived, finished = obs.request_sizes, obs.finished_sizes
-    if cost is None or len(arrived) < MIN_DONE or len(finished) < MIN_DONE or rate <= 0 or secs <= 0:
+CHANGE_Z = 4.0  # standard errors between two levels of arriving work that say the mix changed, not the noise
+CHANGE_MIN_SHARE = 1 / 3  # the share of the window a new level must have lasted to be read as the mix
+
+
+@dataclass(frozen=True, slots=True)
+class Level:
+    """What arrived over a stretch of time, per second: the requests, and the work on each side (the prompt and
+    answer sizes summed), each with the variance a Poisson stream of these sizes has (a count's is itself; a sum
+    of sizes', the sum of their squares): the noise known from the sizes, not guessed from a few slices."""
+
+    secs: float
+    values: tuple[float, float, float]  # requests, prompt work, answer work (per second)
+    variances: tuple[float, float, float]
+
+    @staticmethod
+    def of(entries: list[tuple[float, float, float]], secs: float) -> "Level":
+        values = (len(entries), sum(e[1] for e in entries), sum(e[2] for e in entries))
+        squares = (len(entries), sum(e[1] ** 2 for e in entries), sum(e[2] ** 2 for e in entries))
+        return Level(secs, tuple(v / secs for v in values), tuple(q / secs ** 2 for q in squares))
+
+    def beyond(self, other: "Level", side: int, z: float) -> bool:
+        variance = self.variances[side] + other.variances[side]
+        return variance > 0 and abs(self.values[side] - other.values[side]) >= z * math.sqrt(variance)
+
+    def reading(self) -> "Reading":
+        rate, prompt, answer = self.values
+        return Reading(rate, (prompt / rate, answer / rate),
+                       tuple(math.sqrt(self.variances[i]) / self.values[i] if self.values[i] > 0 else 0.0
+                             for i in (1, 2)), self.secs)
+
+
+@dataclass(frozen=True, slots=True)
+class Reading:
+    """What arrives since a change of the mix: the rate, the mean sizes of a request (prompt, answer), and the
+    relative standard error of each side's work."""
+
+    rate: float
+    work: tuple[float, float]
+    error: tuple[float, float]
+    secs: float  # how long ago the change was
+
+
+def _binned(obs: Observation, secs: float) -> list[list]:
+    """The window's arrivals in `SIZE_BINS` slices, newest first."""
+    width = secs / SIZE_BINS
+    bins: list[list] = [[] for _ in range(SIZE_BINS)]
+    for entry in obs.request_sizes:
+        index = int((obs.now - entry[0]) / width)
+        if 0 <= index < SIZE_BINS:
+            bins[index].append(entry)
+    return bins
+
+
+def _new_level(bins: list[list], k: int, width: float) -> Level | None:
+    """The level of the newest `k` slices when it is a change from the level before them: `CHANGE_Z` standard
+    errors off it in the requests or either side's work, with each of the `k` slices beyond it on the same side
+    by half as many (a burst shorter than the run leaves slices at the old level wherever it falls in it)."""
+    newer = [e for b in bins[:k] for e in b]
+    older = [e for b in bins[k:] for e in b]
+    if len(newer) < MIN_DONE or len(older) < MIN_DONE:
+        return None
+    new, old = Level.of(newer, k * width), Level.of(older, (len(bins) - k) * width)
+    slices = [Level.of(b, width) for b in bins[:k]]
+    for side in range(3):
+        up = new.values[side] > old.values[side]
+        if new.beyond(old, side, CHANGE_Z) and all(
+                (one.values[side] > old.values[side]) == up and one.beyond(old, side, CHANGE_Z / 2) for one in slices):
+            return new
+    return None
+
+
+def read_change(obs: Observation, secs: float, changed_at: float | None = None) -> Reading | None:
+    """The level the arriving work changed to within the window, else None: the longest newest run of slices,
+    from `CHANGE_MIN_SHARE` of the window to half of it, that is a new level (`_new_level`; a level that has
+    lasted half the window is what the window's median reads anyway). A change read at an earlier look
+    (`changed_at`) stays read, its run growing to the whole window, while every slice since it is still beyond
+    the level before it: the reading does not go back to the median and forth again as runs qualify or not,
+    and a burst that was read as a change is dropped once it ends."""
+    if secs <= 0 or len(obs.request_sizes) < 2 * MIN_DONE:
+        return None
+    width = secs / SIZE_BINS
+    bins = _binned(obs, secs)
+    least = max(2, math.ceil(SIZE_BINS * CHANGE_MIN_SHARE))
+    runs = list(range(SIZE_BINS // 2, least - 1, -1))
+    if changed_at is not None:
+        since = round((obs.now - changed_at) / width)
+        if SIZE_BINS // 2 < since < SIZE_BINS:
+            runs.insert(0, since)
+    for k in runs:
+        level = _new_level(bins, k, width)
+        if level is not None:
+            return level.reading()
+    return None
+
+
+def _rescaled(cost: float | None, obs: Observation, per_request: float | None, side: int) -> float | None:
+    """A per-request cost measured on the requests that finished, for those that arrive (`per_request`: their
+    mean size): in proportion to the sizes the router saw of each (the servers give the scale, the router the
+    mix)."""
+    finished = obs.finished_sizes
+    if cost is None or per_request is None or len(finished) < MIN_DONE:
         return cost
     mean_finished = sum(s[side - 1] for s in finished) / len(finished)
     if mean_finished <= 0:
         return cost
-    per_request = _median(_slices(obs, secs, side)) / rate
     return cost * per_request / mean_finished if per_request > 0 else cost
+
+
+def _arriving_sizes(obs: Observation, secs: float, rate: float) -> tuple[float, float] | None:
+    """The mean sizes (prompt, answer) of the requests arriving: the median slice's work over the median rate,
+    as for the rate (a burst shorter than half the window is a backlog, not the mix); None: too few read."""
+    if len(obs.request_sizes) < MIN_DONE or rate <= 0 or secs <= 0:
+        return None
+    return _median(_slices(obs, secs, 1)) / rate, _median(_slices(obs, secs, 2)) / rate
 
 
 STEADY_SHARE = 0.1  # a decode pool whose requests in flight changed by under this share of those through it
 
 
-def _arriving_budget(obs: Observation, secs: float, rate: float) -> float | None:
-    """The mean token budget left to decode (the answer's budget less the first token, which the prefill makes)
-    of the requests arriving, the median slice's as for the work (None: the router read too few)."""
-    if len(obs.request_sizes) < MIN_DONE or rate <= 0 or secs <= 0:
+BALANCED = 0.2  # an interval whose prefills finished within this share of what arrived: no backlog moved
+RELIABLE = 0.5  # the share of the intervals' spread in mean prompt size that must be the mix's, not sampling
+
+
+def prefill_line(intervals: tuple[Interval, ...]) -> tuple[float, float] | None:
+    """A prefill request's seconds as a line, fixed + per size x its prompt size, fitted over the intervals kept
+    in which the prefills finished about what arrived (so the sizes that arrived are the sizes done): the
+    servers' constants, not the mix's, so the whole memory counts, not the window. Each interval's mean size is
+    a sample: its sampling variance (from the sizes' squares) is taken off the spread the slope is read against,
+    which would otherwise flatten it; None while the sizes did not vary beyond sampling enough to tell the two
+    parts apart (then scaling by size alone is as good). Scaling a cost measured on one mix by size alone is
+    biased for another where a request's cost has a fixed part: short prompts' costs scaled up overstate long
+    ones."""
+    rows = []  # (weight: requests done, mean size, seconds per request, sampling variance of the mean size)
+    for iv in intervals:
+        if iv.sized < 2 or not iv.prefill_done or abs(iv.arrivals - iv.prefill_done) > BALANCED * iv.arrivals:
+            continue
+        mean = iv.prompt_size / iv.sized
+        noise = max(0.0, iv.prompt_squares / iv.sized - mean * mean) / iv.sized
+        rows.append((iv.prefill_done, mean, iv.prefill_busy_s / iv.prefill_done, noise))
+    if len(rows) < 2 * MIN_DONE:
         return None
-    budget = _median(_slices(obs, secs, 2)) / rate - 1
-    return budget if budget > 0 else None
+    total = sum(w for w, _, _, _ in rows)
+    x_bar = sum(w * x for w, x, _, _ in rows) / total
+    y_bar = sum(w * y for w, _, y, _ in rows) / total
+    spread = sum(w * (x - x_bar) ** 2 for w, x, _, _ in rows) / total
+    noise = sum(w * v for w, _, _, v in rows) / total
+    if spread <= 0 or spread - noise < RELIABLE * spread:
+        return None
+    per_size = sum(w * (x - x_bar) * (y - y_bar) for w, x, y, _ in rows) / total / (spread - noise)
+    fixed = y_bar - per_size * x_bar
+    return (fixed, per_size) if fixed >= 0 and per_size > 0 else None
 
 
-def fit(obs: Observation, intervals: tuple[Interval, ...], window_secs: float, previous: Mix | None) -> Fit:
+def fit(obs: Observation, intervals: tuple[Interval, ...], window_secs: float, previous: Mix | None,
+        changed_at: float | None = None) -> Fit:
     """The mix over the newest intervals covering `window_secs`. A figure with too few requests behind it keeps
     its previous value (a pool that finished nothing in the window says nothing new of what a request costs)."""
     secs = arrivals = prefill_done = decode_done = decode_started = 0
@@ -179,16 +322,26 @@ def fit(obs: Observation, intervals: tuple[Interval, ...], window_secs: float, p
     if secs <= 0:
         return Fit(None, "no interval yet (one look so far)")
     rate = _median(rates)
+    sizes = _arriving_sizes(obs, secs, rate)
+    change = read_change(obs, secs, changed_at)
+    if change is not None:  # the mix changed within the window: read it since the change
+        # the router sizes nearly every request; the prefills' counts also hold requests sent again (a shed
+        # server's queue), which arrived once: their ratio scales only down
+        covered = min(1.0, arrivals / len(obs.request_sizes)) if obs.request_sizes and arrivals else 1.0
+        rate, sizes = change.rate * covered, change.work
     prefill_s = busy / prefill_done if prefill_done >= MIN_DONE else None
     # the tokens of a window come from the requests that finished in it and from those that arrived in it, each
     # in part: per request, over the mean of the two (completions alone overstate it while a batch grows, as
     # it does in an overload: 26 to 56 tokens read for answers of 15; arrivals alone understate it)
     through = (decode_done + decode_started) / 2
     decode_tokens = tokens / through if decode_done >= MIN_DONE and through > 0 else None
-    # what finished is a lagging sample of what arrives: scaled by the sizes the router saw of each
-    prefill_s = _rescaled(prefill_s, obs, secs, rate, 1)
+    cost_line = prefill_line(intervals)
+    if cost_line is not None and sizes:
+        prefill_s = cost_line[0] + cost_line[1] * sizes[0]
+    else:  # what finished is a lagging sample of what arrives: scaled by the sizes the router saw of each
+        prefill_s = _rescaled(prefill_s, obs, sizes[0] if sizes else None, 1)
     answer_share = previous.answer_share if previous is not None else 1.0
-    budget = _arriving_budget(obs, secs, rate)
+    budget = sizes[1] - 1 if sizes and sizes[1] > 1 else None
     if budget is not None:
         # the router read each request's token budget as it arrived: that is the mix now; the servers' tokens say
         # what share of it requests decode, read only while the decode pool is steady (its rows lag by up to
@@ -199,7 +352,7 @@ def fit(obs: Observation, intervals: tuple[Interval, ...], window_secs: float, p
             answer_share = min(1.0, max(0.01, decode_tokens / (sum(finished) / len(finished))))
         decode_tokens = budget * answer_share
     else:
-        decode_tokens = _rescaled(decode_tokens, obs, secs, rate, 2)
+        decode_tokens = _rescaled(decode_tokens, obs, sizes[1] if sizes else None, 2)
     line = step_line(obs)
     fixed, per_request = line if line else (None, None)
     if fixed is None:
@@ -225,10 +378,14 @@ def fit(obs: Observation, intervals: tuple[Interval, ...], window_secs: float, p
                   max(rate_error, _relative_error(_slices(obs, secs, 2))))
     else:
         spread = (rate_error, rate_error)
+    since_change = obs.request_sizes
+    if change is not None:
+        spread = change.error
+        since_change = tuple(e for e in obs.request_sizes if e[0] >= obs.now - change.secs)
     mix = Mix(rate=rate, prefill_s=prefill_s, decode_tokens=decode_tokens, step_fixed_s=fixed,
-              step_per_request_s=per_request, shapes=_shapes(obs.request_sizes), decode_slots=decode_slots(obs),
+              step_per_request_s=per_request, shapes=_shapes(since_change), decode_slots=decode_slots(obs),
               waiting_prefill=wait_p, waiting_decode=wait_d, answer_share=answer_share)
-    return Fit(mix, "", secs, spread)
+    return Fit(mix, "", secs, spread, obs.now - change.secs if change is not None else None)
 
 
 def decode_slots(obs: Observation) -> float:
