@@ -378,12 +378,10 @@ def fit(obs: Observation, intervals: tuple[Interval, ...], window_secs: float, p
                   max(rate_error, _relative_error(_slices(obs, secs, 2))))
     else:
         spread = (rate_error, rate_error)
-    since_change = obs.request_sizes
     if change is not None:
         spread = change.error
-        since_change = tuple(e for e in obs.request_sizes if e[0] >= obs.now - change.secs)
     mix = Mix(rate=rate, prefill_s=prefill_s, decode_tokens=decode_tokens, step_fixed_s=fixed,
-              step_per_request_s=per_request, shapes=_shapes(since_change), decode_slots=decode_slots(obs),
+              step_per_request_s=per_request, shapes=_shapes(obs.request_sizes), decode_slots=decode_slots(obs),
               waiting_prefill=wait_p, waiting_decode=wait_d, answer_share=answer_share)
     return Fit(mix, "", secs, spread, obs.now - change.secs if change is not None else None)
 
