@@ -11,13 +11,15 @@ that a model fitted to it predicts serves the operator's SLOs best. One look:
 2. **Fit the model** (`rebalance_estimate.fit`): what arrives and what it costs, from the counters between this
    look and the last ones within `window_secs` (the router's requests sent and open on each server, the
    prefills' forward seconds, the decodes' tokens and step lines), the backlogs the signals read
-   (`rebalance_signals`: which queue waits on which pool) and the spread of request sizes the router saw.
+   (`rebalance_signals`: which queue waits on which pool) and the spread of request sizes the router saw; what
+   arrives read since a change of the mix when there was one (`rebalance_estimate.read_change`).
 3. **Value every split** (`fleet_model.plan`): each split within the floors, its predicted SLO attainment (the
    share of requests meeting both the TTFT and the TPOT target) over `horizon_secs`, the backlogs now and the
    conversions' cost (their measured duration per direction) included. Several servers move at once when the
    best split is several away.
-4. **Choose**: the best split, unless holding is predicted to meet `attainment_target` already, the best gains
-   less than `min_gain` over holding, or it would lose at either end of the fit's spread. The split changes
+4. **Choose**: the move best at its worst within the fit's spread (`most_robust`), unless holding is predicted
+   to meet `attainment_target` already, the move gains less than `min_gain` over holding, or it would lose to
+   holding at either end of the spread. The split changes
    for the workload (its steady attainment must gain too), not for a backlog alone. Hysteresis is the
    model's: a move costs its conversion's duration, and a move back costs it again.
 5. **Guards** (`rebalance_guards`), each a small named function, for what is not the model's job.
