@@ -327,6 +327,29 @@ def _is_observers(attr: str) -> bool:
     return attr == "observers" or attr.endswith("_observers")
 
 
+# The coordinator's roles (issue 32): each consumer is given the narrowest protocol of core/coordination.py that
+# covers what it asks (`OperationCoordinator` for `Owned`, `FleetMembership` for the worker lifecycle...); the
+# whole is named only where it is declared, implemented, built and stored under its app key.
+WIDE_COORDINATOR = "Coordinator"
+HOLD_THE_WHOLE = frozenset({"router/core/coordination.py", "router/cluster/coordinator.py",
+                            "router/server/composition.py", "router/core/keys.py"})
+
+
+def wide_coordinator_named(root: Path) -> list[str]:
+    """No module but those of HOLD_THE_WHOLE imports, annotates with or otherwise names `Coordinator`."""
+    wrong = []
+    for path in sorted((root / "router").rglob("*.py")):
+        where = path.relative_to(root).as_posix()
+        if where in HOLD_THE_WHOLE:
+            continue
+        for node in ast.walk(tree_of(path)):
+            named = (node.name if isinstance(node, ast.alias) else
+                     _name(node) if isinstance(node, (ast.Name, ast.Attribute)) else None)
+            if named == WIDE_COORDINATOR:
+                wrong.append(f"{where}:{getattr(node, 'lineno', '?')}: names the whole coordinator")
+    return wrong
+
+
 def collaborators_built_inside(root: Path) -> list[str]:
     """`Proxy.__init__` and `Dispatcher.__init__` construct nothing (no call of a class, by its capitalised
     name): the composition root builds the dispatcher, the live requests, the leg room and the PD admission and
@@ -433,6 +456,11 @@ def test_observers_are_given_at_construction():
     assert not wrong, "\n".join(wrong)
 
 
+def test_consumers_are_given_a_role_of_the_coordinator_not_the_whole():
+    wrong = wide_coordinator_named(ROOT)
+    assert not wrong, "\n".join(wrong)
+
+
 def test_the_request_path_is_given_its_collaborators():
     wrong = collaborators_built_inside(ROOT)
     assert not wrong, "\n".join(wrong)
@@ -507,6 +535,13 @@ PLANTS = {
     "a flow's observers replaced from outside": (
         observers_wired_afterwards, "router/server/planted.py",
         "def wire(conversions, f):\n    conversions.observers = [f]\n"),
+    "a flow given the whole coordinator": (
+        wide_coordinator_named, "router/flows/planted.py",
+        "from router.core.coordination import Coordinator\nclass F:\n"
+        "    def __init__(self, coordinator: Coordinator) -> None:\n        self.coordinator = coordinator\n"),
+    "an api module annotated with the whole coordinator through its module": (
+        wide_coordinator_named, "router/api/planted.py",
+        "from router.core import coordination\ndef f(c: coordination.Coordinator) -> None:\n    pass\n"),
     "a proxy that builds its own live requests": (
         collaborators_built_inside, "router/dataplane/planted.py",
         "class Proxy:\n    def __init__(self, registry):\n        self.live = LiveRequests()\n"),

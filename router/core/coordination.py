@@ -2,25 +2,34 @@
 
 A lone router (no `--etcd-endpoints`) gets `LocalCoordinator`: every call is free and changes nothing, so the
 flows behave exactly as they do alone. Replicas sharing a fleet get the etcd implementation
-(`router/cluster/coordinator.py`, docs/CLUSTER.md), which the flows call at these points only:
+(`router/cluster/coordinator.py`, docs/CLUSTER.md). Both implement `Coordinator`, every role below at once;
+only the composition root holds it whole, and each consumer is given the narrowest role that covers
+what it asks:
 
+  OperationOwnership   asked by `flows/ownership.py`'s `Owned` only (no flow calls it itself)
     acquire        before an operation changes anything: the right to run it, exclusive across the replicas
                    (one per worker for a conversion or a reinstate, one fleet-wide operation at a time)
+    progress       before an irreversible step (a role switch, a weight update): recorded for a replica that
+                   takes the operation over, and refused when this replica no longer owns it
+    release        the operation's outcome is published and its right to run given back
+    wait_lost      until this replica no longer owns a running operation (its lease ended: another replica may
+                   take it over); `while_owned` runs an operation's waits under it, so none outlives the lease
+  RoutingAgreement     asked by `Owned` only
     stop_routing   after the operation took its servers out of routing (their state, or the fleet's hold):
                    every live replica, this one included, has applied that and, per `action`, marked its own
                    requests on them (`stop_here`: one way of marking, the same at every replica)
     elsewhere      the other replicas' requests still on the servers (`inflight_elsewhere`, read by the one
                    idle wait, `flows/fleet.wait_quiet`, so a drain or a quiesce counts every replica; abort_all
                    waits until there are none: `wait_idle_elsewhere`)
-    progress       before an irreversible step (a role switch, a weight update): recorded for a replica that
-                   takes the operation over, and refused when this replica no longer owns it
-    release        the operation's outcome is published and its right to run given back
-    wait_lost      until this replica no longer owns a running operation (its lease ended: another replica may
-                   take it over); `while_owned` runs an operation's waits under it, so none outlives the lease
-
-Besides: `leading` (the singleton loops, rebalancer and reconciler, run on one replica), `check_available`
-(a control call answers 503 while the replicas cannot agree), `publish` (what this replica changed in the
-registry is shared before a call answers), `remove_worker` (and its record: `removal`, `readmit`).
+  OperationCoordinator the two above: what a flow that owns operations through `Owned` holds (conversions,
+                   abort_all)
+  SingletonTurn        `leading` and `fleet_operation_elsewhere`: the singleton loops (the rebalancer, the
+                   weight reconciler) run on one replica, the reconciler never under another's fleet operation
+  FleetOperations      what fleet control holds: OperationCoordinator, SingletonTurn, and
+                   `wait_worker_operations_elsewhere` (no fleet-wide operation under another's conversion)
+  FleetMembership      what the worker lifecycle holds: `check_available` (a control call answers 503 while the
+                   replicas cannot agree), `publish` (what this replica changed in the registry is shared
+                   before a call answers), `remove_worker` (and its record: `removal`, `readmit`)
 """
 
 from __future__ import annotations
@@ -121,7 +130,10 @@ def stop_here(registry: Registry, traffic: RequestPathControl, workers: Sequence
     return 0, []
 
 
-class Coordinator(Protocol):
+class OperationOwnership(Protocol):
+    """An operation's right to run across the replicas: taken, recorded, given back, watched for its loss.
+    Asked by `flows/ownership.py`'s `Owned` (and `while_owned`) only, never by a flow itself."""
+
     @property
     def clustered(self) -> bool:
         """True when other replicas may share the fleet."""
@@ -143,6 +155,11 @@ class Coordinator(Protocol):
         """Return (not raise) the error its caller answers with, once this replica stops owning the operation:
         its lease ended or its lock went to another replica. Never returns for a lone router."""
 
+
+class RoutingAgreement(Protocol):
+    """Every replica takes an owned operation's servers out of routing; what the others still have on them.
+    Asked by `Owned` only."""
+
     async def stop_routing(self, ticket: Ticket | None, workers: Sequence[Worker] | None,
                            action: StopAction) -> StopReport:
         """This replica does `action` on `workers` (None: every worker: `stop_here`); then, once every other
@@ -156,9 +173,13 @@ class Coordinator(Protocol):
     async def wait_idle_elsewhere(self, ticket: Ticket) -> None:
         """Until the other replicas have no request left on the servers of the last stop_routing."""
 
-    async def wait_worker_operations_elsewhere(self, timeout: float) -> list[str]:
-        """Wait up to timeout for operations on single servers that other replicas run (conversions);
-        those still running."""
+
+class OperationCoordinator(OperationOwnership, RoutingAgreement, Protocol):
+    """What `Owned` asks: what a flow that owns operations (a conversion, abort_all) holds to give it."""
+
+
+class SingletonTurn(Protocol):
+    """Whether the singleton loops (the rebalancer, the weight reconciler) run here now."""
 
     @property
     def leading(self) -> bool:
@@ -166,6 +187,19 @@ class Coordinator(Protocol):
 
     def fleet_operation_elsewhere(self) -> str | None:
         """A fleet-wide operation another replica runs now, described; None when there is none."""
+
+
+class FleetOperations(OperationCoordinator, SingletonTurn, Protocol):
+    """What the fleet-wide operations ask (`flows/fleet_control.py`): their own operations through `Owned`,
+    the reconciler's turn, and, before one changes a server, the single-server operations run elsewhere."""
+
+    async def wait_worker_operations_elsewhere(self, timeout: float) -> list[str]:
+        """Wait up to timeout for operations on single servers that other replicas run (conversions);
+        those still running."""
+
+
+class FleetMembership(Protocol):
+    """Which workers the fleet has: what the worker lifecycle (and the command line's registration) asks."""
 
     async def check_available(self, what: str) -> None:
         """Raise ServiceUnavailable when a control call cannot be agreed with the other replicas now (asked
@@ -183,6 +217,11 @@ class Coordinator(Protocol):
 
     async def readmit(self, url: str) -> None:
         """A registration on purpose: the removal's record goes, the worker may be added again."""
+
+
+class Coordinator(FleetOperations, FleetMembership, Protocol):
+    """Every role at once, as `LocalCoordinator` and `EtcdCoordinator` implement them. Only the composition
+    root holds it whole; each consumer is given the narrowest role it asks of (`tests/test_layout.py`)."""
 
 
 class LocalCoordinator:
@@ -243,7 +282,7 @@ class LocalCoordinator:
         return None
 
 
-async def while_owned(coordinator: Coordinator, ticket: Ticket | None, work: Awaitable[T],
+async def while_owned(coordinator: OperationOwnership, ticket: Ticket | None, work: Awaitable[T],
                       on_lost: Callable[[RouterError], None] = lambda error: None) -> T:
     """`work` (an operation's steps), cancelled the moment this replica stops owning `ticket`'s operation; then
     the coordinator's error (503, naming why) is raised, after `on_lost(error)` (told before the cancellation:

@@ -29,7 +29,7 @@ SESSION = web.AppKey("session", aiohttp.ClientSession)  # the control plane's on
 TASKS = web.AppKey("tasks", BackgroundTasks)
 LIFECYCLE = web.AppKey("lifecycle", Lifecycle)  # serving, or shutting down
 TRAFFIC = web.AppKey("traffic", RequestPathControl)  # the request path as the flows see it
-COORDINATOR = web.AppKey("coordinator", Coordinator)  # the other router replicas of the fleet, as flows see them
+COORDINATOR = web.AppKey("coordinator", Coordinator)  # the other router replicas of the fleet, every role at once
 # Each pool's policy (the request path's own: admin views and upkeep read the same objects).
 POLICIES: web.AppKey[dict[Role, Policy]] = web.AppKey("policies", dict)
 WORKER_ALLOW = web.AppKey("worker_allow", WorkerAllowList)  # --worker-allow

@@ -32,7 +32,7 @@ from aiohttp import web
 
 from router.control.live_state import rejoin_check
 from router.control.upstream import Upstream
-from router.core.coordination import Coordinator, StopAction, Ticket, worker_scope
+from router.core.coordination import OperationCoordinator, StopAction, Ticket, worker_scope
 from router.core.errors import Conflict, RouterError, ServiceUnavailable
 from router.core.reabort import abort_until_ended
 from router.core.registry import Registry, Role, Worker, WorkerState
@@ -62,7 +62,7 @@ class Conversions:
                  drain_timeout_s: float = 300.0, switch_timeout_s: float = 120.0,
                  verify_timeout_s: float = VERIFY_TIMEOUT_SECS, history_size: int = HISTORY_SIZE,
                  fleet_busy: Callable[[], str | None] = lambda: None,
-                 coordinator: Coordinator, traffic: RequestPathControl,
+                 coordinator: OperationCoordinator, traffic: RequestPathControl,
                  observers: list[Callable[[str, Conversion, dict], None]] | None = None) -> None:
         self.registry = registry
         self.upstream = upstream

@@ -26,7 +26,7 @@ from aiohttp import web
 
 from router.control.upstream import Upstream, fan_out
 from router.core.config import RouterConfig
-from router.core.coordination import Coordinator, StopAction
+from router.core.coordination import FleetOperations, StopAction
 from router.core.errors import Conflict
 from router.core.registry import Registry, Worker, WorkerState
 from router.core.routability import Hold, HoldKind
@@ -38,7 +38,7 @@ from router.flows.operations import Operation, OperationRunner
 
 class FleetControl:
     def __init__(self, config: RouterConfig, registry: Registry, upstream: Upstream, traffic: RequestPathControl,
-                 spawn: Callable[[Awaitable], asyncio.Task], coordinator: Coordinator, *,
+                 spawn: Callable[[Awaitable], asyncio.Task], coordinator: FleetOperations, *,
                  refusing: Callable[[], str | None] = lambda: None,
                  conversions_running: Callable[[], list] = lambda: [],
                  observers: list[Callable[[Operation], None]] | None = None) -> None:

@@ -24,7 +24,7 @@ from typing import Awaitable, Callable
 
 from router.control.live_state import read_weight_version
 from router.control.upstream import INFO_TIMEOUT, Upstream
-from router.core.coordination import Coordinator
+from router.core.coordination import SingletonTurn
 from router.core.registry import Registry, Worker, WorkerState
 from router.core.routability import Hold, HoldKind
 from router.flows.fleet import read_fleet_weight_version
@@ -37,7 +37,7 @@ FLUSH_TIMEOUT_S = 5.0  # one /flush_cache call (0.5.23 answers at once when it i
 
 class HeldOut:
     def __init__(self, registry: Registry, upstream: Upstream, lock: asyncio.Lock, interval_s: float,
-                 spawn: Callable[[Awaitable], asyncio.Task], coordinator: Coordinator) -> None:
+                 spawn: Callable[[Awaitable], asyncio.Task], coordinator: SingletonTurn) -> None:
         self.registry = registry
         # Router replicas of one fleet: the reconciler runs on the one that leads, never under another
         # replica's fleet-wide operation (what it changes is shared with the others).

@@ -11,7 +11,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Awaitable, Callable
 
-from router.core.coordination import FLEET, Coordinator
+from router.core.coordination import FLEET, OperationCoordinator
 from router.core.errors import Conflict, RouterError, ServiceUnavailable
 from router.flows.ownership import Owned
 from router.flows.steps import Step
@@ -110,7 +110,7 @@ class OperationRunner:
     its turn up to `timeout_s`, then gets 409."""
 
     def __init__(self, timeout_s: float, spawn: Callable[[Awaitable], asyncio.Task],
-                 coordinator: Coordinator, *, refusing: Callable[[], str | None] = lambda: None,
+                 coordinator: OperationCoordinator, *, refusing: Callable[[], str | None] = lambda: None,
                  observers: list[Callable[["Operation"], None]] | None = None) -> None:
         """`refusing`: why no new operation may start now (the router shuts down), or None; `observers`: told
         of every finished operation (metrics)."""

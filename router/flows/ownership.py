@@ -16,7 +16,8 @@ Used as `async with await Owned.acquire(...) as owned:`, it is released on the w
 flow set (`owned.ended(outcome, message)`), "failed" when an error left the block without one. A flow that
 needs no agreement (a lone router's conversion: nobody to agree with) holds `Owned.alone(coordinator)`: every
 call free, as `LocalCoordinator`'s are. No flow keeps a ticket or calls the coordinator's operation calls
-itself (`tests/test_layout.py`).
+itself (`tests/test_layout.py`); what it gives `Owned` is an `OperationCoordinator` (core/coordination.py:
+the operation's ownership and the routing agreement, the two roles asked of here only).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from __future__ import annotations
 import asyncio
 from typing import TYPE_CHECKING, Awaitable, Callable, Sequence, TypeVar
 
-from router.core.coordination import Coordinator, StopAction, StopReport, Ticket, while_owned
+from router.core.coordination import OperationCoordinator, StopAction, StopReport, Ticket, while_owned
 from router.core.errors import RouterError
 
 if TYPE_CHECKING:
@@ -34,7 +35,7 @@ T = TypeVar("T")
 
 
 class Owned:
-    def __init__(self, coordinator: Coordinator, ticket: Ticket | None) -> None:
+    def __init__(self, coordinator: OperationCoordinator, ticket: Ticket | None) -> None:
         self.coordinator = coordinator
         self.ticket = ticket
         self.outcome: str | None = None
@@ -42,14 +43,14 @@ class Owned:
         self._released = False
 
     @classmethod
-    async def acquire(cls, coordinator: Coordinator, kind: str, scope: str, details: dict, *,
+    async def acquire(cls, coordinator: OperationCoordinator, kind: str, scope: str, details: dict, *,
                       wait_s: float = 0.0) -> Owned:
         """The right to run `kind` on `scope` (exclusive across the replicas), waiting up to `wait_s` for it;
         the coordinator's Conflict or ServiceUnavailable when it cannot be had."""
         return cls(coordinator, await coordinator.acquire(kind, scope, details, wait_s=wait_s))
 
     @classmethod
-    def alone(cls, coordinator: Coordinator) -> Owned:
+    def alone(cls, coordinator: OperationCoordinator) -> Owned:
         """An operation nobody else needs to agree to: every call free."""
         return cls(coordinator, None)
 

@@ -10,7 +10,7 @@ from typing import Callable, Sequence
 from aiohttp import web
 
 from router.control.upstream import INFO_TIMEOUT, Upstream, fan_out
-from router.core.coordination import ABORT, Coordinator, StopAction
+from router.core.coordination import ABORT, OperationCoordinator, StopAction
 from router.core.reabort import abort_until_ended
 from router.core.registry import Worker
 from router.core.traffic import AbortAction, LiveRequest, RequestPathControl
@@ -20,7 +20,7 @@ from router.flows.ownership import Owned
 
 class RequestAborts:
     def __init__(self, traffic: RequestPathControl, upstream: Upstream, targets: Callable[[], list[Worker]],
-                 timeout_s: float, coordinator: Coordinator) -> None:
+                 timeout_s: float, coordinator: OperationCoordinator) -> None:
         self.traffic = traffic
         # Router replicas of one fleet: an abort of everything is everyone's (each marks and aborts its own).
         self.coordinator = coordinator

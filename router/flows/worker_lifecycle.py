@@ -26,7 +26,7 @@ from router.control.live_state import LiveStateReader, read_live_state, rejoin_c
 from router.control.upstream import INFO_TIMEOUT, Upstream
 from router.core.allowlists import WorkerAllowList, resolve
 from router.core.config import DISCOVER, RouterConfig
-from router.core.coordination import Coordinator
+from router.core.coordination import FleetMembership
 from router.core.errors import BadRequest, Conflict, Forbidden, ServiceUnavailable, WorkerRemoved
 from router.core.registry import DuplicateWorker, Registry, Role, Worker, WorkerState
 from router.core.router_identity import is_own_address, literal_addresses, router_description, router_instance_of
@@ -40,7 +40,7 @@ BUSY_STATES = (WorkerState.DRAINING, WorkerState.ABORTING, WorkerState.CONVERTIN
 
 class WorkerLifecycle:
     def __init__(self, config: RouterConfig, registry: Registry, upstream: Upstream, live_state: LiveStateReader,
-                 coordinator: Coordinator, allowed: WorkerAllowList) -> None:
+                 coordinator: FleetMembership, allowed: WorkerAllowList) -> None:
         self.config = config
         self.registry = registry
         self.upstream = upstream

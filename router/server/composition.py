@@ -54,7 +54,7 @@ from router.control.upstream import UPSTREAM, Upstream
 from router.control.worker_sources import WORKER_SOURCES, WorkerSources
 from router.core.allowlists import WorkerAllowList
 from router.core.config import DISCOVER, RouterConfig
-from router.core.coordination import Coordinator, LocalCoordinator
+from router.core.coordination import Coordinator, FleetMembership, LocalCoordinator
 from router.core.errors import RouterError
 from router.core.keys import (CONFIG, COORDINATOR, DESCRIPTORS, LIFECYCLE, LOCAL_RESOURCES, POLICIES, REGISTRY,
                               SESSION, TASKS, TRAFFIC, WORKER_ALLOW)
@@ -331,7 +331,7 @@ def _forget_removed(legs: UpstreamPool):
     return listener
 
 
-def _known(registry: Registry, coordinator: Coordinator, url: str, flag: str) -> bool:
+def _known(registry: Registry, coordinator: FleetMembership, url: str, flag: str) -> bool:
     """Already in the fleet, or removed from it (router replicas: the command line seeds a cluster, it does not
     override it; the cluster's record, or its record of a removal, wins over the flag)."""
     worker = registry.find(url)
@@ -348,7 +348,7 @@ def _known(registry: Registry, coordinator: Coordinator, url: str, flag: str) ->
     return False
 
 
-def _register_command_line(config: RouterConfig, registry: Registry, coordinator: Coordinator,
+def _register_command_line(config: RouterConfig, registry: Registry, coordinator: FleetMembership,
                            live_state: LiveStateReader) -> None:
     """The command line's workers, pending until their servers have been read (`LiveStateReader.start_up`)."""
     for spec in config.prefill:
