@@ -40,6 +40,7 @@ TIERS: dict[str, str] = {
     "tests/test_flows_layer.py": UNIT,
     "tests/test_health_rules.py": UNIT,
     "tests/test_layout.py": UNIT,
+    "tests/test_ownership.py": UNIT,
     "tests/test_loadtest_workload.py": UNIT,
     "tests/test_no_gevent_in_pytest.py": UNIT,
     "tests/test_peers_reference.py": UNIT,

@@ -84,11 +84,11 @@ class Owned:
         operation changed is shared before anyone hears its answer."""
         if outcome is not None:
             self.ended(outcome, self.message if message is None else message)
-        if self._released or self.ticket is None:
-            self._released = True
+        if self._released:
             return
         self._released = True
-        await asyncio.shield(self.coordinator.release(self.ticket, self.outcome or "failed", self.message))
+        if self.ticket is not None:  # an operation held alone took nothing to give back
+            await asyncio.shield(self.coordinator.release(self.ticket, self.outcome or "failed", self.message))
 
     async def __aenter__(self) -> Owned:
         return self
