@@ -296,15 +296,17 @@ def operations_owned_by_hand(root: Path) -> list[str]:
 
 
 # An object's observers are given at its construction (issue 32): nothing outside it adds to them afterwards,
-# which hid who is told of what until the root's last lines ran.
+# which hid who is told of what until the root's last lines ran. So are the cluster's callbacks its runtime once
+# set from outside (`publisher.fleet_now = ...`); those wired afterwards there take each other (runtime.py says).
 ADDED_TO = frozenset({"append", "extend", "insert"})
+CALLBACKS_GIVEN = frozenset({"fleet_now", "apply_flags", "current_op"})
 # The request path's objects are given their collaborators by the composition root; they build none themselves.
 GIVEN_ONLY = frozenset({"Proxy", "Dispatcher"})
 
 
 def observers_wired_afterwards(root: Path) -> list[str]:
-    """No `x.leg_observers.append(f)`, `x.request_observers += (f,)` or `x.observers = [...]` on another
-    object (`self.` is its owner's own business)."""
+    """No `x.leg_observers.append(f)`, `x.request_observers += (f,)`, `x.observers = [...]` or
+    `x.fleet_now = f` on another object (`self.` is its owner's own business)."""
     wrong = []
     for path in sorted((root / "router").rglob("*.py")):
         for node in ast.walk(tree_of(path)):
@@ -317,14 +319,14 @@ def observers_wired_afterwards(root: Path) -> list[str]:
             else:
                 continue
             for target in targets:
-                if (isinstance(target, ast.Attribute) and _is_observers(target.attr)
+                if (isinstance(target, ast.Attribute) and _given_at_construction(target.attr)
                         and _name(target.value) != "self"):
                     wrong.append(f"{path.relative_to(root)}:{node.lineno}: {ast.unparse(node)[:100]}")
     return wrong
 
 
-def _is_observers(attr: str) -> bool:
-    return attr == "observers" or attr.endswith("_observers")
+def _given_at_construction(attr: str) -> bool:
+    return attr == "observers" or attr.endswith("_observers") or attr in CALLBACKS_GIVEN
 
 
 # The coordinator's roles (issue 32): each consumer is given the narrowest protocol of core/coordination.py that
@@ -535,6 +537,9 @@ PLANTS = {
     "a flow's observers replaced from outside": (
         observers_wired_afterwards, "router/server/planted.py",
         "def wire(conversions, f):\n    conversions.observers = [f]\n"),
+    "a cluster callback set from outside": (
+        observers_wired_afterwards, "router/cluster/planted.py",
+        "def wire(publisher, cluster):\n    publisher.fleet_now = cluster.fleet_record\n"),
     "a flow given the whole coordinator": (
         wide_coordinator_named, "router/flows/planted.py",
         "from router.core.coordination import Coordinator\nclass F:\n"

@@ -34,13 +34,15 @@ logger = logging.getLogger(__name__)
 
 
 class Applier:
-    def __init__(self, keys: ClusterKeys, registry: Registry, publisher: Publisher, gate: FleetGate) -> None:
+    def __init__(self, keys: ClusterKeys, registry: Registry, publisher: Publisher, gate: FleetGate, *,
+                 apply_flags: Callable[[dict], None]) -> None:
+        """`apply_flags`: takes the fleet record's share of the weight flow's state (pause mode, released
+        memory)."""
         self.keys = keys
         self.registry = registry
         self.publisher = publisher
         self.gate = gate
-        # The weight flow's shared state (pause mode, released memory), set once the flow exists.
-        self.apply_flags: Callable[[dict], None] = lambda flags: None
+        self.apply_flags = apply_flags
         self.applied = 0  # changes applied
 
     @contextlib.contextmanager

@@ -23,13 +23,14 @@ from router.core.traffic import AbortAction, LiveRequest, RequestPathControl
 class FleetGate:
     """Implements RequestPathControl over this replica's own (`local`)."""
 
-    def __init__(self, local: RequestPathControl, replica_id: str, changed: Callable[[], None]) -> None:
+    def __init__(self, local: RequestPathControl, replica_id: str, changed: Callable[[], None], *,
+                 current_op: Callable[[], str | None]) -> None:
         self.local = local
         self.replica_id = replica_id
         self.changed = changed  # the publisher's: the fleet record must be written again
         # The fleet-wide operation this replica runs now (a reason it closes the gate for is that operation's: a replica that
-        # takes the operation over after this one died releases it), set by the runtime.
-        self.current_op: Callable[[], str | None] = lambda: None
+        # takes the operation over after this one died releases it).
+        self.current_op = current_op
         self.closed: dict[str, dict] = {}  # why the fleet's gate is closed here, by reason: {"replica", "op", "since"}
         self.silences: set[str] = set()  # reasons the legs' silence is expected (a pause in place)
 

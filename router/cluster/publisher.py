@@ -55,7 +55,8 @@ class _Write:
 
 class Publisher:
     def __init__(self, client: EtcdClient, keys: ClusterKeys, mirror: Mirror, registry: Registry,
-                 status: EtcdStatus, replica_id: str) -> None:
+                 status: EtcdStatus, replica_id: str, *, fleet_now: Callable[[], dict]) -> None:
+        """`fleet_now`: the fleet record as this replica holds it (written whenever `note_fleet` is told)."""
         self.client = client
         self.keys = keys
         self.mirror = mirror
@@ -63,9 +64,10 @@ class Publisher:
         self.status = status
         self.replica_id = replica_id
         self.applying = False  # set while the applier changes the registry from etcd: not ours to publish
-        # Set by the runtime: the fleet record as this replica holds it; the lock covering a key (fleet, or
-        # the worker's) held here or elsewhere; and undoing a refused change.
-        self.fleet_now: Callable[[], dict] = dict
+        self.fleet_now = fleet_now
+        # Set afterwards by objects that take this publisher (so they cannot be given here): the lock covering
+        # a key (fleet, or the worker's) held here or elsewhere, by the coordinator; undoing a refused change
+        # through the applier, by the runtime.
         self.fence_for: Callable[[str], Fence | None] = lambda key: None
         self.locked_elsewhere: Callable[[str], bool] = lambda key: False
         self.converge: Callable[[str, KeyValue | None], None] = lambda key, kv: None

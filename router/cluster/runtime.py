@@ -64,25 +64,29 @@ class Cluster:
         self.status = EtcdStatus(self.client, interval_s=max(ttl / 3, 0.5))
         self.membership = Membership(self.client, self.keys, self.identity, ttl)
         self.mirror = Mirror(self.client, self.keys.prefix)
-        self.publisher = Publisher(self.client, self.keys, self.mirror, registry, self.status, self.identity.id)
-        self.gate = FleetGate(traffic, self.identity.id, self.publisher.note_fleet)
-        self.applier = Applier(self.keys, registry, self.publisher, self.gate)
+        self._flags: dict = {}
+        self._flow: SharedFlags | None = None
+        self._tasks: list[asyncio.Task] = []
+        self.publisher = Publisher(self.client, self.keys, self.mirror, registry, self.status, self.identity.id,
+                                   fleet_now=self.fleet_record)
         self.leadership = Leadership(self.client, self.keys, self.mirror, self.membership)
+        # before the gate, which names the fleet operation the coordinator runs (the coordinator stops `traffic`)
         self.coordinator = EtcdCoordinator(self.client, self.keys, self.mirror, self.membership, self.publisher,
                                            self.leadership, self.status, registry, traffic,
                                            ack_timeout_s=max(3.0 * ttl, 5.0), flush_timeout_s=max(2.0 * ttl, 3.0))
+        self.gate = FleetGate(traffic, self.identity.id, self.publisher.note_fleet,
+                              current_op=self.coordinator.fleet_op_id)
+        self.applier = Applier(self.keys, registry, self.publisher, self.gate, apply_flags=self._adopt_flags)
         self.barrier = BarrierResponder(self.client, self.keys, registry, traffic, self.membership, spawn)
         self.takeover = Takeover(self.keys, self.mirror, self.membership, self.coordinator, self.gate, spawn)
+        # Wired afterwards, as each side takes the other: the coordinator, the takeover and the applier (through
+        # the publisher) read the mirror that tells them of its changes; the barrier acks under the membership's
+        # lease and is told when it rejoins; the applier marks in the publisher what it applies, and the
+        # publisher undoes a refused write through the applier.
         self.mirror.listeners += [self.coordinator.on_changes, self.applier.on_changes, self.barrier.on_changes,
                                   self.takeover.on_changes]
         self.membership.rejoined.append(self.barrier.rejoined)
         self.publisher.converge = self.applier.converge
-        self.publisher.fleet_now = self.fleet_record
-        self.applier.apply_flags = self._adopt_flags
-        self.gate.current_op = self.coordinator.fleet_op_id
-        self._flags: dict = {}
-        self._flow: SharedFlags | None = None
-        self._tasks: list[asyncio.Task] = []
 
     # ---- the fleet record and the weight flow's share of it --------------------------------------------
     def fleet_record(self) -> dict:
