@@ -410,17 +410,69 @@ def _reach(fleet: Fleet, target_prefills: int) -> None:
 
 
 def redecide(observations: list[Observation], config: RebalanceConfig, decide: Callable,
-             conversions: list[dict]) -> list[dict]:
-    """Recorded observations through the decision core again (the conversions' ends fed back at their times):
-    the decisions it makes now."""
-    state: RebalanceState = initial_state(0.0)
-    ends = sorted(conversions, key=lambda c: c["ended_at"])
+             conversions: list[dict], started_at: float = 0.0) -> list[dict]:
+    """Recorded observations through the decision core again (the conversions' ends fed back at their times,
+    failed ones as failures): the decisions it makes now. `started_at`: when the rebalancer started (its
+    warm-up counts from then)."""
+    state: RebalanceState = initial_state(started_at)
+    ends = sorted((c for c in conversions if "ended_at" in c), key=lambda c: c["ended_at"])
     out = []
     for obs in observations:
         while ends and ends[0]["ended_at"] <= obs.now:
             c = ends.pop(0)
-            state = conversion_ended(state, c["ended_at"], True, c["to_role"], c["secs"])
+            secs = c.get("secs", c["ended_at"] - c["started_at"] if "started_at" in c else None)
+            state = conversion_ended(state, c["ended_at"], c.get("ok", True), c["to_role"], secs)
         decision = decide(obs, state, config)
         state = decision.state
         out.append(decision.to_dict())
     return out
+
+
+def replay_recording(recording: dict, decide: Callable, **changes) -> tuple[list[dict], list[dict]]:
+    """A live router's recording (GET /admin/rebalancer/recording) through the decision core: (the decisions it
+    made, the ones the core makes now). With `changes` (any RebalanceConfig field), what it would have decided
+    with another setting."""
+    config = RebalanceConfig().with_changes(recording["config"])
+    if changes:
+        config = config.with_changes(changes)
+    observations = [Observation.from_dict(o) for o in recording["observations"]]
+    again = redecide(observations, config, decide, recording["conversions"], recording.get("started_at", 0.0))
+    return recording["decisions"], again
+
+
+def _same(made: dict, again: dict) -> bool:
+    return (made["action"], made["reason"], tuple(made.get("workers") or ())) == (
+        again["action"], again["reason"], tuple(again.get("workers") or ()))
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+    import json
+    from policies.rebalance import decide
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.replay", description="A live router's rebalancer recording through the decision "
+        "core again: `curl ROUTER/admin/rebalancer/recording > rec.json; python -m bench.replay rec.json`. "
+        "It says whether the core decides the same, and with --set what it would have decided otherwise.")
+    parser.add_argument("recording", help="the JSON of GET /admin/rebalancer/recording")
+    parser.add_argument("--set", nargs="*", default=[], metavar="FIELD=VALUE",
+                        help="change a RebalanceConfig field (e.g. window_secs=10)")
+    args = parser.parse_args(argv)
+    with open(args.recording) as f:
+        recording = json.load(f)
+    changes = {}
+    for item in args.set:
+        name, _, value = item.partition("=")
+        changes[name] = json.loads(value) if value[:1].isdigit() or value in ("true", "false") else value
+    made, again = replay_recording(recording, decide, **changes)
+    differ = 0
+    for m, a in zip(made, again):
+        if not _same(m, a):
+            differ += 1
+            print(f"t={a['at']:.1f}: recorded {m['action']} ({m['reason']})\n          now {a['action']} ({a['reason']})")
+    converts = sum(a["action"] == "convert" for a in again)
+    print(f"{len(again)} decisions replayed, {converts} conversions, {differ} differ from the recording")
+    return 1 if differ and not changes else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -277,20 +277,19 @@ class Candidate:
 def plan(mix: Mix, prefills: int, decodes: int, slo: Slo, costs: Costs, horizon_s: float, *,
          min_prefill: int = 1, min_decode: int = 1, arriving: tuple[str, int, float] | None = None,
          ) -> list[Candidate]:
-    """Every split within the floors, valued over `horizon_s` from now, best first (holding wins ties). The
-    fleet has `prefills` and `decodes` routable servers; `arriving` = (pool, count, seconds left) for servers
+    """Every split within the floors, and holding, valued over `horizon_s` from now, best first (holding wins
+    ties). The fleet has `prefills` and `decodes` routable servers; `arriving` = (pool, count, seconds left) for servers
     of ours already on their way into a pool: every split counts them, and a split that moves more does so
     alongside them (the other way would undo them: not offered)."""
     out = []
     total = prefills + decodes
     arrive_pool, arrive_n, arrive_s = arriving if arriving else (None, 0, 0.0)
-    for target_p in range(min_prefill, total + arrive_n + 1):
-        final_p = target_p
+    for final_p in range(0, total + arrive_n + 1):
         final_d = total + arrive_n - final_p
-        if final_d < min_decode:
-            continue
         now_p = prefills + (arrive_n if arrive_pool == PREFILL else 0)
         moves = final_p - now_p
+        if moves and (final_p < min_prefill or final_d < min_decode):
+            continue  # holding is always a candidate, even below floors raised since (it is what a move beats)
         direction = PREFILL if moves > 0 else DECODE if moves < 0 else None
         if arrive_n and direction not in (None, arrive_pool):
             continue

@@ -28,7 +28,7 @@ its `num_waiting_reqs` counts for its own pool.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 
 PREFILL, DECODE = "prefill", "decode"
@@ -94,6 +94,24 @@ class Observation:
 
     def pool(self, role: str) -> tuple[WorkerView, ...]:
         return self.prefill if role == PREFILL else self.decode
+
+    def to_dict(self) -> dict:
+        """As JSON takes it (`from_dict` gives it back, equal): a live run's observations, recorded and
+        replayed through the decision core (bench/replay.py)."""
+        return asdict(self)
+
+    @staticmethod
+    def from_dict(doc: dict) -> "Observation":
+        def views(rows) -> tuple[WorkerView, ...]:
+            return tuple(WorkerView(**row) for row in rows)
+
+        def rows(items) -> tuple[tuple[float, ...], ...]:
+            return tuple(tuple(item) for item in items)
+        return Observation(**{**doc, "prefill": views(doc["prefill"]), "decode": views(doc["decode"]),
+                              "converting_into": tuple(doc.get("converting_into", ())),
+                              "pending": tuple(doc.get("pending", ())), "joining": tuple(doc.get("joining", ())),
+                              "request_sizes": rows(doc.get("request_sizes", ())),
+                              "finished_sizes": rows(doc.get("finished_sizes", ()))})
 
 
 def _total(values) -> int | None:

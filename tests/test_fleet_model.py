@@ -96,3 +96,13 @@ def test_servers_on_their_way_are_counted_and_never_undone():
     hold = next(c for c in candidates if c.moves == 0)
     assert (hold.prefills, hold.decodes) == (3, 1)
     assert not math.isnan(hold.value)
+
+
+def test_holding_is_a_candidate_even_below_floors_raised_since():
+    """An operator raises --rebalance-min-decode above the decodes there are now: the splits a move may reach
+    are those within the floors, and holding is still there to be weighed against them (the decision core
+    picks its reference from it)."""
+    candidates = plan(DECODE_HEAVY, 3, 1, SLO, Costs(2.0, 2.0), horizon_s=120, min_decode=3)
+    splits = {(c.prefills, c.decodes): c.moves for c in candidates}
+    assert splits[(3, 1)] == 0
+    assert set(splits) == {(3, 1), (1, 3)}  # 2P2D is below the new floor too: no move goes there

@@ -367,3 +367,22 @@ def test_a_phase_shift_is_acted_on_once_it_has_lasted_a_third_of_the_window():
         first = next(d for d in run.decisions if d["action"] == "convert" and d["at"] >= start)
         assert first["at"] - start < config.window_secs / 2, (name, first["at"] - start)
         assert first["model"]["changed_secs_ago"] <= first["at"] - start + config.interval_secs
+
+
+def test_a_recording_survives_json_and_replays_from_the_command_line(tmp_path, capsys):
+    """GET /admin/rebalancer/recording's shape, built from a replay run: the observations come back from JSON
+    equal, and `python -m bench.replay FILE` decides the same (exit 0), or says what differs."""
+    import json
+    workload = _suite("shift4")
+    run = _driven(workload, record=True)
+    observations = [json.loads(json.dumps(obs.to_dict())) for obs in run.observations]
+    assert [Observation.from_dict(o) for o in observations] == run.observations
+    recording = {"config": ws.suite_config(workload).to_dict(), "started_at": 0.0, "observations": observations,
+                 "decisions": run.decisions, "conversions": run.conversions}
+    path = tmp_path / "recording.json"
+    path.write_text(json.dumps(recording))
+    assert replay.main([str(path)]) == 0
+    assert f"{len(run.decisions)} decisions replayed" in capsys.readouterr().out
+    recording["decisions"][-1] = {**recording["decisions"][-1], "reason": "planted"}
+    path.write_text(json.dumps(recording))
+    assert replay.main([str(path)]) == 1 and "1 differ from the recording" in capsys.readouterr().out

@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import asyncio
 
-from policies.rebalance import RebalanceConfig, RebalanceMode
+from bench import replay
+from policies.rebalance import RebalanceConfig, RebalanceMode, decide
 from router.core.config import LoadMonitorConfig
 from router.core.registry import Role
 from router.flows.rebalancer import REBALANCER
@@ -98,6 +99,17 @@ async def test_two_decodes_go_in_one_look_and_one_killed_on_its_way_loses_no_req
         shown = next(d for d in snapshot["decisions"] if d["action"] == "convert")
         assert {c["split"] for c in shown["model"]["candidates"]} >= {"1P4D", "2P3D", "3P2D"}
         assert all("value" in c and "cost_s" in c for c in shown["model"]["candidates"])
+        # its recording replays offline through the decision core to the same decisions, the failed conversion
+        # (the killed server's cooldown) and the one that succeeded (its measured duration) fed back
+        recording = await (await client.get("/admin/rebalancer/recording")).json()
+        made, again = replay.replay_recording(recording, decide)
+        assert len(made) == len(again) == len(recording["observations"]) > 10
+        assert [(d["action"], d["reason"], d["workers"]) for d in again] == \
+            [(d["action"], d["reason"], d["workers"]) for d in made]
+        assert {c["ok"] for c in recording["conversions"]} == {True, False}
+        # ... and with another setting it decides otherwise: the recording is an experiment's input
+        _, held = replay.replay_recording(recording, decide, min_prefill=1, min_decode=4)
+        assert not any(d["action"] == "convert" for d in held)
 
 
 async def test_a_decode_heavy_load_after_a_move_to_decode_moves_nothing_back_to_prefill(make_router):

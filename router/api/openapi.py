@@ -199,6 +199,8 @@ SUMMARIES: dict[tuple[str, str], str] = {
     ("GET", "/admin/health"): "each worker's probe state, breaker phase and counts; the router's warnings",
     ("GET", "/admin/policies"): "each pool's policy state, every worker's load as the policies see it",
     ("GET", "/admin/rebalancer"): "the rebalancer: mode, config, counters, the last decisions with the model's reading",
+    ("GET", "/admin/rebalancer/recording"): "the observations the last decisions were made on, with the decisions "
+                                            "and the conversions' ends: `python -m bench.replay FILE` replays them",
     ("PUT", "/admin/rebalancer"): "change the rebalancer's mode or any knob, live (unknown: 400, invalid: 422)",
     ("GET", "/metrics"): "Prometheus metrics",
     ("POST", "/abort_request"): "abort one request (by rid) or all, on both their servers; answers once they ended",

@@ -2,6 +2,8 @@
 
 GET /admin/policies            each pool's policy and its state, every worker's load as policies see it
 GET /admin/rebalancer?limit=N  mode, config, state, counters, the last N decisions (refusals included)
+GET /admin/rebalancer/recording  the observations the last decisions were made on, to replay them offline
+                                (python -m bench.replay FILE)
 PUT /admin/rebalancer          change the mode or any knob: {"mode": "enabled", "horizon_secs": 300, ...};
                                unknown fields -> 400, invalid values -> 422
 """
@@ -28,6 +30,7 @@ class Unprocessable(RouterError):
 def setup(app: web.Application) -> None:
     app.router.add_get("/admin/policies", get_policies)
     app.router.add_get("/admin/rebalancer", get_rebalancer)
+    app.router.add_get("/admin/rebalancer/recording", get_rebalancer_recording)
     app.router.add_put("/admin/rebalancer", put_rebalancer)
 
 
@@ -69,6 +72,10 @@ async def get_rebalancer(request: web.Request) -> web.Response:
     if not raw.isdigit():
         raise BadRequest(f"limit must be a non-negative integer, got {raw!r}", param="limit")
     return json_response(request.app[REBALANCER].snapshot(limit=int(raw)))
+
+
+async def get_rebalancer_recording(request: web.Request) -> web.Response:
+    return json_response(request.app[REBALANCER].recording())
 
 
 async def put_rebalancer(request: web.Request) -> web.Response:

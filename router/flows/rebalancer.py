@@ -116,6 +116,9 @@ class Rebalancer:
         self.state = initial_state(clock())
         self.decisions: deque[dict] = deque(maxlen=config.history)
         self.conversions: deque[dict] = deque(maxlen=config.history)
+        # every observation a decision was made on, the last `history` of them: replayed through the decision
+        # core with the conversions' ends (bench/replay.py), they give the same decisions (`recording`)
+        self.observations: deque[Observation] = deque(maxlen=config.history)
         self.counters: Counter[str] = Counter()
         self.last_observation: dict | None = None
         self.last_refill: dict | None = None
@@ -252,6 +255,7 @@ class Rebalancer:
 
     def _record(self, obs: Observation, decision: Decision) -> None:
         self.state = decision.state
+        self.observations.append(obs)
         self.last_observation = {"at": obs.now, "ttft_p90_s": obs.ttft_s, "itl_p90_s": obs.itl_s,
                                  "samples": obs.samples, "busy": obs.busy}
         entry = decision.to_dict()
@@ -356,6 +360,7 @@ class Rebalancer:
         if config.history != self.config.history:
             self.decisions = deque(self.decisions, maxlen=config.history)
             self.conversions = deque(self.conversions, maxlen=config.history)
+            self.observations = deque(self.observations, maxlen=config.history)
         self.window.window_secs = config.window_secs
         if self.config.mode is RebalanceMode.OFF and config.mode is not RebalanceMode.OFF:
             self.state = initial_state(self.clock())  # observing again: warm up again
@@ -372,6 +377,15 @@ class Rebalancer:
                 self.tick()
             except Exception:  # a bug in one tick must not stop the loop
                 logger.exception("rebalancer tick failed")
+
+    def recording(self) -> dict:
+        """What replays the last decisions offline (`python -m bench.replay FILE`): the configuration, when the
+        rebalancer started (its warm-up), each observation decided on, the decisions made and the conversions'
+        ends. A decision whose observation has left the journal is left out, and so are those before it."""
+        decisions = list(self.decisions)[-len(self.observations):] if self.observations else []
+        return {"config": self.config.to_dict(), "started_at": self.state.started_at,
+                "observations": [obs.to_dict() for obs in self.observations], "decisions": decisions,
+                "conversions": list(self.conversions)}
 
     def snapshot(self, limit: int = 50) -> dict:
         now = self.clock()
