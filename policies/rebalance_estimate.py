@@ -137,13 +137,32 @@ def _relative_error(values: list[float]) -> float:
     return (variance / len(values)) ** 0.5 / mean
 
 
+PER_SLICE = 4  # requests a slice holds at least on average: fewer, and its median is a count's noise, not a rate
+
+
+def _slice_count(arrivals: int, most: int) -> int:
+    """How many slices the window is read in: `most`, fewer where that many would hold under `PER_SLICE`
+    requests each (the median of counts near 1 is 0: sparse arrivals, slow answers on a busy machine, would read
+    as none at all)."""
+    return max(1, min(most, arrivals // PER_SLICE))
+
+
+def _grouped_rates(intervals: list, count: int) -> list[float]:
+    """The arrival rate of each of `count` groups of consecutive intervals (about as many intervals each)."""
+    size = len(intervals) / count
+    groups = [intervals[round(i * size):round((i + 1) * size)] for i in range(count)]
+    return [sum(iv.arrivals for iv in g) / secs for g in groups if (secs := sum(iv.secs for iv in g)) > 0]
+
+
 def _slices(obs: Observation, secs: float, side: int) -> list[float]:
-    """The work (sizes summed) arriving in each of the window's `SIZE_BINS` slices, per second."""
-    width = secs / SIZE_BINS
-    work = [0.0] * SIZE_BINS
+    """The work (sizes summed) arriving in each of the window's slices (`SIZE_BINS`, fewer when few requests
+    arrived: `_slice_count`), per second."""
+    bins = _slice_count(len(obs.request_sizes), SIZE_BINS)
+    width = secs / bins
+    work = [0.0] * bins
     for entry in obs.request_sizes:
         index = int((obs.now - entry[0]) / width)
-        if 0 <= index < SIZE_BINS:
+        if 0 <= index < bins:
             work[index] += entry[side]
     return [w / width for w in work]
 
@@ -307,11 +326,11 @@ def fit(obs: Observation, intervals: tuple[Interval, ...], window_secs: float, p
     its previous value (a pool that finished nothing in the window says nothing new of what a request costs)."""
     secs = arrivals = prefill_done = decode_done = decode_started = 0
     busy = tokens = 0.0
-    rates = []
+    used = []
     for iv in reversed(intervals):
         if secs >= window_secs:
             break
-        rates.append(iv.arrivals / iv.secs if iv.secs > 0 else 0.0)
+        used.append(iv)
         secs += iv.secs
         arrivals += iv.arrivals
         prefill_done += iv.prefill_done
@@ -321,6 +340,7 @@ def fit(obs: Observation, intervals: tuple[Interval, ...], window_secs: float, p
         tokens += iv.decode_tokens
     if secs <= 0:
         return Fit(None, "no interval yet (one look so far)")
+    rates = _grouped_rates(used, _slice_count(arrivals, len(used)))
     rate = _median(rates)
     sizes = _arriving_sizes(obs, secs, rate)
     change = read_change(obs, secs, changed_at)

@@ -386,3 +386,17 @@ def test_a_recording_survives_json_and_replays_from_the_command_line(tmp_path, c
     recording["decisions"][-1] = {**recording["decisions"][-1], "reason": "planted"}
     path.write_text(json.dumps(recording))
     assert replay.main([str(path)]) == 1 and "1 differ from the recording" in capsys.readouterr().out
+
+
+def test_sparse_arrivals_are_read_as_their_rate_not_as_none():
+    """Slow answers on a busy machine: 12 clients, one answer each every 20 s, looked at every second. Most
+    one-second intervals see no arrival; their median is 0, and a fleet with a backlog of long answers read
+    as receiving nothing never moves. Slices hold a few requests each, or the window is read whole."""
+    from policies.rebalance_estimate import Interval
+    counts = [0, 1, 0, 0, 1, 0, 0, 0, 1, 0, 1, 0, 0, 1, 0]  # 5 in 15 s
+    intervals = tuple(Interval(1.0, n, n, 0.1 * n, n, n, 63.0 * n) for n in counts)
+    entries = tuple((float(t) + 0.5, 20.0, 64.0) for t, n in enumerate(counts) if n)
+    obs = replace(_obs(15.0, 0, 0.0, 0.0), request_sizes=entries, finished_sizes=((20.0, 64.0),) * 5)
+    got = fit(obs, intervals, 15.0, None)
+    assert got.mix.rate == pytest.approx(5 / 15)
+    assert got.mix.decode_tokens == pytest.approx(63.0, rel=0.05)
