@@ -1,28 +1,23 @@
 """One HTTP/1.1 exchange of the legs' client: the answer's head, its body framing, and the consumer's API.
 
-`UpstreamResponse` parses what its connection feeds it (status line, the few header fields the framing
-needs, Content-Length / chunked / read-until-close bodies) and hands the body to its reader, whole or in
-pieces as they arrive. It hands its connection back to the pool only once the body arrived whole with
+`UpstreamResponse` finds the answer's head in what its connection feeds it, has httptools (llhttp, the
+parser behind uvicorn; aiohttp vendors the same C parser) read the status line and the body framing
+(Content-Length / chunked / read-until-close), looks up the header fields asked for in the head's bytes, and
+hands the body to its reader, whole or in pieces as they arrive. It hands its connection back to the pool only once the body arrived whole with
 keep-alive; anything else (an error, garbage after the message, a response closed early) closes it.
 """
 
 from __future__ import annotations
 
 import asyncio
-import re
 from typing import Protocol
+
+import httptools
 
 MAX_HEAD_SIZE = 64 * 1024
 PAUSE_ABOVE = 1024 * 1024  # buffered, unconsumed body bytes at which reading from the socket pauses
-MAX_CHUNK_LINE = 4096
 
 _HEAD_END = b"\r\n\r\n"
-_HEX = re.compile(rb"[0-9A-Fa-f]{1,15}")
-
-# Body framing.
-_LENGTH, _CHUNKED, _UNTIL_CLOSE = 0, 1, 2
-# Chunked decoder states.
-_SIZE, _DATA, _DATA_END, _TRAILERS = 0, 1, 2, 3
 
 
 class UpstreamError(Exception):
@@ -75,6 +70,26 @@ class _Pool(Protocol):
     def put_idle(self, conn: _Carrier) -> None: ...
 
 
+def _error_message(exc: Exception, head_in: bool, data: bytes) -> str:
+    """Our words for llhttp's complaint about an answer."""
+    text = str(exc)
+    if not head_in:
+        if "Content-Length" in text:
+            if "Duplicate" in text:
+                return "conflicting Content-Length headers"
+            if "Invalid character" in text:
+                return "malformed Content-Length"
+        if isinstance(exc, httptools.HttpParserInvalidStatusError) or "HTTP/" in text or "status" in text:
+            status_line = data.split(b"\r\n", 1)[0]
+            return f"malformed status line {status_line[:80]!r}"
+        return f"malformed response head: {text}"
+    if "chunk size" in text:
+        return f"malformed chunk size ({text})"
+    if "after chunk" in text:
+        return f"malformed chunked body: no CRLF after a chunk ({text})"
+    return f"malformed response body: {text}"
+
+
 def _field(head: bytes, lower: bytes, name: bytes) -> bytes | None:
     """The value of the header line starting with `name` (b"\\r\\nname:", lower case), stripped."""
     at = lower.find(name)
@@ -93,9 +108,9 @@ class UpstreamResponse:
     was read to its end, so a half-read connection is never reused.
     """
 
-    __slots__ = ("status", "content_type", "_head", "_lower", "_conn", "_pool", "_framing", "_remaining",
+    __slots__ = ("status", "content_type", "_head", "_lower", "_conn", "_pool", "_parser", "_ended", "_interim",
                  "_chunks", "_buffered", "_done", "_error", "_waiter", "_got_bytes", "_head_in", "_keep_alive",
-                 "_slot", "_cbuf", "_cstate", "_clean_end", "_paused", "_reused", "_quiet_since", "__weakref__")
+                 "_slot", "_cbuf", "_clean_end", "_paused", "_reused", "_quiet_since", "__weakref__")
 
     def __init__(self, conn: _Carrier, pool: _Pool) -> None:
         self.status = 0
@@ -103,8 +118,11 @@ class UpstreamResponse:
         self._head = self._lower = b""
         self._conn: _Carrier | None = conn
         self._pool = pool
-        self._framing = _LENGTH
-        self._remaining = 0
+        # llhttp parses the answer and calls on_headers_complete, on_body and on_message_complete; the reference
+        # cycle it makes (parser -> self) is cut when the exchange ends.
+        self._parser: httptools.HttpResponseParser | None = httptools.HttpResponseParser(self)
+        self._ended = False  # the parser saw the message's end (the body is whole once feed() has seen it)
+        self._interim = False  # the parser is inside an interim 1xx answer
         self._chunks: list[bytes] = []
         self._buffered = 0
         self._done = False  # the whole body is in (or the exchange failed)
@@ -117,8 +135,7 @@ class UpstreamResponse:
         self._head_in = False
         self._keep_alive = True
         self._slot = True  # holds one of the pool's in-use slots until it ends
-        self._cbuf = bytearray()
-        self._cstate = _SIZE
+        self._cbuf = bytearray()  # the head while it arrives in pieces
         self._clean_end = True
         self._paused = False
         self._reused = conn.served > 0
@@ -188,6 +205,7 @@ class UpstreamResponse:
 
     def close(self) -> None:
         """Stop the exchange: the connection closes unless the body already arrived whole."""
+        self._parser = None
         conn = self._conn
         if conn is not None:
             self._conn = None
@@ -237,13 +255,6 @@ class UpstreamResponse:
             self._paused = False
             self._conn.transport.resume_reading()
 
-    def _deliver(self, data: bytes) -> None:
-        self._chunks.append(data)
-        self._buffered += len(data)
-        if self._buffered > PAUSE_ABOVE and not self._paused and self._conn is not None:
-            self._paused = True
-            self._conn.transport.pause_reading()
-
     def _release_slot(self) -> None:
         if self._slot:
             self._slot = False
@@ -272,92 +283,75 @@ class UpstreamResponse:
                         f"response head larger than {MAX_HEAD_SIZE} bytes"))
                 buf += data
                 return
-            error = self._parse_head(data[:end])
-            if error is not None:
-                return self._abandon(UpstreamProtocolError(error))
+            if not self._parse(data[:end + 4]):
+                return
+            rest = data[end + 4:]
             if not self._head_in:  # an interim 1xx answer: the real head follows
-                rest = data[end + 4:]
                 return self.feed(rest) if rest else None
-            data = data[end + 4:]
-            if self._done:  # no body
-                if data:
+            head = self._head = data[:end]
+            lower = self._lower = head.lower()
+            content_type = _field(head, lower, b"\r\ncontent-type:")
+            self.content_type = (content_type.split(b";", 1)[0].strip().lower().decode("latin-1")
+                                 if content_type else "application/octet-stream")
+            if self._ended:  # no body
+                if rest:
                     self._clean_end = False
-                self._finish()
-                return
-            self._wake()
-            if not data:
-                return
-        framing = self._framing
-        if framing == _LENGTH:
-            remaining = self._remaining
-            if len(data) > remaining:
-                self._clean_end = False  # bytes past the message: the connection cannot be trusted
-                data = data[:remaining]
-            self._remaining = remaining - len(data)
-            self._deliver(data)
-            if self._remaining == 0:
                 self._done = True
                 self._finish()
-            else:
-                self._wake()
-        elif framing == _CHUNKED:
-            self._feed_chunked(data)
-        else:
-            self._deliver(data)
+                return
             self._wake()
+            if not rest:
+                return
+            data = rest
+        if self._parse(data):
+            if self._ended:
+                self._done = True
+                self._finish()
+            elif self._chunks:
+                self._wake()
 
-    def _parse_head(self, head: bytes) -> str | None:
-        """Status and body framing; an error message if the head is not HTTP/1.x.
+    def _parse(self, data: bytes) -> bool:
+        """Feed the parser; False when the answer was abandoned as unreadable."""
+        try:
+            self._parser.feed_data(data)
+        except httptools.HttpParserUpgrade:  # 101: the connection is no longer HTTP
+            self._ended = True
+            self._keep_alive = False
+        except httptools.HttpParserError as exc:
+            if self._ended:  # garbage after a whole message: the connection cannot be trusted
+                self._clean_end = False
+                return True
+            self._abandon(UpstreamProtocolError(_error_message(exc, self._head_in, data)))
+            return False
+        return True
 
-        Only the fields the framing needs are looked up (each a `find` in C); `header()` reads others."""
-        eol = head.find(b"\r\n")
-        status_line = head[:eol] if eol >= 0 else head
-        if not status_line.startswith(b"HTTP/1.") or len(status_line) < 12 or status_line[8:9] != b" " \
-                or not status_line[9:12].isdigit() or status_line[12:13] not in (b"", b" "):
-            return f"malformed status line {status_line[:80]!r}"
-        status = int(status_line[9:12])
+    # httptools callbacks
+    def on_message_begin(self) -> None:
+        if self._ended:  # bytes past the message: the connection cannot be trusted
+            self._clean_end = False
+
+    def on_headers_complete(self) -> None:
+        parser = self._parser
+        status = parser.get_status_code()
         if 100 <= status < 200 and status != 101:
-            return None  # interim answer: skip it
-        lower = head.lower()
-        self._head = head
-        self._lower = lower
+            self._interim = True  # skip it: the real head follows
+            return
         self.status = status
         self._head_in = True
-        content_type = _field(head, lower, b"\r\ncontent-type:")
-        self.content_type = (content_type.split(b";", 1)[0].strip().lower().decode("latin-1")
-                             if content_type else "application/octet-stream")
-        connection = _field(head, lower, b"\r\nconnection:")
-        connection = connection.lower() if connection else b""
-        self._keep_alive = b"close" not in connection and (status_line[7:8] != b"0" or b"keep-alive" in connection)
-        if status in (204, 304) or status == 101:
-            self._done = True
-            self._keep_alive = self._keep_alive and status != 101
-            return None
-        te = _field(head, lower, b"\r\ntransfer-encoding:")
-        length = _field(head, lower, b"\r\ncontent-length:")
-        if te is not None:
-            if te.lower().rsplit(b",", 1)[-1].strip() != b"chunked":
-                self._framing = _UNTIL_CLOSE  # RFC 9112 6.3: read until the server closes
-                self._keep_alive = False
-                return None
-            self._framing = _CHUNKED
-            if length is not None:
-                self._keep_alive = False  # both: chunked wins, and the connection is not reused
-            return None
-        if length is not None:
-            if not length.isdigit():
-                return f"malformed Content-Length {length[:40]!r}"
-            again = lower.find(b"\r\ncontent-length:", lower.find(b"\r\ncontent-length:") + 1)
-            if again >= 0 and _field(head[again:], lower[again:], b"\r\ncontent-length:") != length:
-                return "conflicting Content-Length headers"
-            self._framing = _LENGTH
-            self._remaining = int(length)
-            if self._remaining == 0:
-                self._done = True
-            return None
-        self._framing = _UNTIL_CLOSE
-        self._keep_alive = False
-        return None
+        self._keep_alive = parser.should_keep_alive() and status != 101
+
+    def on_body(self, data: bytes) -> None:
+        self._chunks.append(data)
+        self._buffered += len(data)
+        if self._buffered > PAUSE_ABOVE and not self._paused and self._conn is not None:
+            self._paused = True
+            self._conn.transport.pause_reading()
+
+    def on_message_complete(self) -> None:
+        if self._interim:
+            self._interim = False
+        else:
+            self._ended = True
 
     def header(self, name: str) -> str | None:
         """A response header's value (the first, if repeated), None when absent."""
@@ -366,59 +360,16 @@ class UpstreamResponse:
         value = _field(self._head, self._lower, b"\r\n" + name.lower().encode("latin-1") + b":")
         return None if value is None else value.decode("latin-1")
 
-    def _feed_chunked(self, data: bytes) -> None:
-        buf = self._cbuf
-        if buf:
-            buf += data
-            data = bytes(buf)
-            buf.clear()
-        pos, end_of_data = 0, len(data)
-        delivered = False
-        while pos < end_of_data:
-            state = self._cstate
-            if state == _DATA:
-                take = min(self._remaining, end_of_data - pos)
-                self._deliver(data[pos:pos + take] if (pos or take < end_of_data) else data)
-                delivered = True
-                pos += take
-                self._remaining -= take
-                if self._remaining == 0:
-                    self._cstate = _DATA_END
-            elif state == _DATA_END:
-                if end_of_data - pos < 2:
-                    break
-                if data[pos:pos + 2] != b"\r\n":
-                    return self._abandon(UpstreamProtocolError("malformed chunked body: no CRLF after a chunk"))
-                pos += 2
-                self._cstate = _SIZE
-            else:  # _SIZE or _TRAILERS: a line
-                line_end = data.find(b"\r\n", pos)
-                if line_end < 0:
-                    if end_of_data - pos > MAX_CHUNK_LINE:
-                        return self._abandon(UpstreamProtocolError("malformed chunked body: line too long"))
-                    break
-                line = data[pos:line_end]
-                pos = line_end + 2
-                if state == _TRAILERS:
-                    if not line:  # the empty line after the trailers: the body is complete
-                        if pos < end_of_data:
-                            self._clean_end = False
-                        self._done = True
-                        self._finish()
-                        return
-                    continue
-                size = line.split(b";", 1)[0].strip()
-                if not _HEX.fullmatch(size):
-                    return self._abandon(UpstreamProtocolError(f"malformed chunk size {line[:40]!r}"))
-                self._remaining = int(size, 16)
-                self._cstate = _DATA if self._remaining else _TRAILERS
-        if pos < end_of_data:
-            buf += data[pos:]
-        if delivered:
-            self._wake()
+    def _until_close(self) -> bool:
+        """The body ends when the server closes (RFC 9112 6.3): no Content-Length, no chunked coding last."""
+        te = _field(self._head, self._lower, b"\r\ntransfer-encoding:")
+        if te is not None:
+            return te.lower().rsplit(b",", 1)[-1].strip() != b"chunked"
+        return _field(self._head, self._lower, b"\r\ncontent-length:") is None
 
     def _finish(self) -> None:
         """The body is complete: hand the connection back (or close it) and wake the consumer."""
+        self._parser = None
         conn = self._conn
         self._conn = None
         if conn is not None:
@@ -435,6 +386,7 @@ class UpstreamResponse:
 
     def _abandon(self, error: UpstreamError) -> None:
         """The answer cannot be used: fail the exchange and close its connection."""
+        self._parser = None
         self._fail(error)
         conn = self._conn
         if conn is not None:
@@ -445,7 +397,8 @@ class UpstreamResponse:
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._conn = None
-        if self._head_in and self._framing == _UNTIL_CLOSE and exc is None:
+        self._parser = None
+        if self._head_in and exc is None and not self._done and self._until_close():
             self._done = True
             self._release_slot()
             self._wake()
