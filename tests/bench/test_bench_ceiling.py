@@ -52,3 +52,26 @@ async def test_client_cost_measures_each_client_against_the_backend(tmp_path):
         costs = await compare(fleet.decode[0], requests=200, concurrency=4)  # each raises on a non-200
     assert set(costs) == {"aiohttp pooled", "aiohttp new connection", "minimal protocol"}
     assert all(micros > 0 for micros in costs.values())
+
+
+def test_parser_cost_compares_the_legs_parsing_with_a_revision():
+    """bench.parser_cost: every wire shape is read alike by this checkout's parsing and a revision's (HEAD here,
+    as any clone has it), and each measurement gives a time per response."""
+    import asyncio
+
+    from bench import parser_cost
+    from router.dataplane.upstream_http.response import UpstreamResponse
+
+    if shutil.which("git") is None or not (parser_cost.REPO_ROOT / ".git").exists():
+        pytest.skip("no git checkout to read a revision from")
+    base = parser_cost.baseline_class("HEAD")
+    loop = asyncio.new_event_loop()
+    try:
+        pool = parser_cost._Pool(loop)
+        for make in parser_cost.WIRES.values():
+            reads = make()
+            parser_cost.check(reads, pool, (base, UpstreamResponse))
+            assert parser_cost._run(UpstreamResponse, reads, pool, 10) > 0
+        assert pool.idle > 0  # whole answers hand their connection back
+    finally:
+        loop.close()

@@ -13,8 +13,9 @@ mid-way (`silence_timeout`, suspended while the fleet is paused on purpose). Rul
 - a request on a reused connection that the server closed before answering (it timed out the idle
   connection while we wrote) is sent once more on a fresh connection; never when any byte of an answer came.
 
-`response.py` is one exchange (the answer's parsing and framing, the reader's API); `pool.py` the
-connections it runs on.
+`response.py` is one exchange (the answer's framing and the reader's API; the bytes are parsed by httptools,
+llhttp's C parser, which measured 0.7x the hand-written parser's time for a Content-Length answer and 0.3x
+for an SSE stream: `python -m bench.parser_cost`); `pool.py` the connections it runs on.
 """
 
 from router.dataplane.upstream_http.pool import UpstreamPool, header_lines
