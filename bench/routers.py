@@ -255,15 +255,16 @@ def run_interleaved(args, setup: str, fleet: Fleet, driver: LoadDriver, routers:
                           variants=args.variants))
             for name in routers}
         targets = [DIRECT, *routers]
-        turn = 0
         for round_no in range(1, args.rounds + 1):
-            for stream, c in points:
+            for index, (stream, c) in enumerate(points):
                 _wait_for_quiet(args, f"c={c}")
-                for name in targets[turn % len(targets):] + targets[:turn % len(targets)]:
+                # Each point's order moves on by one each round (a count of turns across points would give one
+                # point the same order every round when the points are a multiple of the targets).
+                turn = (index + round_no - 1) % len(targets)
+                for name in targets[turn:] + targets[:turn]:
                     router = running.get(name)
                     rows.append(measure_point(name, driver, fleet, stream, c, round_no,
                                               router.base_url if router else None, [router.pid] if router else []))
-                turn += 1
         for name in args.profile:
             if name in running:
                 profiles[name] = profile_router(name, driver, fleet, running[name], max(args.concurrency),
