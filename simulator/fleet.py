@@ -35,6 +35,7 @@ import orjson
 
 from .config import WorkerConfig, add_worker_flags, config_from_args
 from .faults import Faults
+from .journal import Journal
 from .worker import Worker
 
 START_TIMEOUT_S = 30.0
@@ -70,7 +71,10 @@ class Fleet:
 
     def __init__(self, prefill: int = 1, decode: int = 1, *, base_port: int = 0, processes: bool = False,
                  config: WorkerConfig | None = None, prefill_overrides: dict | None = None,
-                 decode_overrides: dict | None = None, faults: Faults | None = None, **overrides: Any) -> None:
+                 decode_overrides: dict | None = None, faults: Faults | None = None, record_requests: bool = False,
+                 **overrides: Any) -> None:
+        if record_requests and processes:
+            raise ValueError("record_requests keeps the record on the worker object: in-process fleets only")
         base = config or WorkerConfig(enable_pd_role_switch=True)
         self.config = base.with_(**overrides) if overrides else base
         self.n_prefill = prefill
@@ -80,6 +84,7 @@ class Fleet:
         self.prefill_overrides = prefill_overrides or {}
         self.decode_overrides = decode_overrides or {}
         self.faults = faults
+        self.record_requests = record_requests  # each in-process worker keeps a Journal (simulator/journal.py)
         self.prefill: list[WorkerHandle] = []
         self.decode: list[WorkerHandle] = []
         self.started_in_s: float | None = None
@@ -127,7 +132,8 @@ class Fleet:
         return self
 
     async def _start_local(self, cfg: WorkerConfig) -> WorkerHandle:
-        worker = Worker(cfg, faults=Faults(**self.faults.as_dict()) if self.faults else None)
+        worker = Worker(cfg, faults=Faults(**self.faults.as_dict()) if self.faults else None,
+                        journal=Journal() if self.record_requests else None)
         handle = WorkerHandle(cfg.role, "", 0, None, worker=worker)
         (self.prefill if cfg.role == "prefill" else self.decode).append(handle)  # so stop() finds it
         await worker.start()

@@ -69,18 +69,13 @@ class SimApi:
         if not isinstance(body, dict):
             return json_response({"error": {"message": "body must be a JSON object"}}, 400)
         try:
-            faults = self.worker.faults.update(body)
+            faults = self.worker.set_faults(body)
         except (TypeError, ValueError) as exc:
             return json_response({"error": {"message": str(exc)}}, 400)
-        # a cleared hang_after_tokens lets its parked requests go on; calls `hang` caught stay hung until
-        # aborted or abandoned (faults.py: tests hold a server with one while others queue behind it)
-        self.worker.engine.wake_all()
         return json_response(faults.as_dict())
 
     async def clear_faults(self, request: web.Request) -> web.Response:
-        faults = self.worker.faults.update({"reset": True})
-        self.worker.engine.wake_all()
-        return json_response(faults.as_dict())
+        return json_response(self.worker.set_faults({"reset": True}).as_dict())
 
     async def reset_counters(self, request: web.Request) -> web.Response:
         self.worker.engine.counters = Counters()

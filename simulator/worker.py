@@ -28,6 +28,7 @@ from .bootstrap import BootstrapListener, KvClient, RoomStore
 from .config import WorkerConfig
 from .engine import ABORTED, Engine, Req, RequestFailed
 from .faults import FaultInjector, Faults
+from .journal import Journal
 from .formats import SSE_DONE, Format, NativeFormat
 from .httputil import http_error, json_response, method_not_allowed, not_found, read_json, value_error
 from . import dp_ranks
@@ -41,8 +42,10 @@ TRACE_HEADERS_KEPT = 1000
 
 
 class Worker:
-    def __init__(self, config: WorkerConfig, faults: Faults | None = None, *, standalone: bool = False) -> None:
+    def __init__(self, config: WorkerConfig, faults: Faults | None = None, *, standalone: bool = False,
+                 journal: Journal | None = None) -> None:
         self.config = config
+        self.journal = journal  # what it received, for tests (simulator/journal.py); None: nothing kept
         self.faults = FaultInjector(faults, seed=config.seed)
         self.rooms = RoomStore()
         self.engine = Engine(config, self.faults, self.rooms)
@@ -126,13 +129,22 @@ class Worker:
             listener, self.listener = self.listener, None
             await listener.stop()
 
+    def set_faults(self, changes: dict) -> Faults:
+        """Merge fault fields (faults.py); a cleared hang_after_tokens lets its parked requests go on, while calls
+        `hang` caught stay hung until aborted or abandoned (tests hold a server with one while others queue)."""
+        faults = self.faults.update(changes)
+        self.engine.wake_all()
+        return faults
+
     def up_for(self) -> float:
         return time.monotonic() - self._started
 
     # ------------------------------------------------------------ app
 
     def _build_app(self) -> web.Application:
-        middlewares = [_api_key_middleware(self.config.api_key)] if self.config.api_key else []
+        middlewares = [self.journal.middleware] if self.journal is not None else []  # first: it sees all
+        if self.config.api_key:
+            middlewares.append(_api_key_middleware(self.config.api_key))
         app = web.Application(client_max_size=64 * 1024 * 1024, middlewares=middlewares)
         app[WORKER_KEY] = self
         v = self.config

@@ -14,7 +14,7 @@ from router.core.keys import REGISTRY
 from simulator.fleet import Fleet
 
 from .fakes import FakeWorker
-from .sim_support import FAST
+from .sim_support import FAST, SimulatedWorker
 from .tiers import PROCESS, TierGuard, tier_of
 
 # As router/server/serving.py runs the app (the test server cancels a handler whose client leaves, as it does):
@@ -92,6 +92,23 @@ async def fake_fleet():
     yield start
     for worker in started:
         await worker.stop()
+
+
+@pytest.fixture
+async def sim_workers():
+    """Start simulated workers in this process (fast PD timings, each keeping a record of what it received):
+    `p1, p2, d1 = await sim_workers(prefill=2, decode=1)`; other keywords are WorkerConfig fields."""
+    fleets: list[Fleet] = []
+
+    async def start(prefill: int = 1, decode: int = 1, **config) -> list[SimulatedWorker]:
+        fleet = Fleet(prefill, decode, record_requests=True, **{**FAST, **config})
+        fleets.append(fleet)
+        await fleet.start()
+        return [SimulatedWorker(handle) for handle in fleet.workers]
+
+    yield start
+    for fleet in fleets:
+        await fleet.stop()
 
 
 @pytest.fixture

@@ -10,6 +10,8 @@ import aiohttp
 import orjson
 
 from simulator.fleet import Fleet, WorkerHandle
+from simulator.journal import Journal
+from simulator.worker import Worker
 
 # short PD deadlines so failure paths finish in well under a second
 FAST = dict(health_check_s=0.0, bootstrap_retries=3, bootstrap_retry_interval_s=0.02, deferred_release_s=0.0,
@@ -68,3 +70,52 @@ async def pd_generate(session: aiohttp.ClientSession, fleet: Fleet, body: dict, 
 def rids_in(state: dict, *phases: str) -> list[str]:
     by_phase = state["rids_by_phase"]
     return [rid for phase in (phases or by_phase.keys()) for rid in by_phase.get(phase, [])]
+
+
+class SimulatedWorker:
+    """One in-process simulated worker of the `sim_workers` fixture (tests/conftest.py): its address and live role,
+    what it received (its Journal) and its faults, under the names router tests read."""
+
+    def __init__(self, handle: WorkerHandle) -> None:
+        assert handle.worker is not None and handle.worker.journal is not None, "an in-process worker that records"
+        self.worker: Worker = handle.worker
+        self.journal: Journal = handle.worker.journal
+
+    @property
+    def url(self) -> str:
+        return self.worker.url
+
+    @property
+    def bootstrap_port(self) -> int | None:
+        return self.worker.bootstrap_port
+
+    @property
+    def role(self) -> str:
+        return self.worker.role
+
+    @property
+    def requests(self) -> list[tuple[str, Any]]:
+        return self.journal.requests
+
+    @property
+    def aborts(self) -> list[Any]:
+        return self.journal.aborts
+
+    @property
+    def calls(self):
+        return self.journal.calls
+
+    @property
+    def authorizations(self) -> list[tuple[str, str | None]]:
+        return self.journal.authorizations
+
+    @property
+    def queries(self) -> list[tuple[str, dict]]:
+        return self.journal.queries
+
+    def bodies(self, path: str = "/generate") -> list[Any]:
+        return self.journal.bodies(path)
+
+    def set_faults(self, **changes: Any) -> None:
+        """Merge fault fields (simulator/faults.py), as ``POST /_sim/faults`` does."""
+        self.worker.set_faults(changes)

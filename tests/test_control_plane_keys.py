@@ -12,8 +12,8 @@ def _audit(caplog) -> list[dict]:
     return [r.fields for r in caplog.records if r.name == "router.audit"]
 
 
-async def test_admin_role_opens_admin_routes_and_user_role_does_not(fake_fleet, make_router):
-    p, d = await fake_fleet()
+async def test_admin_role_opens_admin_routes_and_user_role_does_not(sim_workers, make_router):
+    p, d = await sim_workers()
     router = await make_router([p], [d], control_plane_api_keys=KEYS)
     assert (await router.get("/workers")).status == 401
     assert (await router.get("/workers", headers={"Authorization": "Bearer r3ad"})).status == 401
@@ -22,8 +22,8 @@ async def test_admin_role_opens_admin_routes_and_user_role_does_not(fake_fleet, 
     assert (await router.post("/generate", json={"text": "hi"})).status == 200
 
 
-async def test_user_role_opens_generation_where_the_api_key_closes_it(fake_fleet, make_router):
-    p, d = await fake_fleet()
+async def test_user_role_opens_generation_where_the_api_key_closes_it(sim_workers, make_router):
+    p, d = await sim_workers()
     router = await make_router([p], [d], api_key="gen", control_plane_api_keys=KEYS)
     assert (await router.post("/generate", json={"text": "hi"})).status == 401
     for key in ("gen", "r3ad", "s3cret"):
@@ -33,8 +33,8 @@ async def test_user_role_opens_generation_where_the_api_key_closes_it(fake_fleet
     assert (await router.get("/workers", headers={"Authorization": "Bearer r3ad"})).status == 401
 
 
-async def test_audit_line_per_admin_call_who_what_outcome(fake_fleet, make_router, caplog):
-    p, d = await fake_fleet()
+async def test_audit_line_per_admin_call_who_what_outcome(sim_workers, make_router, caplog):
+    p, d = await sim_workers()
     router = await make_router([p], [d], control_plane_api_keys=KEYS, control_plane_audit_enabled=True)
     caplog.set_level(logging.INFO, logger="router.audit")
     await router.get("/workers", headers={"Authorization": "Bearer s3cret"})
@@ -49,8 +49,8 @@ async def test_audit_line_per_admin_call_who_what_outcome(fake_fleet, make_route
     assert not any("s3cret" in r.getMessage() for r in caplog.records)
 
 
-async def test_no_audit_without_the_flag(fake_fleet, make_router, caplog):
-    p, d = await fake_fleet()
+async def test_no_audit_without_the_flag(sim_workers, make_router, caplog):
+    p, d = await sim_workers()
     router = await make_router([p], [d])
     caplog.set_level(logging.INFO, logger="router.audit")
     assert (await router.get("/workers")).status == 200

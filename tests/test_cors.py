@@ -12,8 +12,8 @@ PREFLIGHT = {"Origin": ORIGIN, "Access-Control-Request-Method": "POST",
              "Access-Control-Request-Headers": "authorization, content-type"}
 
 
-async def test_an_allowed_origin_is_answered_and_preflights_pass_before_the_key(fake_fleet, make_router):
-    p, d = await fake_fleet()
+async def test_an_allowed_origin_is_answered_and_preflights_pass_before_the_key(sim_workers, make_router):
+    p, d = await sim_workers()
     router = await make_router([p], [d], cors_allowed_origins=(ORIGIN,), api_key="k")
     resp = await router.options("/generate", headers=PREFLIGHT)
     assert resp.status == 204
@@ -30,8 +30,8 @@ async def test_an_allowed_origin_is_answered_and_preflights_pass_before_the_key(
     assert resp.status == 401 and resp.headers["Access-Control-Allow-Origin"] == ORIGIN  # the browser sees why
 
 
-async def test_another_origin_gets_no_cors_headers(fake_fleet, make_router):
-    p, d = await fake_fleet()
+async def test_another_origin_gets_no_cors_headers(sim_workers, make_router):
+    p, d = await sim_workers()
     router = await make_router([p], [d], cors_allowed_origins=(ORIGIN,))
     resp = await router.options("/generate", headers={**PREFLIGHT, "Origin": "https://evil.example"})
     assert resp.status == 405 and "Access-Control-Allow-Origin" not in resp.headers
@@ -39,8 +39,8 @@ async def test_another_origin_gets_no_cors_headers(fake_fleet, make_router):
     assert resp.status == 200 and "Access-Control-Allow-Origin" not in resp.headers
 
 
-async def test_any_origin_and_none_without_the_flag(fake_fleet, make_router):
-    p, d = await fake_fleet()
+async def test_any_origin_and_none_without_the_flag(sim_workers, make_router):
+    p, d = await sim_workers()
     router = await make_router([p], [d], cors_allowed_origins=("*",))
     resp = await router.get("/health", headers={"Origin": "https://anywhere.example"})
     assert resp.headers["Access-Control-Allow-Origin"] == "*"

@@ -8,8 +8,8 @@ from router.core.config import ConfigError
 from router.server.cli import config_from_args
 
 
-async def test_the_request_duration_histogram_has_the_given_bounds(fake_fleet, make_router):
-    p, d = await fake_fleet()
+async def test_the_request_duration_histogram_has_the_given_bounds(sim_workers, make_router):
+    p, d = await sim_workers()
     router = await make_router([p], [d], prometheus_duration_buckets=(0.5, 5.0))
     assert (await router.post("/generate", json={"text": "hi"})).status == 200
     text = await (await router.get("/metrics")).text()

@@ -47,8 +47,8 @@ async def test_a_burst_passes_then_the_rate_bites_and_refills():
             pass
 
 
-async def test_through_the_router_429_is_json_and_the_others_are_served(fake_fleet, make_router):
-    p, d = await fake_fleet()
+async def test_through_the_router_429_is_json_and_the_others_are_served(sim_workers, make_router):
+    p, d = await sim_workers()
     router = await make_router([p], [d], admission=AdmissionConfig(rate_limit_tokens_per_second=1))
     # five at once on a bucket of one token refilled each second: the first passes, the others (but one per
     # second the machine takes to send them) are refused

@@ -11,8 +11,8 @@ from router.server.cli import config_from_args
 HEADERS = ("x-correlation-id", "x-trace-id")
 
 
-async def test_the_first_listed_header_present_is_the_id_and_is_echoed(fake_fleet, make_router):
-    p, d = await fake_fleet()
+async def test_the_first_listed_header_present_is_the_id_and_is_echoed(sim_workers, make_router):
+    p, d = await sim_workers()
     router = await make_router([p], [d], request_id_headers=HEADERS)
     resp = await router.post("/generate", json={"text": "hi"}, headers={"X-Trace-Id": "t-1"})
     assert resp.status == 200 and resp.headers["X-Request-Id"] == "t-1"
@@ -27,8 +27,8 @@ async def test_the_first_listed_header_present_is_the_id_and_is_echoed(fake_flee
     assert made and made != (await router.get("/health")).headers["X-Request-Id"]
 
 
-async def test_without_the_flag_nothing_is_echoed(fake_fleet, make_router):
-    p, d = await fake_fleet()
+async def test_without_the_flag_nothing_is_echoed(sim_workers, make_router):
+    p, d = await sim_workers()
     router = await make_router([p], [d])
     resp = await router.post("/generate", json={"text": "hi"}, headers={"X-Trace-Id": "t-1"})
     assert resp.status == 200 and "X-Request-Id" not in resp.headers
