@@ -116,6 +116,10 @@ class SimulatedWorker:
     def bodies(self, path: str = "/generate") -> list[Any]:
         return self.journal.bodies(path)
 
+    async def stop(self) -> None:
+        """The server goes away (its fleet's teardown finds it stopped)."""
+        await self.worker.stop()
+
     def set_faults(self, **changes: Any) -> None:
         """Merge fault fields (simulator/faults.py), as ``POST /_sim/faults`` does."""
         self.worker.set_faults(changes)

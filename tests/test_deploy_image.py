@@ -154,8 +154,8 @@ async def run_probe(*args: str) -> int:
 
 
 @pytest.mark.parametrize("fleet_up", [True, False])
-async def test_probe_alive_on_200_and_503_ready_only_on_200(fake_fleet, make_router, fleet_up):
-    workers = await fake_fleet(1, 1) if fleet_up else []
+async def test_probe_alive_on_200_and_503_ready_only_on_200(sim_workers, make_router, fleet_up):
+    workers = await sim_workers(1, 1) if fleet_up else []
     router = await make_router(workers[:1], workers[1:])
     url = str(router.make_url("/health"))
     assert (await router.get("/health")).status == (200 if fleet_up else 503)

@@ -122,9 +122,9 @@ def test_relabel_follows_prometheus_rules():
     assert relabel({"__address__": "h:1", "a": "no"}, rules) is None
 
 
-async def test_the_router_serves_metrics_where_the_config_scrapes(fake_fleet, make_router):
+async def test_the_router_serves_metrics_where_the_config_scrapes(sim_workers, make_router):
     exporter_port = free_port()
-    p, d = await fake_fleet(1, 1)
+    p, d = await sim_workers(1, 1)
     router = await make_router([p], [d], prometheus_port=exporter_port, prometheus_host="127.0.0.1")
     for name in ("pd-router", "pd-router-kubernetes"):
         resp = await router.get(metrics_path(job(name)))

@@ -29,8 +29,8 @@ def served_by(workers, marker: str) -> set[str]:
     ("least_load", "least_load"), ("prefix_hash", "prefix_hash"), ("consistent_hashing", "consistent_hashing"),
     ("manual", "manual"), ("bucket", "power_of_two"),
 ])
-async def test_each_peer_policy_routes_through_the_router(fake_fleet, make_router, prefill_policy, decode_policy):
-    p1, p2, d1, d2 = await fake_fleet(2, 2)
+async def test_each_peer_policy_routes_through_the_router(sim_workers, make_router, prefill_policy, decode_policy):
+    p1, p2, d1, d2 = await sim_workers(2, 2)
     client = await make_router([p1, p2], [d1, d2], prefill_policy=prefill_policy, decode_policy=decode_policy)
     for i in range(8):
         resp = await client.post("/generate", json={"text": f"prompt {i} " * 4},
@@ -41,8 +41,8 @@ async def test_each_peer_policy_routes_through_the_router(fake_fleet, make_route
 
 
 @pytest.mark.parametrize("policy", ["consistent_hashing", "manual"])
-async def test_a_routing_key_pins_one_prefill_and_one_decode(fake_fleet, make_router, policy):
-    p1, p2, p3, d1, d2, d3 = await fake_fleet(3, 3)
+async def test_a_routing_key_pins_one_prefill_and_one_decode(sim_workers, make_router, policy):
+    p1, p2, p3, d1, d2, d3 = await sim_workers(3, 3)
     client = await make_router([p1, p2, p3], [d1, d2, d3], prefill_policy=policy, decode_policy=policy, **NO_POLL)
     # manual assigns a new key at random: with 6 keys all land on one of three workers once in 243 runs per
     # pool (CI met it); with 12, once in ~177,000.
@@ -63,8 +63,8 @@ async def test_a_routing_key_pins_one_prefill_and_one_decode(fake_fleet, make_ro
     assert decisions.get("routing_key", 0) + decisions.get("hit", 0) + decisions.get("new_key", 0) == 3 * users
 
 
-async def test_target_worker_header_picks_the_pools_nth_worker(fake_fleet, make_router):
-    p1, p2, d1, d2 = await fake_fleet(2, 2)
+async def test_target_worker_header_picks_the_pools_nth_worker(sim_workers, make_router):
+    p1, p2, d1, d2 = await sim_workers(2, 2)
     client = await make_router([p1, p2], [d1, d2], prefill_policy="consistent_hashing",
                                decode_policy="consistent_hashing", **NO_POLL)
     for i in range(4):
@@ -76,8 +76,8 @@ async def test_target_worker_header_picks_the_pools_nth_worker(fake_fleet, make_
     assert received([by_url[routable_p[1].url], by_url[routable_d[1].url]]) == [4, 4]
 
 
-async def test_least_load_reads_the_servers_reports(fake_fleet, make_router):
-    p, d1, d2 = await fake_fleet(1, 2)
+async def test_least_load_reads_the_servers_reports(sim_workers, make_router):
+    p, d1, d2 = await sim_workers(1, 2)
     client = await make_router([p], [d1, d2], decode_policy="least_load", **NO_POLL)
     full = client.registry.find(d1.url)
     full.server_load = ServerLoad(running=3, waiting=0, token_usage=0.97, taken_at=1.0,
@@ -89,8 +89,8 @@ async def test_least_load_reads_the_servers_reports(fake_fleet, make_router):
     assert received([d1, d2]) == [0, 5], "the decode whose KV is nearly full is avoided"
 
 
-async def test_bucket_sends_short_and_long_prompts_to_different_prefills(fake_fleet, make_router):
-    p1, p2, d = await fake_fleet(2, 1)
+async def test_bucket_sends_short_and_long_prompts_to_different_prefills(sim_workers, make_router):
+    p1, p2, d = await sim_workers(2, 1)
     # the balance guard counts characters: with the peers' default thresholds (64, 1.5) it would already trip
     client = await make_router([p1, p2], [d], prefill_policy="bucket",
                                policy_params=PolicyParams(balance_abs_threshold=100_000), **NO_POLL)

@@ -20,8 +20,8 @@ def test_every_peer_field_is_known():
     assert PEER_BODY_FIELDS - {"url", "worker_type", "bootstrap_port"} == set(PEER_FIELDS)
 
 
-async def test_a_peer_body_registers_and_its_other_fields_are_named(fake_fleet, make_router):
-    p, p2, d = await fake_fleet(prefill=2, decode=1)
+async def test_a_peer_body_registers_and_its_other_fields_are_named(sim_workers, make_router):
+    p, p2, d = await sim_workers(prefill=2, decode=1)
     router = await make_router([p], [d])
     body = {"url": p2.url, "worker_type": "prefill", "bootstrap_port": p2.bootstrap_port,
             "labels": {"zone": "a"}, "priority": 80, "cost": 2.0, "api_key": "sk-never-shown", "model_id": "m",
@@ -47,8 +47,8 @@ async def test_a_peer_body_registers_and_its_other_fields_are_named(fake_fleet, 
     ({"priority": True}, "priority must be an integer"),
     ({"cost": "1"}, "cost must be a number"),
 ])
-async def test_a_field_no_peer_knows_or_of_the_wrong_type_is_400(fake_fleet, make_router, body, fragment):
-    p, d = await fake_fleet()
+async def test_a_field_no_peer_knows_or_of_the_wrong_type_is_400(sim_workers, make_router, body, fragment):
+    p, d = await sim_workers()
     router = await make_router([p], [d])
     resp = await router.post("/workers", json={"url": "http://127.0.0.1:1", **body})
     answer = await resp.json()

@@ -75,9 +75,9 @@ def test_the_key_layout():
         listing_of_key(key, b"{", prefix)
 
 
-async def test_keys_written_before_start_up_are_read_before_the_router_serves(fake_fleet, etcd_client,
+async def test_keys_written_before_start_up_are_read_before_the_router_serves(sim_workers, etcd_client,
                                                                              router_on_etcd):
-    p1, d1 = await fake_fleet(prefill=1, decode=1)
+    p1, d1 = await sim_workers(prefill=1, decode=1)
     await announce(etcd_client, p1, "prefill", bootstrap_port=p1.bootstrap_port)
     await announce(etcd_client, d1, "decode")
     client = await router_on_etcd()
@@ -89,8 +89,8 @@ async def test_keys_written_before_start_up_are_read_before_the_router_serves(fa
 
 
 async def test_a_key_written_is_a_worker_routed_and_its_lease_revoked_is_the_worker_removed(
-        fake_fleet, etcd_client, router_on_etcd):
-    p1, d1, d2 = await fake_fleet(prefill=1, decode=2)
+        sim_workers, etcd_client, router_on_etcd):
+    p1, d1, d2 = await sim_workers(prefill=1, decode=2)
     await announce(etcd_client, p1, "prefill", bootstrap_port=p1.bootstrap_port)
     d1_lease = await announce(etcd_client, d1, "decode")
     client = await router_on_etcd()
@@ -111,8 +111,8 @@ async def test_a_key_written_is_a_worker_routed_and_its_lease_revoked_is_the_wor
     assert routable_urls(client) == {p1.url}
 
 
-async def test_a_bad_value_changes_nothing_and_is_shown(fake_fleet, etcd_client, router_on_etcd):
-    p1, d1 = await fake_fleet(prefill=1, decode=1)
+async def test_a_bad_value_changes_nothing_and_is_shown(sim_workers, etcd_client, router_on_etcd):
+    p1, d1 = await sim_workers(prefill=1, decode=1)
     await announce(etcd_client, p1, "prefill", bootstrap_port=p1.bootstrap_port)
     lease = await announce(etcd_client, d1, "decode")
     client = await router_on_etcd()
@@ -135,8 +135,8 @@ async def refused_gone(client, key: str) -> bool:
     return key not in (await source_of(client))["bad_keys"]
 
 
-async def test_workers_stay_while_etcd_is_down_and_the_watch_resumes(fake_fleet, etcd, etcd_client, router_on_etcd):
-    p1, d1, d2 = await fake_fleet(prefill=1, decode=2)
+async def test_workers_stay_while_etcd_is_down_and_the_watch_resumes(sim_workers, etcd, etcd_client, router_on_etcd):
+    p1, d1, d2 = await sim_workers(prefill=1, decode=2)
     await announce(etcd_client, p1, "prefill", bootstrap_port=p1.bootstrap_port, ttl=60)
     await announce(etcd_client, d1, "decode", ttl=60)
     client = await router_on_etcd()
@@ -154,9 +154,9 @@ async def test_workers_stay_while_etcd_is_down_and_the_watch_resumes(fake_fleet,
     assert routable_urls(client) == {p1.url, d1.url, d2.url}
 
 
-async def test_etcd_down_at_start_up_is_shown_and_read_when_it_answers(fake_fleet, etcd, etcd_client,
+async def test_etcd_down_at_start_up_is_shown_and_read_when_it_answers(sim_workers, etcd, etcd_client,
                                                                       router_on_etcd):
-    p1, d1 = await fake_fleet(prefill=1, decode=1)
+    p1, d1 = await sim_workers(prefill=1, decode=1)
     await etcd.stop()
     client = await router_on_etcd(worker_startup_timeout_secs=1.0)
     assert "cannot read" in (await source_of(client))["error"]
@@ -176,9 +176,9 @@ async def start_announcer(etcd, worker, *flags: str) -> asyncio.subprocess.Proce
                                                 stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
 
 
-async def test_the_announcer_registers_its_worker_until_it_stops_or_dies(fake_fleet, etcd, etcd_client,
+async def test_the_announcer_registers_its_worker_until_it_stops_or_dies(sim_workers, etcd, etcd_client,
                                                                        router_on_etcd):
-    p1, d1, d2 = await fake_fleet(prefill=1, decode=2)
+    p1, d1, d2 = await sim_workers(prefill=1, decode=2)
     client = await router_on_etcd()
     announcers = [await start_announcer(etcd, p1, "--role", "prefill", "--bootstrap-port", str(p1.bootstrap_port)),
                   await start_announcer(etcd, d1, "--role", "decode"),

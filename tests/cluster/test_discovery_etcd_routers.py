@@ -16,11 +16,11 @@ from ..helpers import wait_for
 CLUSTER = "test"
 
 
-async def test_a_router_announced_in_etcd_is_never_a_worker(aiohttp_client, fake_fleet, etcd, etcd_client):
-    p, d = await fake_fleet(1, 1)
+async def test_a_router_announced_in_etcd_is_never_a_worker(aiohttp_client, sim_workers, etcd, etcd_client):
+    p, d = await sim_workers(1, 1)
     for worker, role in ((p, "prefill"), (d, "decode")):
         await etcd_client.put(discovery_key(CLUSTER, worker.url),
-                              orjson.dumps({"url": worker.url, "worker_type": role, "bootstrap_port": 9000}))
+                              orjson.dumps({"url": worker.url, "worker_type": role, "bootstrap_port": p.bootstrap_port}))
     config = RouterConfig(worker_sources=WorkerSourcesConfig(etcd_endpoints=tuple(etcd.endpoints),
                                                              etcd_cluster_name=CLUSTER),
                           health=HealthConfig(interval_secs=0.2)).validated()

@@ -34,8 +34,8 @@ def nested(depth: int) -> bytes:
 
 
 @pytest.fixture
-async def router(fake_fleet, make_router):
-    p, d = await fake_fleet(1, 1)
+async def router(sim_workers, make_router):
+    p, d = await sim_workers(1, 1)
     client = await make_router([p], [d], admission=AdmissionConfig(max_payload_size=LIMIT,
                                                                    max_admin_payload_size=LIMIT))
     client.workers = (p, d)

@@ -36,9 +36,9 @@ async def post(session, url, body=None, **kw):
 
 
 @pytest.fixture
-async def two_routers(fake_fleet, tmp_path):
+async def two_routers(sim_workers, tmp_path):
     """Routers A and B (real processes) in front of the same 1P+1D; A also reads a discovery file."""
-    p, d = await fake_fleet(1, 1)
+    p, d = await sim_workers(1, 1)
     fleet = SimpleNamespace(prefill=[p], decode=[d])
     listing = tmp_path / "workers.json"
     listing.write_bytes(orjson.dumps({"workers": []}))
@@ -143,10 +143,10 @@ def test_the_command_line_refuses_the_routers_own_address(tmp_path):
     assert proc.stderr.count("is this router itself") == 2, proc.stderr
 
 
-async def test_a_router_with_itself_among_its_workers_answers_a_fan_out_in_one_hop(fake_fleet):
+async def test_a_router_with_itself_among_its_workers_answers_a_fan_out_in_one_hop(sim_workers):
     """However it got in, a router that is its own worker cannot recurse: an abort reaches it twice (the
     client's call, and its own fan-out's, refused), not thousands of times."""
-    p, d = await fake_fleet(1, 1)
+    p, d = await sim_workers(1, 1)
     port = free_port()
     config = RouterConfig(prefill=(WorkerSpec(p.url, p.bootstrap_port),), decode=(WorkerSpec(d.url),),
                           port=port).validated()

@@ -77,8 +77,8 @@ def test_a_listing_shows_no_credentials_but_registers_with_them():
     assert parse_worker_url(listing.address).userinfo == f"svc:{SECRET}"
 
 
-async def test_one_server_written_another_way_is_the_same_worker(fake_fleet, make_router):
-    p, d, spare = await fake_fleet(1, 2)
+async def test_one_server_written_another_way_is_the_same_worker(sim_workers, make_router):
+    p, d, spare = await sim_workers(1, 2)
     client = await make_router([p], [d])
     host_port = d.url.split("://")[1]
     for written in (f" {d.url}", f"HTTP://{host_port}/", f"http://someone:pw@{host_port}"):
@@ -99,9 +99,9 @@ async def test_one_server_written_another_way_is_the_same_worker(fake_fleet, mak
     assert len(client.registry) == 2
 
 
-async def test_credentials_are_used_to_reach_the_server_and_shown_nowhere(fake_fleet, make_router, caplog):
+async def test_credentials_are_used_to_reach_the_server_and_shown_nowhere(sim_workers, make_router, caplog):
     caplog.set_level(logging.DEBUG)
-    p, d, spare = await fake_fleet(1, 2)
+    p, d, spare = await sim_workers(1, 2)
     client = await make_router([p], [d])
     host_port = spare.url.split("://")[1]
     async with client.post("/workers", json={"url": f"http://svc:{SECRET}@{host_port}/",
