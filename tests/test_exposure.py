@@ -41,8 +41,8 @@ def test_loopback_hosts():
                         "example.org") if is_loopback(h)] == ["127.0.0.1", "127.9.9.9", "::1", "[::1]", "localhost"]
 
 
-async def test_admin_health_shows_the_warning(fake_fleet, make_router):
-    p, d = await fake_fleet(1, 1)
+async def test_admin_health_shows_the_warning(sim_workers, make_router):
+    p, d = await sim_workers(1, 1)
     exposed = await make_router([p], [d])
     body = await (await exposed.get("/admin/health")).json()
     assert len(body["warnings"]) == 1 and OPEN in body["warnings"][0] and "workers" in body
@@ -79,8 +79,8 @@ async def test_the_router_logs_the_warning_at_start_up(host, warned):
 @pytest.mark.parametrize("cidrs,allowed", [
     ((), True), (("127.0.0.0/8",), True), (("::1", "127.0.0.1"), True), (("10.0.0.0/8",), False),
 ])
-async def test_admin_callers_by_source_address(fake_fleet, make_router, cidrs, allowed):
-    p, d = await fake_fleet(1, 1)
+async def test_admin_callers_by_source_address(sim_workers, make_router, cidrs, allowed):
+    p, d = await sim_workers(1, 1)
     client = await make_router([p], [d], admin_allow_cidrs=cidrs)
     for method, path in (("GET", "/workers"), ("POST", "/flush_cache"), ("GET", "/admin/health")):
         resp = await client.request(method, path)
@@ -95,8 +95,8 @@ async def test_admin_callers_by_source_address(fake_fleet, make_router, cidrs, a
     assert (await client.post("/generate", json={"text": "hi"})).status == 200
 
 
-async def test_a_refused_address_is_refused_before_its_key_is_looked_at(fake_fleet, make_router):
-    p, d = await fake_fleet(1, 1)
+async def test_a_refused_address_is_refused_before_its_key_is_looked_at(sim_workers, make_router):
+    p, d = await sim_workers(1, 1)
     client = await make_router([p], [d], admin_api_key="k", admin_allow_cidrs=("10.0.0.0/8",))
     assert (await client.get("/workers", headers={"Authorization": "Bearer k"})).status == 403
     assert (await client.get("/workers")).status == 403
@@ -156,9 +156,9 @@ def test_worker_allow_problems():
     (("127.0.0.0/8", "::1"), "localhost", True),  # a name resolved by the router's own resolver
     ((".example.org",), "localhost", False),
 ])
-async def test_registering_a_worker_outside_the_allow_list_is_403(fake_fleet, make_router, allow, url_host,
+async def test_registering_a_worker_outside_the_allow_list_is_403(sim_workers, make_router, allow, url_host,
                                                                    allowed):
-    p, d, extra = await fake_fleet(1, 2)
+    p, d, extra = await sim_workers(1, 2)
     client = await make_router([p], [d], worker_allow=allow)
     url = extra.url.replace("127.0.0.1", url_host)
     calls = [("POST", "/workers", {"json": {"url": url, "worker_type": "decode"}}),

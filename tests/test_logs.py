@@ -33,11 +33,11 @@ def captured():
     root.setLevel(old_level)
 
 
-async def test_client_request_id_is_on_every_line_of_the_request(fake_fleet, make_router, captured):
-    p, d1, d2 = await fake_fleet(1, 2)
+async def test_client_request_id_is_on_every_line_of_the_request(sim_workers, make_router, captured):
+    p, d1, d2 = await sim_workers(1, 2)
     client = await make_router([p], [d1, d2], health=NO_PROBES, retry=RetryConfig(initial_backoff_ms=1))
-    d1.behaviour.status = 503
-    d2.behaviour.status = 503
+    d1.set_faults(error_rate=1.0, error_status=503)
+    d2.set_faults(error_rate=1.0, error_status=503)
     resp = await client.post("/generate", json={"text": "x"}, headers={"X-Request-Id": "client-42"})
     assert resp.status == 503
     mine = [line for line in captured() if line["request_id"] == "client-42"]
@@ -51,8 +51,8 @@ async def test_client_request_id_is_on_every_line_of_the_request(fake_fleet, mak
     assert "503" in entry["error"]
 
 
-async def test_router_made_request_ids_are_distinct(fake_fleet, make_router, captured):
-    p, d = await fake_fleet(1, 1)
+async def test_router_made_request_ids_are_distinct(sim_workers, make_router, captured):
+    p, d = await sim_workers(1, 1)
     client = await make_router([p], [d], health=NO_PROBES)
     for _ in range(3):
         assert (await client.post("/generate", json={"text": "x"})).status == 200
@@ -62,10 +62,10 @@ async def test_router_made_request_ids_are_distinct(fake_fleet, make_router, cap
     assert len(ids) == 3 and "-" not in ids
 
 
-async def test_hostile_request_id_is_cleaned(fake_fleet, make_router, captured):
-    p, d = await fake_fleet(1, 1)
+async def test_hostile_request_id_is_cleaned(sim_workers, make_router, captured):
+    p, d = await sim_workers(1, 1)
     client = await make_router([p], [d], health=NO_PROBES)
-    d.behaviour.status = 400
+    d.set_faults(error_rate=1.0, error_status=400)
     await client.post("/generate", json={"text": "x"}, headers={"X-Request-Id": "a" * 500})
     (entry,) = [line for line in captured() if line["logger"] == "router.access"]
     assert entry["request_id"] == "a" * 128

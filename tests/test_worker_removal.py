@@ -19,15 +19,15 @@ def series_of(samples: dict, url: str) -> list:
     return [key for key in samples if ("worker", url) in key[1]]
 
 
-async def test_removing_a_worker_drops_its_metric_series_and_its_pooled_connections(fake_fleet, make_router):
-    p, d1, d2 = await fake_fleet(1, 2)
+async def test_removing_a_worker_drops_its_metric_series_and_its_pooled_connections(sim_workers, make_router):
+    p, d1, d2 = await sim_workers(1, 2)
     client = await make_router([p], [d1, d2], health=NO_PROBES, decode_policy="round_robin",
                                breaker=BreakerConfig(failure_threshold=1, timeout_secs=60),
                                retry=RetryConfig(initial_backoff_ms=1))
-    d1.behaviour.status = 503  # opens its breaker: its transition and health-change counters get series
+    d1.set_faults(error_rate=1.0, error_status=503)  # opens its breaker: its transition and health-change counters get series
     for i in range(4):
         assert (await client.post("/generate", json={"text": f"{i}"})).status == 200
-    d1.behaviour.status = 200
+    d1.set_faults(error_rate=0.0)
     legs = client.app[PROXY].dispatcher.upstream
     assert legs.knows(d1.url) and legs.knows(d2.url)
     before = await scrape(client)
@@ -48,8 +48,8 @@ async def test_removing_a_worker_drops_its_metric_series_and_its_pooled_connecti
     assert not legs.knows(d1.url), "nothing is sent to a removed worker"
 
 
-async def test_removing_a_pending_worker_cancels_its_discovery_watch(fake_fleet, make_router):
-    p, d = await fake_fleet(1, 1)
+async def test_removing_a_pending_worker_cancels_its_discovery_watch(sim_workers, make_router):
+    p, d = await sim_workers(1, 1)
     client = await make_router([p], [d], health=NO_PROBES)
     unreachable = f"http://127.0.0.1:{free_port()}"
     added = await client.post("/workers", json={"url": unreachable, "worker_type": "prefill"})
