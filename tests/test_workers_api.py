@@ -29,8 +29,8 @@ async def test_prefill_without_reported_port_falls_back_to_null(fake_fleet, make
     assert resp.status == 200 and p.bodies()[0]["bootstrap_port"] is None
 
 
-async def test_unreachable_prefill_stays_pending_until_it_answers(fake_fleet, make_router):
-    p, d = await fake_fleet(1, 1)
+async def test_unreachable_prefill_stays_pending_until_it_answers(sim_workers, make_router):
+    p, d = await sim_workers(1, 1)
     await p.stop()
     from router.core.config import HealthConfig
     client = await make_router([p], [d], discover=True, worker_startup_timeout_secs=0.2,
@@ -41,8 +41,8 @@ async def test_unreachable_prefill_stays_pending_until_it_answers(fake_fleet, ma
     assert resp.status == 503
 
 
-async def test_workers_crud(fake_fleet, make_router):
-    p, p2, d = await fake_fleet(2, 1)
+async def test_workers_crud(sim_workers, make_router):
+    p, p2, d = await sim_workers(2, 1)
     client = await make_router([p], [d])
     resp = await client.post("/workers", json={"url": p2.url, "worker_type": "prefill", "bootstrap_port": 7001})
     assert resp.status == 200, await resp.text()
@@ -61,16 +61,16 @@ async def test_workers_crud(fake_fleet, make_router):
     assert (await client.delete(f"/workers/{added['worker_id']}")).status == 404
 
 
-async def test_worker_role_asked_from_server_when_not_given(fake_fleet, make_router):
-    p, d, d2 = await fake_fleet(1, 2)
+async def test_worker_role_asked_from_server_when_not_given(sim_workers, make_router):
+    p, d, d2 = await sim_workers(1, 2)
     client = await make_router([p], [d])
     resp = await client.post("/workers", json={"url": d2.url})
     assert resp.status == 200
     assert client.registry.get(d2.url).role is Role.DECODE
 
 
-async def test_legacy_add_remove_list(fake_fleet, make_router):
-    p, d, d2 = await fake_fleet(1, 2)
+async def test_legacy_add_remove_list(sim_workers, make_router):
+    p, d, d2 = await sim_workers(1, 2)
     client = await make_router([p], [d])
     assert (await client.post(f"/add_worker?url={d2.url}&worker_type=decode")).status == 200
     urls = (await (await client.get("/list_workers")).json())["urls"]
@@ -79,8 +79,8 @@ async def test_legacy_add_remove_list(fake_fleet, make_router):
     assert d2.url not in (await (await client.get("/list_workers")).json())["urls"]
 
 
-async def test_legacy_remove_of_a_url_that_is_no_worker_is_404_naming_it(fake_fleet, make_router):
-    p, d = await fake_fleet(1, 1)
+async def test_legacy_remove_of_a_url_that_is_no_worker_is_404_naming_it(sim_workers, make_router):
+    p, d = await sim_workers(1, 1)
     client = await make_router([p], [d])
     for url in ("http://10.9.9.9:30000", p.url + "1", "w99"):
         resp = await client.post("/remove_worker", params={"url": url})
@@ -89,8 +89,8 @@ async def test_legacy_remove_of_a_url_that_is_no_worker_is_404_naming_it(fake_fl
     assert {w.url for w in client.registry.workers()} == {p.url, d.url}
 
 
-async def test_register_mini_lb(fake_fleet, make_router):
-    p, p2, d, d2 = await fake_fleet(2, 2)
+async def test_register_mini_lb(sim_workers, make_router):
+    p, p2, d, d2 = await sim_workers(2, 2)
     client = await make_router([p], [d])
     resp = await client.post("/register", json={"mode": "prefill", "registry_url": p2.url, "bootstrap_port": 8100})
     assert resp.status == 200
@@ -109,8 +109,8 @@ async def test_register_mini_lb(fake_fleet, make_router):
     ("/register", {"mode": "decode", "registry_url": "http://127.0.0.1:9", "bootstrap_port": 1}, "should not"),
     ("/register", {"mode": "both", "registry_url": "http://127.0.0.1:9"}, "Invalid mode"),
 ])
-async def test_bad_registrations_are_400(fake_fleet, make_router, path, body, fragment):
-    p, d = await fake_fleet(1, 1)
+async def test_bad_registrations_are_400(sim_workers, make_router, path, body, fragment):
+    p, d = await sim_workers(1, 1)
     client = await make_router([p], [d])
     resp = await client.post(path, json=body)
     assert resp.status == 400
@@ -118,22 +118,22 @@ async def test_bad_registrations_are_400(fake_fleet, make_router, path, body, fr
     assert len(client.registry) == 2
 
 
-async def test_malformed_json_to_admin_is_400(fake_fleet, make_router):
-    p, d = await fake_fleet(1, 1)
+async def test_malformed_json_to_admin_is_400(sim_workers, make_router):
+    p, d = await sim_workers(1, 1)
     client = await make_router([p], [d])
     resp = await client.post("/workers", data=b"{oops", headers={"Content-Type": "application/json"})
     assert resp.status == 400 and "JSON" in (await resp.json())["error"]["message"]
 
 
-async def test_unknown_route_is_json_404(fake_fleet, make_router):
-    p, d = await fake_fleet(1, 1)
+async def test_unknown_route_is_json_404(sim_workers, make_router):
+    p, d = await sim_workers(1, 1)
     client = await make_router([p], [d])
     resp = await client.get("/nope")
     assert resp.status == 404 and "error" in await resp.json()
 
 
-async def test_facts_learnt_for_workers_given_with_ports(fake_fleet, make_router):
-    p, d = await fake_fleet(1, 1, weight_version="v7")
+async def test_facts_learnt_for_workers_given_with_ports(sim_workers, make_router):
+    p, d = await sim_workers(1, 1, weight_version="v7")
     client = await make_router([p], [d])
     from .helpers import wait_for
     await wait_for(lambda: all(w.weight_version == "v7" for w in client.registry.workers()),
@@ -151,7 +151,7 @@ BAD_ENTRIES = [
 
 
 @pytest.mark.parametrize("entry,says", BAD_ENTRIES)
-async def test_an_entry_refused_by_the_discovery_file_is_refused_by_every_way_in(fake_fleet, make_router, entry,
+async def test_an_entry_refused_by_the_discovery_file_is_refused_by_every_way_in(sim_workers, make_router, entry,
                                                                                    says):
     """The discovery file, an etcd key's value, POST /workers and POST /add_worker read one model: what one
     refuses (an unknown field among them: never silently dropped), every one refuses, saying why; nothing is
@@ -161,7 +161,7 @@ async def test_an_entry_refused_by_the_discovery_file_is_refused_by_every_way_in
     with pytest.raises(ListingError) as refused:
         parse_listing(entry, "workers[0]")
     assert says in str(refused.value)
-    p, d = await fake_fleet(1, 1)
+    p, d = await sim_workers(1, 1)
     client = await make_router([p], [d])
     for path, kw in (("/workers", {"json": entry}), ("/add_worker", {"params": {k: str(v) for k, v in entry.items()}})):
         resp = await client.post(path, **kw)
@@ -172,8 +172,8 @@ async def test_an_entry_refused_by_the_discovery_file_is_refused_by_every_way_in
     assert len(client.registry) == 2
 
 
-async def test_register_refuses_fields_mini_lb_does_not_send(fake_fleet, make_router):
-    p, d = await fake_fleet(1, 1)
+async def test_register_refuses_fields_mini_lb_does_not_send(sim_workers, make_router):
+    p, d = await sim_workers(1, 1)
     client = await make_router([p], [d])
     resp = await client.post("/register", json={"mode": "decode", "registry_url": "http://127.0.0.1:9",
                                                 "bootstrap_port": None, "worker_type": "decode"})
