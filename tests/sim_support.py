@@ -113,6 +113,11 @@ class SimulatedWorker:
     def queries(self) -> list[tuple[str, dict]]:
         return self.journal.queries
 
+    @property
+    def in_handler(self) -> int:
+        """Generation calls it is serving now."""
+        return self.worker.engine.inflight_calls
+
     def bodies(self, path: str = "/generate") -> list[Any]:
         return self.journal.bodies(path)
 

@@ -159,8 +159,8 @@ def test_every_bad_entry_is_reported_at_once():
 
 
 # ---- a running router -----------------------------------------------------------------------------------
-async def test_the_files_workers_are_read_before_the_router_serves(fake_fleet, router_with_file):
-    p1, d1 = await fake_fleet(prefill=1, decode=1)
+async def test_the_files_workers_are_read_before_the_router_serves(sim_workers, router_with_file):
+    p1, d1 = await sim_workers(prefill=1, decode=1)
     client = await router_with_file(yaml_of(prefill(p1), decode(d1)))
     source = f"file {client.path}"
     workers = {w.url: w for w in client.registry.workers()}
@@ -175,8 +175,8 @@ async def test_the_files_workers_are_read_before_the_router_serves(fake_fleet, r
     assert {(w["url"], w["status"]) for w in status["workers"]} == {(p1.url, "registered"), (d1.url, "registered")}
 
 
-async def test_workers_added_to_and_removed_from_the_file_follow_it(fake_fleet, router_with_file):
-    p1, p2, d1, d2 = await fake_fleet(prefill=2, decode=2)
+async def test_workers_added_to_and_removed_from_the_file_follow_it(sim_workers, router_with_file):
+    p1, p2, d1, d2 = await sim_workers(prefill=2, decode=2)
     client = await router_with_file(yaml_of(prefill(p1), decode(d1)))
     # p2 as a bare URL: its role and bootstrap port are read from the server
     write_atomically(client.path, yaml_of(prefill(p1), p2.url, decode(d2)))
@@ -195,8 +195,8 @@ async def test_workers_added_to_and_removed_from_the_file_follow_it(fake_fleet, 
     assert (await discovery_of(client))["workers"] == []
 
 
-async def test_a_bad_version_changes_nothing_and_is_shown_until_a_good_one(fake_fleet, router_with_file):
-    p1, p2, d1 = await fake_fleet(prefill=2, decode=1)
+async def test_a_bad_version_changes_nothing_and_is_shown_until_a_good_one(sim_workers, router_with_file):
+    p1, p2, d1 = await sim_workers(prefill=2, decode=1)
     client = await router_with_file(yaml_of(prefill(p1), decode(d1)))
     before = {w.url: w for w in client.registry.workers()}
     bad_versions = [
@@ -229,8 +229,8 @@ async def discovery_of_error_says(client, text: str) -> bool:
     return error is not None and text in error
 
 
-async def test_a_file_missing_at_start_up_is_read_when_it_appears(fake_fleet, router_with_file):
-    p1, d1 = await fake_fleet(prefill=1, decode=1)
+async def test_a_file_missing_at_start_up_is_read_when_it_appears(sim_workers, router_with_file):
+    p1, d1 = await sim_workers(prefill=1, decode=1)
     client = await router_with_file(None)
     assert urls(client) == set()
     assert "cannot read" in (await discovery_of(client))["error"]
@@ -240,8 +240,8 @@ async def test_a_file_missing_at_start_up_is_read_when_it_appears(fake_fleet, ro
     await generate(client)
 
 
-async def test_a_file_written_in_place_is_read_too(fake_fleet, router_with_file):
-    p1, d1, d2 = await fake_fleet(prefill=1, decode=2)
+async def test_a_file_written_in_place_is_read_too(sim_workers, router_with_file):
+    p1, d1, d2 = await sim_workers(prefill=1, decode=2)
     client = await router_with_file(yaml_of(prefill(p1), decode(d1)))
     with open(client.path, "w") as f:  # same inode, truncated and rewritten
         f.write(yaml_of(prefill(p1), decode(d1), decode(d2)))
@@ -267,16 +267,16 @@ async def test_a_changed_entry_re_registers_the_worker(fake_fleet, router_with_f
     assert client.registry.find(d1.url).role is Role.DECODE
 
 
-async def test_a_removed_worker_finishes_the_requests_it_has(fake_fleet, router_with_file):
-    p1, d1, d2 = await fake_fleet(prefill=1, decode=2)
+async def test_a_removed_worker_finishes_the_requests_it_has(sim_workers, router_with_file):
+    p1, d1, d2 = await sim_workers(prefill=1, decode=2)
     client = await router_with_file(yaml_of(prefill(p1), decode(d1)))
-    d1.behaviour.hang = True
+    d1.set_faults(hang_after_tokens=1)  # the decode stalls after the prefill's token
     request = asyncio.ensure_future(generate(client))
     await wait_for(lambda: d1.in_handler == 1, message="the request on d1")
     write_atomically(client.path, yaml_of(prefill(p1), decode(d2)))
     await wait_for(lambda: urls(client) == {p1.url, d2.url})
     assert not request.done()
-    d1.release.set()
+    d1.set_faults(hang_after_tokens=None)
     answer = await asyncio.wait_for(request, 10)
     assert answer["meta_info"]["completion_tokens"] >= 1
     assert d1.aborts == []
@@ -285,8 +285,8 @@ async def test_a_removed_worker_finishes_the_requests_it_has(fake_fleet, router_
     assert len(d2.bodies()) == 1 and len(d1.bodies()) == 1
 
 
-async def test_a_busy_worker_is_removed_when_its_operation_ends(fake_fleet, router_with_file):
-    p1, d1, d2 = await fake_fleet(prefill=1, decode=2)
+async def test_a_busy_worker_is_removed_when_its_operation_ends(sim_workers, router_with_file):
+    p1, d1, d2 = await sim_workers(prefill=1, decode=2)
     client = await router_with_file(yaml_of(prefill(p1), decode(d1), decode(d2)))
     worker = client.registry.find(d2.url)
     client.registry.set_state(worker, WorkerState.DRAINING, "a conversion drains it")  # what the flow does
@@ -308,8 +308,8 @@ async def test_a_busy_worker_is_removed_when_its_operation_ends(fake_fleet, rout
     ]
 
 
-async def test_the_command_line_keeps_its_workers(fake_fleet, router_with_file):
-    p1, d1, d2 = await fake_fleet(prefill=1, decode=2)
+async def test_the_command_line_keeps_its_workers(sim_workers, router_with_file):
+    p1, d1, d2 = await sim_workers(prefill=1, decode=2)
     client = await router_with_file(yaml_of(decode(d1), decode(d2)), prefills=[p1], decodes=[d1])
     assert client.registry.find(d1.url).source == "--decode"
     assert client.registry.find(d2.url).source == f"file {client.path}"
@@ -320,16 +320,16 @@ async def test_the_command_line_keeps_its_workers(fake_fleet, router_with_file):
     assert urls(client) == {p1.url, d1.url}  # the file never removes what it did not register
 
 
-async def test_worker_allow_applies_to_the_file(fake_fleet, router_with_file):
-    p1, d1, d2 = await fake_fleet(prefill=1, decode=2)
+async def test_worker_allow_applies_to_the_file(sim_workers, router_with_file):
+    p1, d1, d2 = await sim_workers(prefill=1, decode=2)
     client = await router_with_file(yaml_of(decode(d2)), prefills=[p1], decodes=[d1], worker_allow=("10.0.0.0/8",))
     assert urls(client) == {p1.url, d1.url}
     (entry,) = (await discovery_of(client))["workers"]
     assert entry["status"] == "waiting" and "may not be registered" in entry["problem"]
 
 
-async def test_a_worker_removed_through_the_api_stays_out_until_its_entry_changes(fake_fleet, router_with_file):
-    p1, d1, d2 = await fake_fleet(prefill=1, decode=2)
+async def test_a_worker_removed_through_the_api_stays_out_until_its_entry_changes(sim_workers, router_with_file):
+    p1, d1, d2 = await sim_workers(prefill=1, decode=2)
     client = await router_with_file(yaml_of(prefill(p1), decode(d1), d2.url))
     worker = client.registry.find(d2.url)
     assert (await client.delete(f"/workers/{worker.id}")).status == 200

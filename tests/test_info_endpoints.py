@@ -5,8 +5,8 @@ from __future__ import annotations
 from router.core.registry import Role, WorkerState
 
 
-async def test_health_reports_pools_and_503_when_one_is_empty(fake_fleet, make_router):
-    p, d = await fake_fleet(1, 1)
+async def test_health_reports_pools_and_503_when_one_is_empty(sim_workers, make_router):
+    p, d = await sim_workers(1, 1)
     client = await make_router([p], [d])
     resp = await client.get("/health")
     assert resp.status == 200
@@ -17,8 +17,8 @@ async def test_health_reports_pools_and_503_when_one_is_empty(fake_fleet, make_r
     assert resp.status == 503 and "decode" in (await resp.json())["message"]
 
 
-async def test_health_generate_checks_statuses(fake_fleet, make_router):
-    p, d = await fake_fleet(1, 1)
+async def test_health_generate_checks_statuses(sim_workers, make_router):
+    p, d = await sim_workers(1, 1)
     client = await make_router([p], [d])
     assert (await client.get("/health_generate")).status == 200
     await d.stop()
@@ -41,16 +41,16 @@ async def test_flush_cache_fans_out_and_reports_failure(fake_fleet, make_router)
     d.in_handler = 0
 
 
-async def test_server_info_aggregates_both_pools(fake_fleet, make_router):
-    p1, p2, d = await fake_fleet(2, 1)
+async def test_server_info_aggregates_both_pools(sim_workers, make_router):
+    p1, p2, d = await sim_workers(2, 1)
     client = await make_router([p1, p2], [d])
     body = await (await client.get("/get_server_info")).json()
     assert len(body["prefill"]) == 2 and len(body["decode"]) == 1
     assert body["internal_states"][0]["disaggregation_mode"] == "decode"
 
 
-async def test_model_info_and_models_from_a_worker(fake_fleet, make_router):
-    p, d = await fake_fleet(1, 1)
+async def test_model_info_and_models_from_a_worker(sim_workers, make_router):
+    p, d = await sim_workers(1, 1, model_path="fake-model")
     client = await make_router([p], [d])
     for path in ("/get_model_info", "/model_info"):
         assert (await (await client.get(path)).json())["model_path"] == "fake-model"
