@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 import random
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 CONVERSION_FAILURES = (None, "safe", "unsafe")
@@ -24,6 +24,10 @@ class Faults:
     crash_after_tokens: int | None = None  # the connection drops after this many streamed tokens
     exit_after_tokens: int | None = None  # the whole process exits after this many tokens (real crash)
     unhealthy: bool = False  # /health and /health_generate answer 503
+    # the health probes (/health, /health_generate) are held without an answer until this is cleared; each
+    # answer is decided on arrival, as a server's probe that got stuck behind its scheduler
+    health_hang: bool = False
+    health_script: list[int] = field(default_factory=list)  # statuses of the next probes, in order (flapping)
     conversion_failure: str | None = None  # role switch fails: "safe" (unchanged) or "unsafe" (broken)
     update_failure: bool = False  # weight updates answer 400 and change nothing
     update_delay_s: float = 0.0  # weight updates take this long once they hold the lock (read again meanwhile)
@@ -41,6 +45,8 @@ class Faults:
             problems.append("error_rate must be within [0, 1]")
         if not 400 <= self.error_status < 600:
             problems.append("error_status must be an HTTP error status")
+        if not all(isinstance(s, int) and 200 <= s < 600 for s in self.health_script):
+            problems.append("health_script must list HTTP statuses")
         if self.conversion_failure not in CONVERSION_FAILURES:
             problems.append(f"conversion_failure must be one of {CONVERSION_FAILURES}")
         for name in ("fail_next", "hang_after_tokens", "crash_after_tokens", "exit_after_tokens"):
@@ -95,6 +101,7 @@ def add_fault_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--fault-crash-after-tokens", type=int)
     group.add_argument("--fault-exit-after-tokens", type=int)
     group.add_argument("--fault-unhealthy", action="store_true")
+    group.add_argument("--fault-health-hang", action="store_true")
     group.add_argument("--fault-conversion-failure", choices=("safe", "unsafe"))
     group.add_argument("--fault-update-failure", action="store_true")
 
@@ -108,6 +115,7 @@ def faults_from_args(args: argparse.Namespace) -> Faults:
         crash_after_tokens=args.fault_crash_after_tokens,
         exit_after_tokens=args.fault_exit_after_tokens,
         unhealthy=args.fault_unhealthy,
+        health_hang=args.fault_health_hang,
         conversion_failure=args.fault_conversion_failure,
         update_failure=args.fault_update_failure,
     )

@@ -20,6 +20,7 @@ ABORT_PATH = "/abort_request"
 class Journal:
     def __init__(self) -> None:
         self.calls: collections.Counter[str] = collections.Counter()  # every request, by path
+        self.in_flight: collections.Counter[str] = collections.Counter()  # requests not answered yet, by path
         self.authorizations: list[tuple[str, str | None]] = []  # (path, Authorization header) of each request
         self.queries: list[tuple[str, dict]] = []  # (path, query) of each request that had a query
         self.requests: list[tuple[str, Any]] = []  # (path, body) of each generation call, as it came
@@ -41,7 +42,11 @@ class Journal:
                 self.aborts.append(body)
             else:
                 self.requests.append((path, body))
-        return await handler(request)
+        self.in_flight[path] += 1
+        try:
+            return await handler(request)
+        finally:
+            self.in_flight[path] -= 1
 
 
 def _parsed(raw: bytes) -> Any:

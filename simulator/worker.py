@@ -47,6 +47,8 @@ class Worker:
         self.config = config
         self.journal = journal  # what it received, for tests (simulator/journal.py); None: nothing kept
         self.faults = FaultInjector(faults, seed=config.seed)
+        self.probes_let_go = asyncio.Event()  # clear while the health_hang fault holds the probes
+        self._hold_probes(self.faults.faults.health_hang)
         self.rooms = RoomStore()
         self.engine = Engine(config, self.faults, self.rooms)
         self.engine.publish_row = lambda rank: loads.publish(self.engine, rank)
@@ -105,6 +107,7 @@ class Worker:
 
     async def stop(self) -> None:
         self.stopping = True
+        self.probes_let_go.set()
         for req in list(self.engine.requests.values()):
             req.abort(dict(ABORTED))
         await self.close_listener()
@@ -134,7 +137,14 @@ class Worker:
         `hang` caught stay hung until aborted or abandoned (tests hold a server with one while others queue)."""
         faults = self.faults.update(changes)
         self.engine.wake_all()
+        self._hold_probes(faults.health_hang)
         return faults
+
+    def _hold_probes(self, hold: bool) -> None:
+        if hold:
+            self.probes_let_go.clear()
+        else:
+            self.probes_let_go.set()
 
     def up_for(self) -> float:
         return time.monotonic() - self._started
@@ -185,7 +195,9 @@ class Worker:
     # ------------------------------------------------------------ info
 
     async def handle_health(self, request: web.Request) -> web.Response:
-        status = await self.health_status(request.path)
+        script = self.faults.faults.health_script
+        status = script.pop(0) if script else await self.health_status(request.path)
+        await self.probes_let_go.wait()  # the health_hang fault holds the answer decided on arrival
         return web.Response(body=b"", status=status)
 
     async def health_status(self, path: str) -> int:

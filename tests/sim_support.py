@@ -118,6 +118,29 @@ class SimulatedWorker:
         """Generation calls it is serving now."""
         return self.worker.engine.inflight_calls
 
+    @property
+    def health_calls(self) -> int:
+        return self.journal.calls["/health"]
+
+    @property
+    def health_in_flight(self) -> int:
+        return self.journal.in_flight["/health"]
+
+    @property
+    def health_script(self) -> list[int]:
+        """What is left of the health_script fault."""
+        return self.worker.faults.faults.health_script
+
+    @property
+    def weight_version(self) -> str:
+        return self.worker.engine.weight_version
+
+    @weight_version.setter
+    def weight_version(self, version: str) -> None:
+        """The weights it serves from now on, as SGLang's /update_weight_version sets them (simulator/control.py)."""
+        self.worker.engine.set_weight_version(version)
+        self.worker.engine.model_version = version
+
     def bodies(self, path: str = "/generate") -> list[Any]:
         return self.journal.bodies(path)
 

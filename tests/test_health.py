@@ -1,4 +1,4 @@
-"""The health monitor against real HTTP fake workers: probes, flapping, hangs, the breaker, rejoining."""
+"""The health monitor against simulated workers with health faults: probes, flapping, hangs, the breaker, rejoining."""
 
 from __future__ import annotations
 
@@ -28,12 +28,12 @@ def health_events(client) -> list[tuple[str, bool]]:
     return events
 
 
-async def test_failing_probes_take_a_worker_out_and_passing_ones_bring_it_back(fake_fleet, make_router):
-    p, d1, d2 = await fake_fleet(1, 2)
+async def test_failing_probes_take_a_worker_out_and_passing_ones_bring_it_back(sim_workers, make_router):
+    p, d1, d2 = await sim_workers(1, 2)
     client = await make_router([p], [d1, d2], health=FAST_PROBES)
     w1 = worker_of(client, d1)
     await wait_for(lambda: d1.health_calls >= 2, message="probes running")
-    d1.behaviour.health_status = 503
+    d1.set_faults(unhealthy=True)
     await wait_for(lambda: not w1.healthy, message="d1 out")
     assert w1 not in client.registry.routable(Role.DECODE)
     assert "failed health probe" in w1.health_reason
@@ -41,7 +41,7 @@ async def test_failing_probes_take_a_worker_out_and_passing_ones_bring_it_back(f
     for i in range(6):
         assert (await client.post("/generate", json={"text": f"q{i}"})).status == 200
     assert len(d1.bodies()) == served_before, "no request routed to an unhealthy worker"
-    d1.behaviour.health_status = 200
+    d1.set_faults(unhealthy=False)
     await wait_for(lambda: w1.healthy, message="d1 rejoined by itself")
     assert w1 in client.registry.routable(Role.DECODE)
     listing = await (await client.get("/workers")).json()
@@ -50,21 +50,21 @@ async def test_failing_probes_take_a_worker_out_and_passing_ones_bring_it_back(f
     await wait_for(lambda: inflight(client) == [0, 0, 0])
 
 
-async def test_flapping_health_does_not_flap_routing(fake_fleet, make_router):
+async def test_flapping_health_does_not_flap_routing(sim_workers, make_router):
     """Probes alternating pass/fail never reach the failure threshold (2): the worker stays routable."""
-    p, d = await fake_fleet(1, 1)
+    p, d = await sim_workers(1, 1)
     client = await make_router([p], [d], health=FAST_PROBES)
     worker = worker_of(client, d)
     events = health_events(client)
     await wait_for(lambda: client.app[HEALTH].record(worker).probe.proven, message="first probe passed")
-    d.behaviour.health_script = [503, 200] * 8
-    await wait_for(lambda: not d.behaviour.health_script, message="the flapping script was probed")
+    d.set_faults(health_script=[503, 200] * 8)
+    await wait_for(lambda: not d.health_script, message="the flapping script was probed")
     assert worker.healthy
     assert events == []
     # Two failures in a row do take it out; then two passes in a row bring it back.
-    d.behaviour.health_status = 503
+    d.set_faults(unhealthy=True)
     await wait_for(lambda: not worker.healthy)
-    d.behaviour.health_status = 200
+    d.set_faults(unhealthy=False)
     await wait_for(lambda: worker.healthy)
     assert events == [(d.url, False), (d.url, True)]
 
@@ -92,15 +92,15 @@ class ConcurrentProbes:
         return getattr(self.real, name)
 
 
-async def test_hanging_health_endpoint_times_out_with_one_probe_in_flight(fake_fleet, make_router):
-    p, d1, d2 = await fake_fleet(1, 2)
+async def test_hanging_health_endpoint_times_out_with_one_probe_in_flight(sim_workers, make_router):
+    p, d1, d2 = await sim_workers(1, 2)
     health = HealthConfig(interval_secs=0.02, timeout_secs=0.3, failure_threshold=2, success_threshold=1)
     client = await make_router([p], [d1, d2], health=health)
     w1 = worker_of(client, d1)
     monitor = client.app[HEALTH]
     await wait_for(lambda: monitor.record(w1).probe.proven)
     probes = ConcurrentProbes(monitor, d1.url)
-    d1.behaviour.health_hang = True
+    d1.set_faults(health_hang=True)
     rounds = monitor.rounds
     await wait_for(lambda: not w1.healthy, timeout=5, message="hung worker marked unhealthy")
     await wait_for(lambda: monitor.rounds >= rounds + 30, message="many probe rounds during the hang")
@@ -109,40 +109,37 @@ async def test_hanging_health_endpoint_times_out_with_one_probe_in_flight(fake_f
     assert probes.max == 1 and probes.started >= 2
     resp = await client.post("/generate", json={"text": "x"})
     assert resp.status == 200 and d2.bodies()
-    d1.behaviour.health_hang = False
-    d1.health_release.set()
+    d1.set_faults(health_hang=False)
     await wait_for(lambda: w1.healthy, message="rejoined after the hang")
     await wait_for(lambda: inflight(client) == [0, 0, 0])
 
 
-async def test_stale_probe_result_is_discarded(fake_fleet, make_router):
-    p, d = await fake_fleet(1, 1)
+async def test_stale_probe_result_is_discarded(sim_workers, make_router):
+    p, d = await sim_workers(1, 1)
     client = await make_router([p], [d], health=HealthConfig(interval_secs=0.02, timeout_secs=5,
                                                              failure_threshold=1, success_threshold=1))
     worker = worker_of(client, d)
     monitor = client.app[HEALTH]
     record = monitor.record(worker)
     await wait_for(lambda: record.probe.proven)
-    d.behaviour.health_hang = True
-    d.behaviour.health_status = 503
+    d.set_faults(health_hang=True, unhealthy=True)
     await wait_for(lambda: d.health_in_flight == 1, message="a probe is in flight")
-    d.behaviour.health_hang = False  # later probes pass; the held one answers 503
-    d.behaviour.health_status = 200
+    d.set_faults(unhealthy=False)  # later probes pass; the held one answers 503
     # The worker changes while the probe is out: its answer describes the old worker.
     client.registry.set_state(worker, WorkerState.DRAINING, "test")
     client.registry.set_state(worker, WorkerState.ACTIVE, "test")
     stale = record.stale_probes
-    d.health_release.set()
+    d.set_faults(health_hang=False)
     await wait_for(lambda: record.stale_probes == stale + 1, message="stale result discarded")
     assert worker.healthy, "the stale failure did not count"
 
 
-async def test_breaker_opens_on_request_failures_then_half_opens_and_closes(fake_fleet, make_router):
-    p, d1, d2 = await fake_fleet(1, 2)
+async def test_breaker_opens_on_request_failures_then_half_opens_and_closes(sim_workers, make_router):
+    p, d1, d2 = await sim_workers(1, 2)
     breaker = BreakerConfig(failure_threshold=2, success_threshold=2, timeout_secs=0.3)
     client = await make_router([p], [d1, d2], health=NO_PROBES, breaker=breaker, retry=FAST_RETRY)
     w1, w2 = worker_of(client, d1), worker_of(client, d2)
-    d1.behaviour.status = 503
+    d1.set_faults(error_rate=1.0, error_status=503)
     # d1 answers 503: every request still succeeds (retried on d2) until d1's breaker opens.
     for i in range(12):
         resp = await client.post("/generate", json={"text": f"q{i}"})
@@ -155,7 +152,7 @@ async def test_breaker_opens_on_request_failures_then_half_opens_and_closes(fake
     for i in range(4):
         assert (await client.post("/generate", json={"text": f"r{i}"})).status == 200
     assert len(d1.bodies()) == served, "an open breaker keeps the worker out"
-    d1.behaviour.status = 200
+    d1.set_faults(error_rate=0.0)
     await wait_for(lambda: w1.breaker == "half_open" and w1.healthy, message="half-open after the timeout")
     for i in range(40):
         assert (await client.post("/generate", json={"text": f"s{i}"})).status == 200
@@ -165,13 +162,13 @@ async def test_breaker_opens_on_request_failures_then_half_opens_and_closes(fake
     await wait_for(lambda: inflight(client) == [0, 0, 0])
 
 
-async def test_half_open_failure_reopens(fake_fleet, make_router):
-    p, d = await fake_fleet(1, 1)
+async def test_half_open_failure_reopens(sim_workers, make_router):
+    p, d = await sim_workers(1, 1)
     breaker = BreakerConfig(failure_threshold=1, success_threshold=1, timeout_secs=0.2)
     client = await make_router([p], [d], health=NO_PROBES, breaker=breaker,
                                retry=RetryConfig(enabled=False))
     worker = worker_of(client, d)
-    d.behaviour.status = 500
+    d.set_faults(error_rate=1.0, error_status=500)
     assert (await client.post("/generate", json={"text": "a"})).status == 500
     assert worker.breaker == "open"
     resp = await client.post("/generate", json={"text": "b"})
@@ -182,26 +179,26 @@ async def test_half_open_failure_reopens(fake_fleet, make_router):
     await wait_for(lambda: inflight(client) == [0, 0])
 
 
-async def test_client_errors_do_not_count_against_the_worker(fake_fleet, make_router):
-    p, d = await fake_fleet(1, 1)
+async def test_client_errors_do_not_count_against_the_worker(sim_workers, make_router):
+    p, d = await sim_workers(1, 1)
     breaker = BreakerConfig(failure_threshold=1, success_threshold=1, timeout_secs=60)
     client = await make_router([p], [d], health=NO_PROBES, breaker=breaker)
-    p.behaviour.status = 400
+    p.set_faults(error_rate=1.0, error_status=400)
     for _ in range(3):
         assert (await client.post("/generate", json={"text": "x"})).status == 400
     assert all(w.breaker == "closed" and w.healthy for w in client.registry.workers())
     await wait_for(lambda: inflight(client) == [0, 0])
 
 
-async def test_returning_worker_with_other_weights_is_held_out(fake_fleet, make_router):
-    p, d1, d2 = await fake_fleet(1, 2, weight_version="v2")
+async def test_returning_worker_with_other_weights_is_held_out(sim_workers, make_router):
+    p, d1, d2 = await sim_workers(1, 2, weight_version="v2")
     client = await make_router([p], [d1, d2], health=FAST_PROBES)
     w1 = worker_of(client, d1)
     await wait_for(lambda: all(w.weight_version == "v2" for w in client.registry.workers()))
-    d1.behaviour.health_status = 503
+    d1.set_faults(unhealthy=True)
     await wait_for(lambda: not w1.healthy)
     d1.weight_version = "v1"  # restarted with old weights while the fleet moved on
-    d1.behaviour.health_status = 200
+    d1.set_faults(unhealthy=False)
     await wait_for(lambda: client.app[HEALTH].record(w1).refusal is not None, message="refused")
     assert not w1.healthy and "weight version 'v1'" in w1.health_reason
     d1.weight_version = "v2"
@@ -209,12 +206,12 @@ async def test_returning_worker_with_other_weights_is_held_out(fake_fleet, make_
     assert w1.weight_version == "v2"
 
 
-async def test_removed_worker_stops_being_probed(fake_fleet, make_router):
-    p, d1, d2 = await fake_fleet(1, 2)
+async def test_removed_worker_stops_being_probed(sim_workers, make_router):
+    p, d1, d2 = await sim_workers(1, 2)
     client = await make_router([p], [d1, d2], health=FAST_PROBES)
     w1 = worker_of(client, d1)
     monitor = client.app[HEALTH]
-    d1.behaviour.health_hang = True
+    d1.set_faults(health_hang=True)
     await wait_for(lambda: d1.health_in_flight == 1)
     record = monitor.record(w1)
     assert (await client.delete(f"/workers/{w1.id}")).status == 200
@@ -225,8 +222,8 @@ async def test_removed_worker_stops_being_probed(fake_fleet, make_router):
     assert d1.health_calls == calls
 
 
-async def test_admin_health_state(fake_fleet, make_router):
-    p, d = await fake_fleet(1, 1)
+async def test_admin_health_state(sim_workers, make_router):
+    p, d = await sim_workers(1, 1)
     client = await make_router([p], [d], health=FAST_PROBES)
     await wait_for(lambda: all(r["probes_total"] for r in client.app[HEALTH].state()["workers"]))
     body = await (await client.get("/admin/health")).json()
@@ -235,23 +232,22 @@ async def test_admin_health_state(fake_fleet, make_router):
     assert all(w["breaker"]["phase"] == "closed" for w in body["workers"])
 
 
-async def test_no_probing_while_the_fleet_is_held(fake_fleet, make_router):
+async def test_no_probing_while_the_fleet_is_held(sim_workers, make_router):
     """During a weight update servers are paused and their /health would fail: probes wait for the hold."""
     from router.dataplane.admission import ADMISSION
 
-    p, d = await fake_fleet(1, 1)
+    p, d = await sim_workers(1, 1)
     client = await make_router([p], [d], health=HealthConfig(interval_secs=0.02, timeout_secs=0.5,
                                                              failure_threshold=1, success_threshold=1))
     worker = worker_of(client, d)
     record = client.app[HEALTH].record(worker)
     await wait_for(lambda: record.probe.proven)
     admission = client.app[ADMISSION]
-    d.behaviour.health_hang = True
+    d.set_faults(health_hang=True)
     await wait_for(lambda: d.health_in_flight == 1, message="a probe is in flight when the hold starts")
     admission.close_gate("weight update")
-    d.behaviour.health_hang = False
-    d.behaviour.health_status = 503
-    d.health_release.set()
+    d.set_faults(unhealthy=True)
+    d.set_faults(health_hang=False)  # the held probe answers what it was given on arrival
     stale = record.stale_probes
     await wait_for(lambda: record.stale_probes == stale + 1, message="its answer is not counted")
     monitor = client.app[HEALTH]
@@ -263,14 +259,14 @@ async def test_no_probing_while_the_fleet_is_held(fake_fleet, make_router):
     await wait_for(lambda: not worker.healthy, message="probing resumed (d answers 503 now)")
 
 
-async def test_router_health_reports_pools_and_admission(fake_fleet, make_router):
-    p, d = await fake_fleet(1, 1)
+async def test_router_health_reports_pools_and_admission(sim_workers, make_router):
+    p, d = await sim_workers(1, 1)
     client = await make_router([p], [d], health=FAST_PROBES)
     body = await (await client.get("/health")).json()
     assert body["status"] == "ok" and body["pools"]["decode"] == {"routable": 1, "total": 1, "unhealthy": 0,
                                                                    "breaker_open": 0}
     assert body["admission"] == {"in_flight": 0, "queued": 0, "held": False}
-    d.behaviour.health_status = 503
+    d.set_faults(unhealthy=True)
     await wait_for(lambda: not worker_of(client, d).healthy)
     resp = await client.get("/health")
     body = await resp.json()

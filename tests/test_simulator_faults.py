@@ -81,6 +81,27 @@ async def test_unhealthy_and_slow_start(session):
         assert (await get(session, p.url + "/health_generate"))[0] == 503
 
 
+async def test_health_script_answers_in_order_then_the_probe_decides(fleet, session):
+    p = fleet.prefill[0]
+    await fleet.set_faults(p, health_script=[503, 200, 500])
+    statuses = [(await get(session, p.url + path))[0] for path in ("/health", "/health_generate", "/health", "/health")]
+    assert statuses == [503, 200, 500, 200]
+    assert (await post(session, p.url + "/_sim/faults", {"health_script": [200, 99]}))[0] == 400
+
+
+async def test_health_hang_holds_each_probe_with_the_answer_it_had_on_arrival(fleet, session):
+    p = fleet.prefill[0]
+    await fleet.set_faults(p, health_hang=True, unhealthy=True)
+    held = asyncio.ensure_future(get(session, p.url + "/health"))
+    await asyncio.sleep(0.1)  # a held probe: no answer however long it waits
+    assert not held.done()
+    await fleet.set_faults(p, unhealthy=False)
+    assert not held.done()
+    await fleet.set_faults(p, health_hang=False)
+    assert (await held)[0] == 503  # decided when it came in
+    assert (await get(session, p.url + "/health"))[0] == 200
+
+
 async def test_bootstrap_unreachable(fleet, session):
     await fleet.set_faults(fleet.prefill[0], bootstrap_unreachable=True)
     body = pd_body({"text": PROMPT, "rid": "bu"}, fleet.prefill[0], room=3)
