@@ -23,11 +23,19 @@ class Journal:
         self.in_flight: collections.Counter[str] = collections.Counter()  # requests not answered yet, by path
         self.authorizations: list[tuple[str, str | None]] = []  # (path, Authorization header) of each request
         self.queries: list[tuple[str, dict]] = []  # (path, query) of each request that had a query
-        self.requests: list[tuple[str, Any]] = []  # (path, body) of each generation call, as it came
-        self.aborts: list[Any] = []  # the body of each /abort_request
+        self.posted: list[tuple[str, Any]] = []  # (path, body) of each POST or PUT, as it came
+
+    @property
+    def requests(self) -> list[tuple[str, Any]]:
+        """(path, body) of each generation call."""
+        return [(path, body) for path, body in self.posted if path in GENERATION_PATHS]
+
+    @property
+    def aborts(self) -> list[Any]:
+        return self.bodies(ABORT_PATH)
 
     def bodies(self, path: str = "/generate") -> list[Any]:
-        return [body for p, body in self.requests if p == path]
+        return [body for p, body in self.posted if p == path]
 
     @web.middleware
     async def middleware(self, request: web.Request, handler: Any) -> web.StreamResponse:
@@ -36,12 +44,9 @@ class Journal:
         self.authorizations.append((path, request.headers.get("Authorization")))
         if request.query_string:
             self.queries.append((path, dict(request.query)))
-        if request.method in ("POST", "PUT") and (path in GENERATION_PATHS or path == ABORT_PATH):
-            body = _parsed(await request.read())  # aiohttp keeps the bytes: the handler reads them again
-            if path == ABORT_PATH:
-                self.aborts.append(body)
-            else:
-                self.requests.append((path, body))
+        if request.method in ("POST", "PUT"):
+            # aiohttp keeps the bytes read here: the handler reads them again
+            self.posted.append((path, _parsed(await request.read())))
         self.in_flight[path] += 1
         try:
             return await handler(request)

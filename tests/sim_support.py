@@ -71,6 +71,8 @@ def rids_in(state: dict, *phases: str) -> list[str]:
     by_phase = state["rids_by_phase"]
     return [rid for phase in (phases or by_phase.keys()) for rid in by_phase.get(phase, [])]
 
+SWITCH_PATHS = ("/pd_role_switch", "/convert_pd_role")  # 0.5.23's, and the convert API's (simulator/roles.py)
+
 
 class SimulatedWorker:
     """One in-process simulated worker of the `sim_workers` fixture (tests/conftest.py): its address and live role,
@@ -140,6 +142,15 @@ class SimulatedWorker:
         """The weights it serves from now on, as SGLang's /update_weight_version sets them (simulator/control.py)."""
         self.worker.engine.set_weight_version(version)
         self.worker.engine.model_version = version
+
+    @property
+    def switch_paths(self) -> list[str]:
+        """The role-switch route of each switch call, in order."""
+        return [path for path, _ in self.journal.posted if path in SWITCH_PATHS]
+
+    @property
+    def switch_calls(self) -> list[Any]:
+        return [body for path, body in self.journal.posted if path in SWITCH_PATHS]
 
     def bodies(self, path: str = "/generate") -> list[Any]:
         return self.journal.bodies(path)

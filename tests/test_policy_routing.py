@@ -26,8 +26,8 @@ def received(workers) -> list[int]:
 
 
 @pytest.mark.parametrize("policy", ["random", "round_robin", "least_inflight", "power_of_two", "cache_aware"])
-async def test_every_policy_routes_through_the_router(fake_fleet, make_router, policy):
-    p1, p2, d1, d2 = await fake_fleet(2, 2)
+async def test_every_policy_routes_through_the_router(sim_workers, make_router, policy):
+    p1, p2, d1, d2 = await sim_workers(2, 2)
     client = await make_router([p1, p2], [d1, d2], prefill_policy=policy, decode_policy=policy)
     for i in range(12):
         resp = await client.post("/generate", json={"text": f"prompt number {i} " * 3})
@@ -38,8 +38,8 @@ async def test_every_policy_routes_through_the_router(fake_fleet, make_router, p
     await wait_for(lambda: all(w.inflight == 0 for w in client.registry.workers()))
 
 
-async def test_cache_aware_keeps_each_shared_prefix_on_one_prefill(fake_fleet, make_router):
-    p1, p2, d = await fake_fleet(2, 1)
+async def test_cache_aware_keeps_each_shared_prefix_on_one_prefill(sim_workers, make_router):
+    p1, p2, d = await sim_workers(2, 1)
     client = await make_router([p1, p2], [d], prefill_policy="cache_aware", **NO_POLL)
     systems = {"A": "You are a pirate. Always answer in pirate speech, with nautical metaphors. ",
                "B": "You are a lawyer. Answer formally, cite statutes, and add a disclaimer at the end. "}
@@ -59,8 +59,8 @@ async def test_cache_aware_keeps_each_shared_prefix_on_one_prefill(fake_fleet, m
     assert state["decisions"]["cache_hit"] == 18 and state["decisions"]["cache_miss"] == 2
 
 
-async def test_power_of_two_avoids_a_server_that_reports_load(fake_fleet, make_router):
-    p, d1, d2 = await fake_fleet(1, 2)
+async def test_power_of_two_avoids_a_server_that_reports_load(sim_workers, make_router):
+    p, d1, d2 = await sim_workers(1, 2)
     client = await make_router([p], [d1, d2], decode_policy="power_of_two", **NO_POLL)
     busy = client.registry.find(d1.url)
     busy.server_load = ServerLoad(running=40, waiting=10)  # traffic the router did not send
@@ -69,8 +69,8 @@ async def test_power_of_two_avoids_a_server_that_reports_load(fake_fleet, make_r
     assert received([d1, d2]) == [0, 6]
 
 
-async def test_cache_aware_forgets_a_removed_worker(fake_fleet, make_router):
-    p1, p2, d = await fake_fleet(2, 1)
+async def test_cache_aware_forgets_a_removed_worker(sim_workers, make_router):
+    p1, p2, d = await sim_workers(2, 1)
     client = await make_router([p1, p2], [d], prefill_policy="cache_aware", **NO_POLL)
     assert (await client.post("/generate", json={"text": "some prompt text"})).status == 200
     policy = client.app[PROXY].policies[Role.PREFILL]
@@ -79,8 +79,8 @@ async def test_cache_aware_forgets_a_removed_worker(fake_fleet, make_router):
     assert holder not in policy.state()["trees"]
 
 
-async def test_admin_policies_shows_each_pool_with_the_servers_reports(fake_fleet, make_router):
-    p, d = await fake_fleet(1, 1)
+async def test_admin_policies_shows_each_pool_with_the_servers_reports(sim_workers, make_router):
+    p, d = await sim_workers(1, 1)
     client = await make_router([p], [d], prefill_policy="cache_aware", decode_policy="power_of_two",
                                load_monitor=LoadMonitorConfig(interval_secs=0.05))
     await wait_for(lambda: all(w.server_load is not None for w in client.registry.workers()))
@@ -95,8 +95,8 @@ async def test_admin_policies_shows_each_pool_with_the_servers_reports(fake_flee
     assert body["load_monitor"]["rounds"] >= 1 and body["load_monitor"]["failures"] == 0
 
 
-async def test_admin_rebalancer_get_and_put(fake_fleet, make_router):
-    p, d = await fake_fleet(1, 1)
+async def test_admin_rebalancer_get_and_put(sim_workers, make_router):
+    p, d = await sim_workers(1, 1)
     client = await make_router([p], [d])
     body = await (await client.get("/admin/rebalancer")).json()
     assert body["mode"] == "advisory" and body["config"]["horizon_secs"] == 120
@@ -120,8 +120,8 @@ async def test_admin_rebalancer_get_and_put(fake_fleet, make_router):
     ({"horizon_secs": -1}, 422, "horizon_secs"),
     ({"confirmations": 3}, 400, "confirmations"),  # the retired rules' knob: unknown
 ])
-async def test_admin_rebalancer_rejects_bad_bodies(fake_fleet, make_router, payload, status, fragment):
-    p, d = await fake_fleet(1, 1)
+async def test_admin_rebalancer_rejects_bad_bodies(sim_workers, make_router, payload, status, fragment):
+    p, d = await sim_workers(1, 1)
     client = await make_router([p], [d])
     resp = await client.put("/admin/rebalancer", json=payload)
     assert resp.status == status
@@ -129,15 +129,15 @@ async def test_admin_rebalancer_rejects_bad_bodies(fake_fleet, make_router, payl
     assert client.app[REBALANCER].config.mode.value == "advisory"
 
 
-async def test_admin_rebalancer_limit_is_validated(fake_fleet, make_router):
-    p, d = await fake_fleet(1, 1)
+async def test_admin_rebalancer_limit_is_validated(sim_workers, make_router):
+    p, d = await sim_workers(1, 1)
     client = await make_router([p], [d])
     assert (await client.get("/admin/rebalancer?limit=x")).status == 400
     assert (await client.get("/admin/rebalancer?limit=0")).status == 200
 
 
-async def test_the_rebalancer_sees_latencies_measured_by_the_router(fake_fleet, make_router):
-    p, d = await fake_fleet(1, 1)
+async def test_the_rebalancer_sees_latencies_measured_by_the_router(sim_workers, make_router):
+    p, d = await sim_workers(1, 1)
     client = await make_router([p], [d])
     for i in range(4):
         resp = await client.post("/generate", json={"text": f"q{i}", "stream": True})
@@ -226,8 +226,8 @@ def _prefill_heavy(client):
 QUICK_REBALANCE = dict(warmup_secs=0, interval_secs=3600, ttft_target_secs=2.0, itl_target_secs=0.2)  # ticks: the test's
 
 
-async def test_enabled_rebalancer_converts_through_the_conversion_flow(fake_fleet, make_router):
-    p1, p2, d1, d2 = await fake_fleet(2, 2)
+async def test_enabled_rebalancer_converts_through_the_conversion_flow(sim_workers, make_router):
+    p1, p2, d1, d2 = await sim_workers(2, 2)
     client = await make_router([p1, p2], [d1, d2], **NO_POLL,
                                rebalance=RebalanceConfig(mode=RebalanceMode.ENABLED, **QUICK_REBALANCE))
     rebalancer = client.app[REBALANCER]
@@ -248,8 +248,8 @@ async def test_enabled_rebalancer_converts_through_the_conversion_flow(fake_flee
     assert (await client.post("/generate", json={"text": "after"})).status == 200
 
 
-async def test_advisory_rebalancer_only_records_what_it_would_do(fake_fleet, make_router):
-    p1, p2, d1, d2 = await fake_fleet(2, 2)
+async def test_advisory_rebalancer_only_records_what_it_would_do(sim_workers, make_router):
+    p1, p2, d1, d2 = await sim_workers(2, 2)
     client = await make_router([p1, p2], [d1, d2], **NO_POLL, rebalance=RebalanceConfig(**QUICK_REBALANCE))
     decision = _prefill_heavy(client)
     assert decision.convert, decision.reason
@@ -261,8 +261,8 @@ async def test_advisory_rebalancer_only_records_what_it_would_do(fake_fleet, mak
     assert [w.role for w in client.registry.workers()].count(Role.DECODE) == 2
 
 
-async def test_rebalancer_and_policy_state_in_metrics(fake_fleet, make_router):
-    p1, p2, d1, d2 = await fake_fleet(2, 2)
+async def test_rebalancer_and_policy_state_in_metrics(sim_workers, make_router):
+    p1, p2, d1, d2 = await sim_workers(2, 2)
     client = await make_router([p1, p2], [d1, d2], prefill_policy="cache_aware", **NO_POLL,
                                rebalance=RebalanceConfig(**QUICK_REBALANCE))
     assert _prefill_heavy(client).convert
