@@ -137,8 +137,8 @@ def test_an_empty_body_takes_no_field():
 
 
 # ---- over HTTP ------------------------------------------------------------------------------------------
-async def test_a_bad_admin_body_answers_every_problem_in_the_error_shape(fake_fleet, make_router):
-    p1, d1 = await fake_fleet(1, 1)
+async def test_a_bad_admin_body_answers_every_problem_in_the_error_shape(sim_workers, make_router):
+    p1, d1 = await sim_workers(1, 1)
     client = await make_router([p1], [d1])
     resp = await client.post("/pd_role_switch", json={"worker_url": p1.url, "new_role": "regular",
                                                       "drain_timeout_secs": 0, "bogus": 1})

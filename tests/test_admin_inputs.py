@@ -24,8 +24,8 @@ MIB = 1024 * 1024
     ("/convert_pd_role", {"server_options": {"server_url": "http://elsewhere:1"}}),
     ("/admin/workers/ID/convert", {"new_role": "prefill", "server_options": {"new_role": "decode", "x": 1}}),
 ])
-async def test_server_options_may_not_override_the_plan(fake_fleet, make_router, path, body):
-    p, d1, d2 = await fake_fleet(1, 2)
+async def test_server_options_may_not_override_the_plan(sim_workers, make_router, path, body):
+    p, d1, d2 = await sim_workers(1, 2)
     client = await make_router([p], [d1, d2])
     worker = client.registry.find(d1.url)
     url_field = {"/pd_role_switch": "worker_url", "/convert_pd_role": "server_url"}.get(path)
@@ -38,8 +38,8 @@ async def test_server_options_may_not_override_the_plan(fake_fleet, make_router,
     assert d1.switch_calls == [] and worker.role.value == "decode"
 
 
-async def test_other_server_options_still_reach_the_server_with_the_plans_role(fake_fleet, make_router):
-    p, d1, d2 = await fake_fleet(1, 2)
+async def test_other_server_options_still_reach_the_server_with_the_plans_role(sim_workers, make_router):
+    p, d1, d2 = await sim_workers(1, 2)
     client = await make_router([p], [d1, d2])
     resp = await client.post("/pd_role_switch", json={"worker_url": d1.url, "new_role": "prefill",
                                                       "server_options": {"custom": 1}})
@@ -74,12 +74,12 @@ def test_abort_by_rid_matches_the_rid_or_its_sequences_never_a_prefix(asked, fou
         assert result[0] is (parent if asked.startswith("abc") else batch)
 
 
-async def test_abort_of_a_prefix_aborts_no_routed_request(fake_fleet, make_router):
+async def test_abort_of_a_prefix_aborts_no_routed_request(sim_workers, make_router):
     """`{"rid": "abc"}` is not "abc-123": the router aborts nothing of its own and forwards the rid as given
     to every server, which apply SGLang's own rule to it."""
-    p, d = await fake_fleet(1, 1)
+    p, d = await sim_workers(1, 1)
     client = await make_router([p], [d])
-    d.behaviour.hang = True
+    d.set_faults(hang_after_tokens=1)  # the decode stalls after the prefill's token
     pending = asyncio.ensure_future(client.post("/generate", json={"text": "hi", "rid": "abc-123"}))
     live = client.app[PROXY].live
     await wait_for(lambda: live.by_rid("abc-123") is not None and d.bodies(), message="request on its pair")
@@ -90,7 +90,7 @@ async def test_abort_of_a_prefix_aborts_no_routed_request(fake_fleet, make_route
     assert p.aborts == [{"rid": "abc"}] and d.aborts == [{"rid": "abc"}]
     assert attempt.abort_action is None and not pending.done()
 
-    d.release.set()
+    d.set_faults(hang_after_tokens=None)
     answer = await pending
     assert answer.status == 200 and (await answer.json())["meta_info"]["finish_reason"]["type"] == "length"
 
@@ -121,8 +121,8 @@ async def chunked(data: bytes):
         yield data[start:start + 64 * 1024]
 
 
-async def test_an_admin_body_over_its_bound_is_413_before_it_is_parsed(fake_fleet, make_router):
-    p, d = await fake_fleet(1, 1)
+async def test_an_admin_body_over_its_bound_is_413_before_it_is_parsed(sim_workers, make_router):
+    p, d = await sim_workers(1, 1)
     client = await make_router([p], [d])
     assert (await client.post("/workers", data=sized(padded(MIB)),
                               headers={"Content-Type": "application/json"})).status == 400  # read, parsed, refused
@@ -134,8 +134,8 @@ async def test_an_admin_body_over_its_bound_is_413_before_it_is_parsed(fake_flee
     assert len(client.registry.workers()) == 2
 
 
-async def test_generation_keeps_max_payload_size(fake_fleet, make_router):
-    p, d = await fake_fleet(1, 1)
+async def test_generation_keeps_max_payload_size(sim_workers, make_router):
+    p, d = await sim_workers(1, 1)
     client = await make_router([p], [d], admission=AdmissionConfig(max_admin_payload_size=1000))
     resp = await client.post("/generate", data=sized(orjson.dumps({"text": "x" * (MIB // 2)})),
                              headers={"Content-Type": "application/json"})
