@@ -71,9 +71,9 @@ async def test_a_server_not_reachable_at_start_up_stays_pending_and_joins_when_i
         await late.stop()
 
 
-async def test_a_paused_server_is_held_out_with_its_reason_until_it_is_ready(fake_fleet, make_router):
-    p, d1, d2 = await fake_fleet(1, 2)
-    d2.ready_status = 503  # 0.5.23 while paused (its /health would hang: it is not probed)
+async def test_a_paused_server_is_held_out_with_its_reason_until_it_is_ready(sim_workers, make_router):
+    p, d1, d2 = await sim_workers(1, 2)
+    await d2.worker.engine.pause("in_place")  # /ready answers 503 while paused (its /health would hang: not probed)
     client = await make_router([p], [d1, d2], health=FAST)
     entry = shown(await listing(client), d2.url)
     assert (entry["state"], entry["routable"], entry["hold"]["kind"]) == ("failed", False, "paused")
@@ -82,17 +82,17 @@ async def test_a_paused_server_is_held_out_with_its_reason_until_it_is_ready(fak
     for i in range(4):
         assert (await client.post("/generate", json={"text": f"x{i}"})).status == 200
     assert d2.bodies() == [] and d2.health_calls == calls
-    d2.ready_status = 200
+    d2.worker.engine.resume()
     worker = client.registry.get(d2.url)
     await wait_for(lambda: worker.routable, timeout=10, message="back once /ready answers 200")
     assert worker.state is WorkerState.ACTIVE and worker.hold is None
 
 
-async def test_servers_on_several_weight_versions_the_fleet_keeps_one_that_can_serve(fake_fleet, make_router):
+async def test_servers_on_several_weight_versions_the_fleet_keeps_one_that_can_serve(sim_workers, make_router):
     """After a router died half-way through an update: the version of the pair, even against a majority."""
-    (p,) = await fake_fleet(1, 0, weight_version="v1")
-    (d_old,) = await fake_fleet(0, 1, weight_version="v1")
-    d_new = await fake_fleet(0, 2, weight_version="v2")
+    (p,) = await sim_workers(1, 0, weight_version="v1")
+    (d_old,) = await sim_workers(0, 1, weight_version="v1")
+    d_new = await sim_workers(0, 2, weight_version="v2")
     client = await make_router([p], [d_old, *d_new])
     assert client.registry.fleet_version == "v1"
     workers = await listing(client)
@@ -130,8 +130,8 @@ async def test_an_api_registration_is_routed_in_the_live_role(fake_fleet, make_r
 
 
 @pytest.fixture
-async def three(fake_fleet, make_router):
-    p, d1, d2 = await fake_fleet(1, 2)
+async def three(sim_workers, make_router):
+    p, d1, d2 = await sim_workers(1, 2)
     client = await make_router([p], [d1, d2])
     return client, p, d1, d2
 
@@ -158,8 +158,11 @@ async def test_register_of_a_known_server_on_other_weights_is_409(three):
     assert body["error"]["fleet_weight_version"] == "default"
 
 
-async def test_register_of_a_known_paused_server_is_409(three):
-    client, p, d1, d2 = three
+async def test_register_of_a_known_paused_server_is_409(fake_fleet, make_router):
+    # A fake: a paused server whose /health answers (a paused 0.5.23 server's, and so the simulator's, hangs, and
+    # registration probes /health before /ready: the router answers 502 for it, not this 409).
+    p, d1, d2 = await fake_fleet(1, 2)
+    client = await make_router([p], [d1, d2])
     d2.ready_status = 503
     status, body = await register(client, "decode", d2.url)
     assert status == 409 and "/ready answers 503" in body["error"]["message"]
@@ -167,14 +170,14 @@ async def test_register_of_a_known_paused_server_is_409(three):
 
 async def test_register_of_a_known_server_that_is_down_is_502(three):
     client, p, d1, d2 = three
-    d2.behaviour.health_status = 503
+    d2.set_faults(unhealthy=True)
     status, body = await register(client, "decode", d2.url)
     assert status == 502 and "/health answered 503" in body["error"]["message"]
 
 
 async def test_register_of_a_busy_server_is_409(three):
     client, p, d1, d2 = three
-    d2.behaviour.hang = True
+    d2.set_faults(hang_after_tokens=1)  # the decode stalls after the prefill's token
     requests = []
     while not d2.in_handler:  # a request held on d2, so that its conversion drains
         requests.append(asyncio.ensure_future(client.post("/generate", json={"text": "x"})))
@@ -186,7 +189,7 @@ async def test_register_of_a_busy_server_is_409(three):
     assert status == 409 and body["error"]["message"] == f"worker {d2.url} is draining: wait for that operation " \
                                                          f"to end"
     assert body["error"]["state"] == "draining"
-    d2.release.set()
+    d2.set_faults(hang_after_tokens=None)
     await asyncio.gather(*requests)
     await wait_for(lambda: worker.state is WorkerState.ACTIVE and worker.role is Role.PREFILL, timeout=10)
 
