@@ -33,9 +33,8 @@ def value(samples: dict, name: str, **labels) -> float:
     return samples.get((name, tuple(sorted(labels.items()))), 0.0)
 
 
-async def test_requests_latencies_and_worker_state(fake_fleet, make_router):
-    p, d = await fake_fleet(1, 1)
-    d.behaviour.stream_chunks = 5
+async def test_requests_latencies_and_worker_state(sim_workers, make_router):
+    p, d = await sim_workers(1, 1)
     client = await make_router([p], [d], health=NO_PROBES)
     for _ in range(3):
         assert (await client.post("/generate", json={"text": "x"})).status == 200
@@ -61,28 +60,28 @@ async def test_requests_latencies_and_worker_state(fake_fleet, make_router):
     assert value(m, "pd_router_queue_length") == 0 and value(m, "pd_router_requests_in_flight") == 0
 
 
-async def test_inflight_is_visible_while_a_request_runs(fake_fleet, make_router):
-    p, d = await fake_fleet(1, 1)
-    d.behaviour.hang = True
+async def test_inflight_is_visible_while_a_request_runs(sim_workers, make_router):
+    p, d = await sim_workers(1, 1)
+    d.set_faults(hang_after_tokens=1)  # the decode stalls after the prefill's token
     client = await make_router([p], [d], health=NO_PROBES)
     pending = asyncio.ensure_future(client.post("/generate", json={"text": "x"}))
     await wait_for(lambda: d.in_handler == 1)
     m = await scrape(client)
     assert value(m, "pd_router_worker_inflight", worker=d.url, role="decode") == 1
     assert value(m, "pd_router_requests_in_flight") == 1
-    d.release.set()
+    d.set_faults(hang_after_tokens=None)
     assert (await pending).status == 200
     await wait_for(lambda: all(w.inflight == 0 for w in client.registry.workers()))
     m = await scrape(client)
     assert value(m, "pd_router_worker_inflight", worker=d.url, role="decode") == 0
 
 
-async def test_retries_and_breaker_transitions_are_counted(fake_fleet, make_router):
-    p, d1, d2 = await fake_fleet(1, 2)
+async def test_retries_and_breaker_transitions_are_counted(sim_workers, make_router):
+    p, d1, d2 = await sim_workers(1, 2)
     client = await make_router([p], [d1, d2], health=NO_PROBES,
                                breaker=BreakerConfig(failure_threshold=1, timeout_secs=60),
                                retry=RetryConfig(initial_backoff_ms=1))
-    d1.behaviour.status = 503
+    d1.set_faults(error_rate=1.0, error_status=503)
     for i in range(10):
         assert (await client.post("/generate", json={"text": f"{i}"})).status == 200
     m = await scrape(client)
@@ -93,8 +92,8 @@ async def test_retries_and_breaker_transitions_are_counted(fake_fleet, make_rout
     assert value(m, "pd_router_worker_routable", worker=d1.url, role="decode") == 0
 
 
-async def test_flow_hooks(fake_fleet, make_router):
-    p, d = await fake_fleet(1, 1)
+async def test_flow_hooks(sim_workers, make_router):
+    p, d = await sim_workers(1, 1)
     client = await make_router([p], [d], health=NO_PROBES)
     metrics = client.app[METRICS]
     metrics.observe_conversion("converted", 3.2)
@@ -110,8 +109,8 @@ async def test_flow_hooks(fake_fleet, make_router):
     assert value(m, "pd_router_aborts_total", reason="weight_update") == 7
 
 
-async def test_two_routers_in_one_process_keep_their_own_counts(fake_fleet, make_router):
-    p, d = await fake_fleet(1, 1)
+async def test_two_routers_in_one_process_keep_their_own_counts(sim_workers, make_router):
+    p, d = await sim_workers(1, 1)
     a = await make_router([p], [d], health=NO_PROBES)
     b = await make_router([p], [d], health=NO_PROBES)
     await a.post("/generate", json={"text": "x"})
@@ -121,8 +120,8 @@ async def test_two_routers_in_one_process_keep_their_own_counts(fake_fleet, make
     assert value(await scrape(b), "pd_router_requests_total", route="/generate", status="200") == 1
 
 
-async def test_metrics_on_the_prometheus_port_and_public_under_api_key(fake_fleet, make_router):
-    p, d = await fake_fleet(1, 1)
+async def test_metrics_on_the_prometheus_port_and_public_under_api_key(sim_workers, make_router):
+    p, d = await sim_workers(1, 1)
     port = free_port()
     client = await make_router([p], [d], health=NO_PROBES, prometheus_port=port, prometheus_host="127.0.0.1",
                                api_key="k")
