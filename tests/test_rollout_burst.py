@@ -58,9 +58,9 @@ def descriptors_exhausted():
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
 
 
-async def test_a_leg_the_router_cannot_open_blames_no_worker_and_goes_again_on_the_same_pair(fake_fleet,
+async def test_a_leg_the_router_cannot_open_blames_no_worker_and_goes_again_on_the_same_pair(sim_workers,
                                                                                           make_router):
-    p, d = await fake_fleet(1, 1)
+    p, d = await sim_workers(1, 1)
     client = await make_router([p], [d], health=NO_PROBES,
                                connections=ConnectionTimeouts(upstream_pool_idle_timeout_secs=NOT_REUSED))
     body = {"text": "hi", "sampling_params": {"max_new_tokens": 3}}
@@ -90,8 +90,8 @@ async def test_a_leg_the_router_cannot_open_blames_no_worker_and_goes_again_on_t
     assert value(samples, "pd_router_worker_failures_total", worker=d.url, role="decode") == 0
 
 
-async def test_a_health_probe_the_router_cannot_open_gives_no_verdict(fake_fleet, make_router):
-    p, d = await fake_fleet(1, 1)
+async def test_a_health_probe_the_router_cannot_open_gives_no_verdict(sim_workers, make_router):
+    p, d = await sim_workers(1, 1)
     client = await make_router([p], [d], health=HealthConfig(interval_secs=3600, failure_threshold=1),
                                connections=ConnectionTimeouts(upstream_pool_idle_timeout_secs=NOT_REUSED))
     errors, monitor = client.app[LOCAL_RESOURCES], client.app[HEALTH]
