@@ -47,9 +47,9 @@ async def test_a_stream_that_stalls_mid_answer_is_cut_with_an_error_event(fake_f
 
 
 async def test_a_stream_silent_before_its_first_event_is_answered_502_when_nothing_else_can_serve(
-        fake_fleet, make_router):
-    p, d = await fake_fleet(1, 1)
-    d.behaviour.stall_after = 0  # the head, then nothing
+        sim_workers, make_router):
+    p, d = await sim_workers(1, 1)
+    d.set_faults(hang=True)  # the head, then nothing
     client = await make_router([p], [d], health=NO_PROBES, upstream_idle_timeout_secs=IDLE_S,
                                retry=RetryConfig(enabled=False))
     resp = await client.post("/generate", json={"text": "x", "stream": True})
@@ -79,9 +79,9 @@ async def test_a_hung_prefill_after_decode_answered_is_cut_and_its_count_returns
     await settled(client)
 
 
-async def test_no_cut_while_silence_is_held_and_silence_so_far_does_not_count_after(fake_fleet, make_router):
-    p, d = await fake_fleet(1, 1)
-    d.behaviour.stream_chunks, d.behaviour.stall_after = 3, 1
+async def test_no_cut_while_silence_is_held_and_silence_so_far_does_not_count_after(sim_workers, make_router):
+    p, d = await sim_workers(1, 1)
+    d.set_faults(hang_after_tokens=1)  # one event, then nothing
     client = await make_router([p], [d], health=NO_PROBES, upstream_idle_timeout_secs=IDLE_S)
     legs, traffic = pool(client), client.app[TRAFFIC]
     traffic.expect_silence("pause_generation")
