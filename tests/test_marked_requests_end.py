@@ -12,11 +12,10 @@ from router.core.traffic import AbortAction, MarkTally
 from .helpers import wait_for
 
 
-async def test_each_marked_request_is_counted_aborted_or_finished_by_its_answer(fake_fleet, make_router):
-    p, finishes, aborts = await fake_fleet(1, 2)
+async def test_each_marked_request_is_counted_aborted_or_finished_by_its_answer(sim_workers, make_router):
+    p, finishes, aborts = await sim_workers(1, 2)
     for decode in (finishes, aborts):
-        decode.behaviour.hang = True  # every request waits on its decode until released
-    aborts.behaviour.abort_before_first_token = True  # released with SGLang's abort answer
+        decode.set_faults(hang_after_tokens=1)  # every request waits on its decode after its first token
     client = await make_router([p], [finishes, aborts])
     body = {"text": "hi", "sampling_params": {"max_new_tokens": 3}}
     requests = [asyncio.ensure_future(client.post("/generate", json={**body, "stream": i % 2 == 1}))
@@ -27,8 +26,8 @@ async def test_each_marked_request_is_counted_aborted_or_finished_by_its_answer(
     tally = MarkTally()
     marked = client.app[TRAFFIC].mark_on(registry.workers(), AbortAction.ANSWER, tally)
     assert marked == tally.marked == 12
-    finishes.release.set()
-    aborts.release.set()
+    finishes.set_faults(hang_after_tokens=None)  # they finish
+    aborts.worker.engine.abort(abort_all=True)  # they end with SGLang's abort answer, as /abort_request does
     answers = await asyncio.gather(*requests)
     raw = [await a.read() for a in answers]
     assert [a.status for a in answers] == [200] * 12
