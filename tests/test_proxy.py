@@ -50,8 +50,8 @@ async def test_generate_injects_bootstrap_and_relays_decode(fake_fleet, make_rou
     await wait_for(lambda: inflight(client) == [0, 0])
 
 
-async def test_rooms_are_distinct_per_request(fake_fleet, make_router):
-    p, d = await fake_fleet(1, 1)
+async def test_rooms_are_distinct_per_request(sim_workers, make_router):
+    p, d = await sim_workers(1, 1)
     client = await make_router([p], [d])
     await asyncio.gather(*(client.post("/generate", json={"text": f"q{i}"}) for i in range(20)))
     rooms = [b["bootstrap_room"] for b in p.bodies()]
@@ -89,8 +89,8 @@ async def test_openai_list_prompts_and_n_get_distinct_rooms(fake_fleet, make_rou
     assert len(set(sent["bootstrap_room"])) == count
 
 
-async def test_client_rid_and_headers_pass_through(fake_fleet, make_router):
-    p, d = await fake_fleet(1, 1)
+async def test_client_rid_and_headers_pass_through(sim_workers, make_router):
+    p, d = await sim_workers(1, 1)
     client = await make_router([p], [d])
     resp = await client.post("/generate", json={"text": "x", "rid": "my-rid"},
                              headers={"Authorization": "Bearer abc", "X-Request-Id": "req-7"})
@@ -144,10 +144,10 @@ async def test_prefill_error_is_returned_at_once_and_decode_aborted(fake_fleet, 
     await wait_for(lambda: inflight(client) == [0, 0])
 
 
-async def test_prefill_error_in_streaming_mode_is_plain_http(fake_fleet, make_router):
-    p, d = await fake_fleet(1, 1)
-    p.behaviour.status = 400
-    d.behaviour.hang = True
+async def test_prefill_error_in_streaming_mode_is_plain_http(sim_workers, make_router):
+    p, d = await sim_workers(1, 1)
+    p.set_faults(error_rate=1.0, error_status=400)
+    d.set_faults(hang_after_tokens=1)
     client = await make_router([p], [d])
     resp = await asyncio.wait_for(client.post("/generate", json={"text": "x", "stream": True}), 5)
     assert resp.status == 400
@@ -185,8 +185,8 @@ async def test_client_disconnect_aborts_both_legs(fake_fleet, make_router, strea
     await wait_for(lambda: inflight(client) == [0, 0], message="no leaked in-flight count")
 
 
-async def test_unreachable_prefill_is_retried_on_another_pair(fake_fleet, make_router):
-    p_dead, p_ok, d = await fake_fleet(2, 1)
+async def test_unreachable_prefill_is_retried_on_another_pair(sim_workers, make_router):
+    p_dead, p_ok, d = await sim_workers(2, 1)
     client = await make_router([p_dead, p_ok], [d], retry=__import__("router.core.config").core.config.RetryConfig(
         initial_backoff_ms=1))
     await p_dead.stop()
@@ -198,8 +198,8 @@ async def test_unreachable_prefill_is_retried_on_another_pair(fake_fleet, make_r
     await wait_for(lambda: inflight(client) == [0, 0, 0])
 
 
-async def test_no_routable_worker_is_503_json(fake_fleet, make_router):
-    (p,) = await fake_fleet(1, 0)
+async def test_no_routable_worker_is_503_json(sim_workers, make_router):
+    (p,) = await sim_workers(1, 0)
     client = await make_router([p], [])
     resp = await client.post("/generate", json={"text": "x"})
     assert resp.status == 503
@@ -212,8 +212,8 @@ async def test_no_routable_worker_is_503_json(fake_fleet, make_router):
     (b'{"text": 5}', "text must be"),
     (b'{"text": "a", "sampling_params": {"n": 0}}', "n must be"),
 ])
-async def test_bad_input_is_400_json(fake_fleet, make_router, data, fragment):
-    p, d = await fake_fleet(1, 1)
+async def test_bad_input_is_400_json(sim_workers, make_router, data, fragment):
+    p, d = await sim_workers(1, 1)
     client = await make_router([p], [d])
     resp = await client.post("/generate", data=data, headers={"Content-Type": "application/json"})
     assert resp.status == 400
@@ -221,9 +221,9 @@ async def test_bad_input_is_400_json(fake_fleet, make_router, data, fragment):
     assert p.requests == [] and d.requests == []
 
 
-async def test_request_timeout_gives_504_and_aborts(fake_fleet, make_router):
-    p, d = await fake_fleet(1, 1)
-    d.behaviour.hang = True
+async def test_request_timeout_gives_504_and_aborts(sim_workers, make_router):
+    p, d = await sim_workers(1, 1)
+    d.set_faults(hang_after_tokens=1)
     client = await make_router([p], [d], request_timeout_secs=0.3)
     resp = await client.post("/generate", json={"text": "x"})
     assert resp.status == 504
@@ -247,12 +247,12 @@ async def without_handler_cancellation(p, d):
         await runner.cleanup()
 
 
-async def test_a_stream_whose_client_left_ends_as_a_disconnect_not_an_error(fake_fleet, caplog):
+async def test_a_stream_whose_client_left_ends_as_a_disconnect_not_an_error(sim_workers, caplog):
     """Writing the stream fails once the client has gone, before anything cancelled the handler (here: no
     handler cancellation at all): the request ends as the client's disconnect (both legs stopped and aborted,
     counted once), never as an unhandled error."""
-    p, d = await fake_fleet(1, 1)
-    d.behaviour.stream_chunks, d.behaviour.stall_after = 40, 1
+    p, d = await sim_workers(1, 1)
+    d.set_faults(hang_after_tokens=1)
     async with without_handler_cancellation(p, d) as (url, registry):
         async with aiohttp.ClientSession() as session:
             resp = await session.post(url + "/generate", json={"text": "x", "stream": True})
@@ -260,7 +260,7 @@ async def test_a_stream_whose_client_left_ends_as_a_disconnect_not_an_error(fake
             assert (await resp.content.readany()).startswith(b"data: ")
             resp.close()  # the client leaves while decode is stalled
             caplog.set_level("INFO", logger="router")
-            d.release.set()  # decode goes on: the router's next writes find the client gone
+            d.set_faults(hang_after_tokens=None)  # decode goes on: the router's next writes find the client gone
             await wait_for(lambda: [w.inflight for w in registry.workers()] == [0, 0], message="both legs ended")
             rid = d.bodies()[0]["rid"]
             await wait_for(lambda: {"rid": rid} in d.aborts, message="decode aborted")
