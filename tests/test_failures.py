@@ -54,9 +54,9 @@ async def test_retry_exhausted_answers_the_last_failure(fake_fleet, make_router,
     await settled(client)
 
 
-async def test_prefill_server_error_is_retried_on_a_fresh_pair(fake_fleet, make_router):
-    p1, p2, d = await fake_fleet(2, 1)
-    p1.behaviour.status = 500
+async def test_prefill_server_error_is_retried_on_a_fresh_pair(sim_workers, make_router):
+    p1, p2, d = await sim_workers(2, 1)
+    p1.set_faults(error_rate=1.0, error_status=500)
     client = await make_router([p1, p2], [d], health=NO_PROBES, retry=FAST_RETRY, prefill_policy="round_robin",
                                breaker=BreakerConfig(failure_threshold=5))
     resp = await client.post("/generate", json={"text": "x"})
@@ -82,8 +82,8 @@ async def test_failed_kv_transfer_is_not_blamed_on_the_server_reporting_it(fake_
     await settled(client)
 
 
-async def test_connection_refused_everywhere_is_502_json(fake_fleet, make_router):
-    p, d = await fake_fleet(1, 1)
+async def test_connection_refused_everywhere_is_502_json(sim_workers, make_router):
+    p, d = await sim_workers(1, 1)
     client = await make_router([p], [d], health=NO_PROBES, retry=FAST_RETRY, breaker=BreakerConfig(enabled=False))
     await d.stop()
     resp = await client.post("/generate", json={"text": "x"})
@@ -114,9 +114,9 @@ async def test_no_retry_after_output_was_sent(fake_fleet, make_router):
 
 
 # ---- overload -----------------------------------------------------------------------------------------------
-async def test_queue_full_is_429_with_retry_after(fake_fleet, make_router):
-    p, d = await fake_fleet(1, 1)
-    d.behaviour.hang = True
+async def test_queue_full_is_429_with_retry_after(sim_workers, make_router):
+    p, d = await sim_workers(1, 1)
+    d.set_faults(hang_after_tokens=1)
     client = await make_router([p], [d], health=NO_PROBES,
                                admission=AdmissionConfig(max_concurrent_requests=1, queue_size=1,
                                                          queue_timeout_secs=30))
@@ -130,15 +130,15 @@ async def test_queue_full_is_429_with_retry_after(fake_fleet, make_router):
     assert "queue is full" in (await resp.json())["error"]["message"]
     m = await scrape(client)
     assert value(m, "pd_router_queue_length") == 1 and value(m, "pd_router_admission_rejected_total") == 1
-    d.release.set()
+    d.set_faults(hang_after_tokens=None)
     assert [(await first).status, (await second).status] == [200, 200]
     assert len(d.bodies()) == 2, "the refused request never reached a worker"
     await settled(client)
 
 
-async def test_queue_timeout_is_503_with_retry_after(fake_fleet, make_router):
-    p, d = await fake_fleet(1, 1)
-    d.behaviour.hang = True
+async def test_queue_timeout_is_503_with_retry_after(sim_workers, make_router):
+    p, d = await sim_workers(1, 1)
+    d.set_faults(hang_after_tokens=1)
     client = await make_router([p], [d], health=NO_PROBES,
                                admission=AdmissionConfig(max_concurrent_requests=1, queue_size=4,
                                                          queue_timeout_secs=0.2))
@@ -147,14 +147,14 @@ async def test_queue_timeout_is_503_with_retry_after(fake_fleet, make_router):
     resp = await client.post("/generate", json={"text": "b"})
     assert resp.status == 503 and "Retry-After" in resp.headers
     assert "queue timeout" in (await resp.json())["error"]["message"]
-    d.release.set()
+    d.set_faults(hang_after_tokens=None)
     assert (await first).status == 200
     await settled(client)
 
 
 @pytest.mark.parametrize("path", ["/generate", "/v1/chat/completions", "/workers", "/register"])
-async def test_body_too_large_is_413_json(fake_fleet, make_router, path):
-    p, d = await fake_fleet(1, 1)
+async def test_body_too_large_is_413_json(sim_workers, make_router, path):
+    p, d = await sim_workers(1, 1)
     client = await make_router([p], [d], health=NO_PROBES, admission=AdmissionConfig(max_payload_size=1024))
     body = orjson.dumps({"text": "x" * 4096, "messages": [{"role": "user", "content": "y" * 4096}]})
     resp = await client.post(path, data=body, headers={"Content-Type": "application/json"})
@@ -180,9 +180,9 @@ async def test_decode_stalling_mid_stream_ends_at_the_deadline(fake_fleet, make_
     await settled(client)
 
 
-async def test_request_deadline_on_a_hung_decode_is_504_naming_the_pair(fake_fleet, make_router):
-    p, d = await fake_fleet(1, 1)
-    d.behaviour.hang = True
+async def test_request_deadline_on_a_hung_decode_is_504_naming_the_pair(sim_workers, make_router):
+    p, d = await sim_workers(1, 1)
+    d.set_faults(hang_after_tokens=1)
     client = await make_router([p], [d], health=NO_PROBES, request_timeout_secs=0.3)
     resp = await client.post("/generate", json={"text": "x"})
     assert resp.status == 504
@@ -262,11 +262,11 @@ async def test_decode_process_killed_mid_request_and_brought_back(sim, make_rout
     await settled(client)
 
 
-async def test_last_worker_of_a_pool_is_not_evicted(fake_fleet, make_router):
+async def test_last_worker_of_a_pool_is_not_evicted(sim_workers, make_router):
     """Probes fail on the only decode: its waiting request is not failed over to nowhere; it keeps waiting
     and succeeds when the server answers."""
-    p, d = await fake_fleet(1, 1)
-    d.behaviour.hang = True
+    p, d = await sim_workers(1, 1)
+    d.set_faults(hang_after_tokens=1)
     client = await make_router([p], [d], retry=FAST_RETRY,
                                health=HealthConfig(interval_secs=0.02, timeout_secs=0.5, failure_threshold=1,
                                                    success_threshold=1))
@@ -274,11 +274,11 @@ async def test_last_worker_of_a_pool_is_not_evicted(fake_fleet, make_router):
     await wait_for(lambda: client.app[HEALTH].record(worker).probe.proven)
     pending = asyncio.ensure_future(client.post("/generate", json={"text": "x"}))
     await wait_for(lambda: d.in_handler == 1)
-    d.behaviour.health_status = 503
+    d.set_faults(unhealthy=True)
     await wait_for(lambda: not worker.healthy)
     assert not pending.done() and d.aborts == [] and d.in_handler == 1
-    d.behaviour.health_status = 200
-    d.release.set()
+    d.set_faults(unhealthy=False)
+    d.set_faults(hang_after_tokens=None)
     assert (await pending).status == 200
     await settled(client)
 
