@@ -33,8 +33,8 @@ async def conversion_done(client, conversion_id: str) -> dict:
     return await (await client.get(f"/admin/conversions/{conversion_id}")).json()
 
 
-async def test_prefill_to_decode_with_pd_role_switch(fake_fleet, make_router):
-    p1, p2, d1 = await fake_fleet(2, 1)
+async def test_prefill_to_decode_with_pd_role_switch(sim_workers, make_router):
+    p1, p2, d1 = await sim_workers(2, 1)
     client = await make_router([p1, p2], [d1])
     resp = await client.post("/pd_role_switch", json={"worker_url": p2.url, "new_role": "decode"})
     body = await resp.json()
@@ -95,8 +95,8 @@ async def test_convert_pd_role_uses_the_servers_own_convert_api_where_it_has_one
     assert worker_of(client, plain).switch_api == "pd_role_switch"
 
 
-async def test_same_role_is_a_no_op(fake_fleet, make_router):
-    p1, p2, d1 = await fake_fleet(2, 1)
+async def test_same_role_is_a_no_op(sim_workers, make_router):
+    p1, p2, d1 = await sim_workers(2, 1)
     client = await make_router([p1, p2], [d1])
     resp = await client.post("/pd_role_switch", json={"worker_url": p1.url, "new_role": "prefill"})
     body = await resp.json()
@@ -104,8 +104,8 @@ async def test_same_role_is_a_no_op(fake_fleet, make_router):
     assert p1.switch_calls == []
 
 
-async def test_last_routable_worker_of_its_pool_is_refused(fake_fleet, make_router):
-    p1, d1 = await fake_fleet(1, 1)
+async def test_last_routable_worker_of_its_pool_is_refused(sim_workers, make_router):
+    p1, d1 = await sim_workers(1, 1)
     client = await make_router([p1], [d1])
     resp = await client.post("/convert_pd_role", json={"server_url": d1.url})
     body = await resp.json()
@@ -257,8 +257,8 @@ async def test_server_without_a_switch_api_is_restored(fake_fleet, make_router):
     assert worker_of(client, p2).routable
 
 
-async def test_abort_mode_marks_the_worker_and_aborts_all(fake_fleet, make_router):
-    p1, p2, d1 = await fake_fleet(2, 1)
+async def test_abort_mode_marks_the_worker_and_aborts_all(sim_workers, make_router):
+    p1, p2, d1 = await sim_workers(2, 1)
     client = await make_router([p1, p2], [d1])
     worker = worker_of(client, p2)
     epoch = worker.abort_epoch
@@ -302,8 +302,8 @@ async def test_abort_mode_aborts_again_while_busy_and_counts_the_routers_request
     ("/admin/workers/ID/convert", {"server_options": [1]}, "server_options must be a JSON object"),
     ("/admin/workers/ID/convert", {"new_role": "decode", "bogus": 1}, "unknown field(s) bogus"),
 ])
-async def test_bad_bodies_are_400(fake_fleet, make_router, path, body, problem):
-    p1, p2, d1 = await fake_fleet(2, 1)
+async def test_bad_bodies_are_400(sim_workers, make_router, path, body, problem):
+    p1, p2, d1 = await sim_workers(2, 1)
     client = await make_router([p1, p2], [d1])
     worker = worker_of(client, p2)
     if isinstance(body, dict):
@@ -315,8 +315,8 @@ async def test_bad_bodies_are_400(fake_fleet, make_router, path, body, problem):
     assert p2.switch_calls == [] and worker.state is WorkerState.ACTIVE
 
 
-async def test_unknown_worker_and_conversion_are_404(fake_fleet, make_router):
-    p1, d1 = await fake_fleet(1, 1)
+async def test_unknown_worker_and_conversion_are_404(sim_workers, make_router):
+    p1, d1 = await sim_workers(1, 1)
     client = await make_router([p1], [d1])
     resp = await client.post("/pd_role_switch", json={"worker_url": "http://127.0.0.1:1", "new_role": "decode"})
     body = await resp.json()
@@ -326,8 +326,8 @@ async def test_unknown_worker_and_conversion_are_404(fake_fleet, make_router):
     assert (await client.get("/admin/conversions?limit=0")).status == 400
 
 
-async def test_history_keeps_every_conversion_with_its_steps(fake_fleet, make_router):
-    p1, p2, d1, d2 = await fake_fleet(2, 2)
+async def test_history_keeps_every_conversion_with_its_steps(sim_workers, make_router):
+    p1, p2, d1, d2 = await sim_workers(2, 2)
     client = await make_router([p1, p2], [d1, d2])
     first = await (await client.post("/pd_role_switch", json={"worker_url": p2.url, "new_role": "decode"})).json()
     second = await (await client.post("/pd_role_switch", json={"worker_url": p2.url, "new_role": "prefill"})).json()
@@ -344,8 +344,8 @@ async def test_history_keeps_every_conversion_with_its_steps(fake_fleet, make_ro
     assert filtered["conversions"] == []
 
 
-async def test_conversions_and_their_aborts_are_counted_in_metrics(fake_fleet, make_router):
-    p1, p2, d1 = await fake_fleet(2, 1)
+async def test_conversions_and_their_aborts_are_counted_in_metrics(sim_workers, make_router):
+    p1, p2, d1 = await sim_workers(2, 1)
     client = await make_router([p1, p2], [d1])
     assert (await client.post(f"/admin/workers/{worker_of(client, p2).id}/convert", json={"mode": "abort"})).status == 200
     assert (await client.post(f"/admin/workers/{worker_of(client, p1).id}/convert", json={})).status == 409
@@ -355,8 +355,8 @@ async def test_conversions_and_their_aborts_are_counted_in_metrics(fake_fleet, m
     assert 'pd_router_conversion_duration_seconds_count{outcome="converted"} 1.0' in text
 
 
-async def test_no_conversion_starts_while_the_fleet_is_held(fake_fleet, make_router):
-    p1, p2, d1 = await fake_fleet(2, 1)
+async def test_no_conversion_starts_while_the_fleet_is_held(sim_workers, make_router):
+    p1, p2, d1 = await sim_workers(2, 1)
     client = await make_router([p1, p2], [d1])
     client.app[ADMISSION].close_gate("weight_update")
     resp = await client.post("/pd_role_switch", json={"worker_url": p2.url, "new_role": "decode"})
@@ -370,8 +370,8 @@ async def test_no_conversion_starts_while_the_fleet_is_held(fake_fleet, make_rou
     assert p2.switch_calls == [{"new_role": "decode", "decode_cuda_graph_memory_gb": 0.0, "custom": 1}]
 
 
-async def test_unreachable_server_is_left_unchanged_in_its_pool(fake_fleet, make_router):
-    p1, p2, d1 = await fake_fleet(2, 1)
+async def test_unreachable_server_is_left_unchanged_in_its_pool(sim_workers, make_router):
+    p1, p2, d1 = await sim_workers(2, 1)
     client = await make_router([p1, p2], [d1])
     await p2.stop()  # nothing listens there any more: the switch cannot have reached it
     resp = await client.post(f"/admin/workers/{worker_of(client, p2).id}/convert", json={})
