@@ -55,9 +55,9 @@ async def test_repeating_a_request_every_server_fails_on_opens_no_breaker(fake_f
     await settle(client)
 
 
-async def test_a_server_failing_for_everyone_still_has_its_breaker_opened(fake_fleet, make_router):
-    p, d1, d2 = await fake_fleet(1, 2)
-    d1.behaviour.status = 500  # broken for every request, whatever it is
+async def test_a_server_failing_for_everyone_still_has_its_breaker_opened(sim_workers, make_router):
+    p, d1, d2 = await sim_workers(1, 2)
+    d1.set_faults(error_rate=1.0, error_status=500)  # broken for every request, whatever it is
     client = await make_router([p], [d1, d2], retry=RETRY, breaker=BreakerConfig(failure_threshold=3))
     for _ in range(30):
         async with client.post("/generate", json=GOOD) as resp:
