@@ -1,15 +1,25 @@
-"""A programmable stand-in for one SGLang server, for deterministic router tests.
+"""A programmable stand-in for one SGLang server, for the few router tests the simulator cannot serve.
 
-It records every request it receives and answers like SGLang (shapes of 0.5.23), with knobs to fail,
-hang, or cut a stream. It does not implement the PD transfer (the simulator does): a decode fake answers
-on its own, unless `wait_for_prefill` links it to prefill fakes that must have seen the same room.
+Router tests run against simulated workers (`sim_workers` in tests/conftest.py: the simulator, with its faults
+and its Journal of what it received). This fake is for what no faithful server does, so no fault of the
+simulator's should do it either:
+- answers it makes up: fixed token ids, logprob shapes and chunk counts, error bodies and texts a test names,
+  launch arguments and message suffixes planted in its info (what redaction must hide);
+- PD legs that do not depend on each other: a decode that answers while its prefill failed or hangs, a prefill
+  leg held open after its decode answered, any bootstrap port or room accepted, `n > 1` served (0.5.23's decode
+  never finishes one);
+- a programmable role switch: not-idle refusals, a switch that changes nothing, never answers or answers late,
+  no switch API at all, the convert API's moved bootstrap port;
+- a server that reports what it was not started with (a bootstrap port, a role), or is paused while its /health
+  answers, or holds its info routes behind a gate.
+Which test modules may use it: tests/test_layout.py (FAKE_WORKER_USERS). It does not implement the PD transfer.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import orjson
 from aiohttp import web
@@ -19,15 +29,12 @@ from aiohttp import web
 class Behaviour:
     status: int = 200  # status of /generate-like answers
     error_body: dict | None = None
-    hang: bool = False  # never answer (until released)
+    hang: bool = False  # never answer (until released), aborts ignored
     stream_chunks: int = 3
     cut_after: int | None = None  # streaming: close the connection after this many chunks
     stall_after: int | None = None  # streaming: stop sending after this many chunks (until release)
     delay_s: float = 0.0
-    abort_before_first_token: bool = False  # answer like an aborted request
     health_status: int = 200  # status of GET /health
-    health_hang: bool = False  # GET /health never answers (until health_release is set)
-    health_script: list = field(default_factory=list)  # statuses for the next /health calls, in order
     # A request carrying this body field gets 500 (with its rid and room in the message, as a server quotes
     # them), as a stand-in that fails on an input it cannot handle: every server fails on it the same way.
     fail_on_field: str | None = None
@@ -64,23 +71,16 @@ class FakeWorker:
         self.server_args: dict = {}
         self.message_suffix = ""
         self.calls: collections.Counter[str] = collections.Counter()  # requests received, by path
-        self.authorizations: list[tuple[str, str | None]] = []  # (path, Authorization header) of each request
         self.queries: list[tuple[str, dict]] = []  # (path, query) of every request that had a query
         # When set: the info routes and /health_generate wait for it to open before answering.
         self.info_gate: asyncio.Event | None = None
         self.requests: list[tuple[str, dict | None]] = []
         self.aborts: list[dict] = []
-        self.rooms_seen: set[int] = set()
         self.release = asyncio.Event()  # opens hanging requests
-        self.health_release = asyncio.Event()  # opens hanging health probes
         self.health_calls = 0
-        self.health_in_flight = 0
-        self.health_in_flight_max = 0
         self.in_handler = 0
-        self.disconnects = 0
         self.url = ""
         self._runner: web.AppRunner | None = None
-        self.linked_prefills: list["FakeWorker"] = []
 
     # ---- lifecycle -------------------------------------------------------------------------------
     async def start(self, port: int = 0) -> "FakeWorker":
@@ -112,14 +112,12 @@ class FakeWorker:
 
     async def stop(self) -> None:
         self.release.set()
-        self.health_release.set()
         if self._runner is not None:
             await self._runner.cleanup()
 
     @web.middleware
     async def _count(self, request: web.Request, handler):
         self.calls[request.path] += 1
-        self.authorizations.append((request.path, request.headers.get("Authorization")))
         if request.query_string:
             self.queries.append((request.path, dict(request.query)))
         if self.info_gate is not None and request.path in INFO_PATHS:
@@ -134,9 +132,8 @@ class FakeWorker:
         rid = body.get("rid")
         if isinstance(rid, list):
             rid = rid[index or 0]
-        tokens = [] if self.behaviour.abort_before_first_token else list(range(n_tokens))
-        finish = ({"type": "abort", "message": "Aborted", "status_code": None}
-                  if self.behaviour.abort_before_first_token else {"type": "length", "length": n_tokens})
+        tokens = list(range(n_tokens))
+        finish = {"type": "length", "length": n_tokens}
         meta = {"id": rid, "finish_reason": finish, "prompt_tokens": 4, "completion_tokens": len(tokens),
                 "weight_version": self.weight_version, "role": self.role}
         if body.get("return_logprob"):
@@ -151,9 +148,6 @@ class FakeWorker:
     async def _generate(self, request: web.Request) -> web.StreamResponse:
         body = orjson.loads(await request.read())
         self.requests.append((request.path, body))
-        rooms = body.get("bootstrap_room")
-        for room in rooms if isinstance(rooms, list) else [rooms]:
-            self.rooms_seen.add(room)
         self.in_handler += 1
         try:
             b = self.behaviour
@@ -196,9 +190,6 @@ class FakeWorker:
             await response.write(b"data: [DONE]\n\n")
             await response.write_eof()
             return response
-        except asyncio.CancelledError:
-            self.disconnects += 1
-            raise
         finally:
             self.in_handler -= 1
 
@@ -208,17 +199,7 @@ class FakeWorker:
 
     async def _health(self, request: web.Request) -> web.Response:
         self.health_calls += 1
-        self.health_in_flight += 1
-        self.health_in_flight_max = max(self.health_in_flight_max, self.health_in_flight)
-        script = self.behaviour.health_script
-        # The answer is decided on arrival, even if it is held.
-        status = script.pop(0) if script else self.behaviour.health_status
-        try:
-            if self.behaviour.health_hang:
-                await self.health_release.wait()
-            return web.Response(status=status)
-        finally:
-            self.health_in_flight -= 1
+        return web.Response(status=self.behaviour.health_status)
 
     async def _ok(self, request: web.Request) -> web.Response:
         return web.Response(status=200)

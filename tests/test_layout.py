@@ -46,6 +46,19 @@ NOT_ABORT_SENDS = frozenset({"abort_response", "abort_until_ended"})
 # A free port has one home, `harness/processes.py` (`free_port`, `free_ports`; `tests/helpers` re-exports it):
 # the packages that may import it define no helper of their own that binds port 0 and hands back its number.
 HARNESS_USERS = ("simulator", "tests", "bench", "loadtest", "server_patches")
+# Router tests run against simulated workers (`sim_workers`); the hand-made fake (tests/fakes.py, whose docstring
+# says what only it does) serves these modules' remaining tests, and no others (issue 32).
+FAKE_WORKER = "tests.fakes"
+FAKE_FIXTURE = "fake_fleet"
+FAKE_WORKER_USERS = frozenset({
+    "tests/conftest.py",  # defines `fake_fleet`
+    "tests/hostile/test_bounds.py", "tests/hostile/test_poison.py", "tests/hostile/test_request_fields.py",
+    "tests/test_access.py", "tests/test_admin_inputs.py", "tests/test_conversion_api.py", "tests/test_discovery_file.py",
+    "tests/test_failures.py", "tests/test_info_endpoints.py", "tests/test_leg_accounting.py",
+    "tests/test_live_state.py", "tests/test_policy_routing.py", "tests/test_proxy.py", "tests/test_redaction.py",
+    "tests/test_rollout_burst.py", "tests/test_shared_answers.py", "tests/test_shutdown.py",
+    "tests/test_upstream_silence.py", "tests/test_workers_api.py",
+})
 
 
 def module_name(path: Path, root: Path = ROOT) -> str:
@@ -215,6 +228,23 @@ def free_port_copies(root: Path) -> list[str]:
                     for r in ast.walk(node))
                 if binds_port_0 and hands_it_back:
                     wrong.append(f"{path.relative_to(root)}:{node.lineno}: {node.name}")
+    return wrong
+
+
+def fake_worker_uses(root: Path) -> list[str]:
+    """Only the allowed test modules import the fake worker or ask for its fixture, and each of them still does
+    (a module moved to simulated workers leaves the list)."""
+    wrong = []
+    for path in sorted((root / "tests").rglob("*.py")):
+        where = path.relative_to(root).as_posix()
+        if where == "tests/fakes.py":
+            continue
+        imports = any(name == FAKE_WORKER or name.startswith(FAKE_WORKER + ".") for name in imports_of(path, root))
+        asks = any(isinstance(node, ast.arg) and node.arg == FAKE_FIXTURE for node in ast.walk(tree_of(path)))
+        if (imports or asks) and where not in FAKE_WORKER_USERS:
+            wrong.append(f"{where}: uses the fake worker; run it on simulated workers (`sim_workers`)")
+        elif where in FAKE_WORKER_USERS and not (imports or asks):
+            wrong.append(f"{where}: no longer uses the fake worker; take it off FAKE_WORKER_USERS")
     return wrong
 
 
@@ -473,6 +503,11 @@ def test_config_rules_live_in_the_model():
     assert not wrong, "\n".join(wrong)
 
 
+def test_only_the_allowed_modules_use_the_fake_worker():
+    wrong = fake_worker_uses(ROOT)
+    assert not wrong, "\n".join(wrong)
+
+
 def test_every_test_has_a_deadline(pytestconfig):
     """pytest-timeout bounds each test (pyproject's `timeout`), so a hang fails one test, not the run."""
     assert pytestconfig.pluginmanager.hasplugin("timeout")
@@ -561,6 +596,12 @@ PLANTS = {
         free_port_copies, "simulator/planted.py",
         "import socket\ndef free_port():\n    with socket.socket() as sock:\n"
         "        sock.bind(('127.0.0.1', 0))\n        return sock.getsockname()[1]\n"),
+    "a new test module importing the fake worker": (
+        fake_worker_uses, "tests/test_planted.py", "from .fakes import FakeWorker\n"),
+    "a new test module asking for the fake fleet": (
+        fake_worker_uses, "tests/test_planted.py", "async def test_x(fake_fleet):\n    await fake_fleet(1, 1)\n"),
+    "an allowed module that no longer uses the fake worker": (
+        fake_worker_uses, "tests/test_leg_accounting.py", "async def test_x(sim_workers):\n    pass\n"),
 }
 PLANTED_PARTNERS = {  # the other half of a planted cycle
     "simulator/planted_a.py": ("simulator/worker.py", "from . import planted_a\n"),
@@ -573,7 +614,7 @@ PLANTED_PARTNERS = {  # the other half of a planted cycle
 def checkout(tmp_path_factory) -> Path:
     """A copy of the packages the rules read, which the checkout's own tests find clean."""
     copy = tmp_path_factory.mktemp("checkout")
-    for package in ("router", "policies", "simulator"):
+    for package in ("router", "policies", "simulator", "tests"):
         shutil.copytree(ROOT / package, copy / package, ignore=shutil.ignore_patterns("__pycache__", "data"))
     return copy
 
@@ -583,13 +624,17 @@ def test_each_rule_catches_a_planted_violation(checkout, plant):
     rule, where, text = PLANTS[plant]
     partner, line = PLANTED_PARTNERS.get(where, (None, ""))
     before = (checkout / partner).read_text() if partner and (checkout / partner).exists() else None
+    replaced = (checkout / where).read_text() if (checkout / where).exists() else None  # a module planted over
     (checkout / where).write_text(text)
     if partner:
         (checkout / partner).write_text((before or "") + line)
     try:
         assert rule(checkout), f"{rule.__name__} did not see: {plant}"
     finally:  # the copy is clean again for the next plant
-        (checkout / where).unlink()
+        if replaced is None:
+            (checkout / where).unlink()
+        else:
+            (checkout / where).write_text(replaced)
         if partner and before is None:
             (checkout / partner).unlink()
         elif partner:
