@@ -53,7 +53,7 @@ class Worker:
         self.engine = Engine(config, self.faults, self.rooms)
         self.engine.publish_row = lambda rank: loads.publish(self.engine, rank)
         self.standalone = standalone  # its own process: a crash fault may exit it
-        self.port: int | None = None
+        self.port: int | None = config.port or None  # a fixed port is known before start, an ephemeral one after
         self.listener: BootstrapListener | None = None
         self.launch_bootstrap_port: int | None = config.bootstrap_port
         self.session: aiohttp.ClientSession | None = None

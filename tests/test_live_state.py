@@ -12,8 +12,11 @@ from router.core.config import HealthConfig
 from router.core.registry import Role, WorkerState
 from router.core.routability import HoldKind
 
-from .fakes import FakeWorker
+from simulator.config import WorkerConfig
+from simulator.worker import Worker
+
 from .helpers import free_port, wait_for
+from .sim_support import FAST as SIM_FAST
 
 FAST = HealthConfig(interval_secs=0.05, timeout_secs=0.5, failure_threshold=1, success_threshold=1)
 
@@ -54,16 +57,14 @@ async def test_a_server_whose_live_role_differs_from_its_flag_is_routed_in_its_l
     assert prefill_ports <= {9000, 9123} and len(converted_to_prefill.bodies()) + len(p.bodies()) == 6
 
 
-async def test_a_server_not_reachable_at_start_up_stays_pending_and_joins_when_it_answers(fake_fleet, make_router):
-    (p,) = await fake_fleet(1, 0)
-    port = free_port()
-    late = FakeWorker("decode", bootstrap_port=None)
-    late.url = f"http://127.0.0.1:{port}"
+async def test_a_server_not_reachable_at_start_up_stays_pending_and_joins_when_it_answers(sim_workers, make_router):
+    (p,) = await sim_workers(1, 0)
+    late = Worker(WorkerConfig(role="decode", port=free_port(), bootstrap_port=None, **SIM_FAST))
     client = await make_router([p], [late], health=FAST, worker_startup_timeout_secs=0.3)
     worker = client.registry.get(late.url)
     assert worker.state is WorkerState.PENDING and not worker.routable
     assert (await client.post("/generate", json={"text": "x"})).status == 503
-    await late.start(port)
+    await late.start()
     try:
         await wait_for(lambda: worker.routable, timeout=10, message="read once it answers")
         assert (await client.post("/generate", json={"text": "x"})).status == 200
