@@ -28,11 +28,11 @@ from .bootstrap import BootstrapListener, KvClient, RoomStore
 from .config import WorkerConfig
 from .engine import ABORTED, Engine, Req, RequestFailed
 from .faults import FaultInjector, Faults
-from .journal import Journal
 from .formats import SSE_DONE, Format, NativeFormat
 from .httputil import http_error, json_response, method_not_allowed, not_found, read_json, value_error
 from . import dp_ranks
 from .inputs import BodyError, GenerateCall, ItemSpec, parse_generate
+from .journal import Journal
 from .tokens import Generator
 
 log = logging.getLogger(__name__)

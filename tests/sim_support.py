@@ -1,8 +1,10 @@
-"""Helpers for the simulator tests: a PD client that does what a router does (waiting: tests.helpers.wait_for)."""
+"""Helpers for the simulator tests: a PD client that does what a router does (waiting: tests.helpers.wait_for); and
+the simulated workers router tests run in front of (`SimulatedWorker`, the `sim_workers` fixture)."""
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import random
 from typing import Any
 
@@ -71,6 +73,7 @@ def rids_in(state: dict, *phases: str) -> list[str]:
     by_phase = state["rids_by_phase"]
     return [rid for phase in (phases or by_phase.keys()) for rid in by_phase.get(phase, [])]
 
+
 SWITCH_PATHS = ("/pd_role_switch", "/convert_pd_role")  # 0.5.23's, and the convert API's (simulator/roles.py)
 
 
@@ -104,7 +107,8 @@ class SimulatedWorker:
         return self.journal.aborts
 
     @property
-    def calls(self):
+    def calls(self) -> collections.Counter[str]:
+        """Requests received, by path."""
         return self.journal.calls
 
     @property

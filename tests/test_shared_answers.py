@@ -118,9 +118,8 @@ def info_calls(fakes) -> dict[str, collections.Counter]:
     return {f.url: collections.Counter({p: n for p, n in f.calls.items() if p in INFO_PATHS}) for f in fakes}
 
 
-@pytest.fixture
-async def fleet_router(fake_fleet, make_router):
-    fakes = await fake_fleet(2, 2)
+async def router_in_front_of(start_workers, make_router):
+    fakes = await start_workers(2, 2)
     client = await make_router(fakes[:2], fakes[2:])
     await wait_for(lambda: all(w.weight_version for w in client.registry.workers()), message="facts learnt")
     await client.app[FLEET_CONTROL].reconcile()  # the fleet's version adopted: no background reads from here on
@@ -128,9 +127,20 @@ async def fleet_router(fake_fleet, make_router):
     return client
 
 
+@pytest.fixture
+async def fleet_router(sim_workers, make_router):
+    return await router_in_front_of(sim_workers, make_router)
+
+
+@pytest.fixture
+async def gated_fleet_router(fake_fleet, make_router):
+    """The same in front of fakes, whose info routes a test can hold behind a gate (`info_gate`)."""
+    return await router_in_front_of(fake_fleet, make_router)
+
+
 @pytest.mark.parametrize("path", FAN_OUT_ROUTES)
-async def test_concurrent_anonymous_calls_cause_one_fan_out(fleet_router, path):
-    client, fakes = fleet_router, fleet_router.fakes
+async def test_concurrent_anonymous_calls_cause_one_fan_out(gated_fleet_router, path):
+    client, fakes = gated_fleet_router, gated_fleet_router.fakes
     shared = shared_for(client, path)
     # What one call costs the fleet.
     for fake in fakes:

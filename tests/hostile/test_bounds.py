@@ -3,6 +3,8 @@ before anything is done per sequence (no bootstrap room is built, nothing reache
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 
 from router.core import request_shape
@@ -29,14 +31,27 @@ def rooms_built(monkeypatch):
     return made
 
 
-@pytest.fixture
-async def router(fake_fleet, make_router):
-    p, d = await fake_fleet(1, 1)
+@contextlib.asynccontextmanager
+async def bounded_router(start_workers, make_router):
+    p, d = await start_workers(1, 1)
     client = await make_router([p], [d], admission=AdmissionConfig(max_n=4, max_batch_size=8))
     client.workers = (p, d)
     yield client
     await wait_for(lambda: all(w.inflight == 0 for w in client.registry.workers()), message="in-flight back to 0")
     assert client.app[ADMISSION].active == 0
+
+
+@pytest.fixture
+async def router(sim_workers, make_router):
+    async with bounded_router(sim_workers, make_router) as client:
+        yield client
+
+
+@pytest.fixture
+async def router_serving_n(fake_fleet, make_router):
+    """The same in front of fakes that serve n > 1 (a 0.5.23 decode never finishes one, nor does the simulator)."""
+    async with bounded_router(fake_fleet, make_router) as client:
+        yield client
 
 
 async def post(client, path, body):
@@ -75,7 +90,8 @@ async def test_a_request_over_the_bounds_is_400_before_any_sequence_is_built(rou
     ("/v1/completions", {"prompt": ["a", "b", "c", "d", "e", "f", "g", "h"]}, 8),
     ("/v1/chat/completions", {"messages": CHAT, "n": 4}, 4),
 ])
-async def test_a_request_at_the_bounds_is_served(router, rooms_built, path, body, sequences):
+async def test_a_request_at_the_bounds_is_served(router_serving_n, rooms_built, path, body, sequences):
+    router = router_serving_n
     status, answer = await post(router, path, body)
     assert status == 200, answer
     assert len(rooms_built) == sequences  # one room per sequence, one attempt
@@ -94,10 +110,10 @@ def test_the_bounds_are_flags_with_sane_defaults():
     assert any("--max-batch-size" in p for p in refused.value.problems)
 
 
-async def test_the_default_bounds_refuse_what_took_the_router_down(fake_fleet, make_router, rooms_built):
+async def test_the_default_bounds_refuse_what_took_the_router_down(sim_workers, make_router, rooms_built):
     """`n: 10^9` built 10^9 bootstrap rooms on the event loop (/health timed out, memory grew until the process
     died): it is refused at once with the default bounds."""
-    p, d = await fake_fleet(1, 1)
+    p, d = await sim_workers(1, 1)
     client = await make_router([p], [d])
     # (10^6 here: were the bound gone, a test of 10^9 would take the machine down with the router)
     for body in ({"text": "x", "sampling_params": {"n": 10**6}}, {"text": ["x"] * 4097}):

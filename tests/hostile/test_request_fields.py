@@ -8,6 +8,8 @@ scheduler of every server it reached; a list rid for one prompt is their 500).
 
 from __future__ import annotations
 
+import contextlib
+
 import orjson
 import pytest
 
@@ -80,15 +82,28 @@ REFUSED = [
 ]
 
 
-@pytest.fixture
-async def router(fake_fleet, make_router):
-    """A router in front of servers that serve n > 1 (--max-n 128): what is refused here is the fields' form."""
-    p, d = await fake_fleet(1, 1)
+@contextlib.asynccontextmanager
+async def router_allowing_n(start_workers, make_router):
+    """A router that lets n > 1 through (--max-n 128): what is refused here is the fields' form."""
+    p, d = await start_workers(1, 1)
     client = await make_router([p], [d], admission=AdmissionConfig(max_n=128))
     client.workers = (p, d)
     yield client
     await wait_for(lambda: all(w.inflight == 0 for w in client.registry.workers()), message="in-flight back to 0")
     assert client.app[ADMISSION].active == 0
+
+
+@pytest.fixture
+async def router(sim_workers, make_router):
+    async with router_allowing_n(sim_workers, make_router) as client:
+        yield client
+
+
+@pytest.fixture
+async def router_serving_n(fake_fleet, make_router):
+    """The same in front of fakes that serve n > 1 (a 0.5.23 decode never finishes one, nor does the simulator)."""
+    async with router_allowing_n(fake_fleet, make_router) as client:
+        yield client
 
 
 async def post(client, path, body):
@@ -131,7 +146,8 @@ ACCEPTED = [  # (path, body, what the decode server must have received of it)
 ]
 
 
-async def test_what_sglang_serves_is_forwarded(router):
+async def test_what_sglang_serves_is_forwarded(router_serving_n):
+    router = router_serving_n
     prefill, decode = router.workers
     for path, body, forwarded in ACCEPTED:
         status, content_type, raw = await post(router, path, body)
