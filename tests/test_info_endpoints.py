@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
+
 from router.core.registry import Role, WorkerState
+
+from .helpers import wait_for
 
 
 async def test_health_reports_pools_and_503_when_one_is_empty(sim_workers, make_router):
@@ -28,17 +32,20 @@ async def test_health_generate_checks_statuses(sim_workers, make_router):
     assert [w["url"] for w in failed] == [d.url]
 
 
-async def test_flush_cache_fans_out_and_reports_failure(fake_fleet, make_router):
-    p, d = await fake_fleet(1, 1)
+async def test_flush_cache_fans_out_and_reports_failure(sim_workers, make_router):
+    p, d = await sim_workers(1, 1)
     client = await make_router([p], [d])
     resp = await client.post("/flush_cache")
     assert resp.status == 200 and (await resp.json())["success"] is True
-    d.in_handler = 1  # looks busy: SGLang answers 400
+    d.set_faults(hang_after_tokens=1)  # busy with a request after its prefill's token: SGLang answers 400
+    pending = asyncio.ensure_future(client.post("/generate", json={"text": "x"}))
+    await wait_for(lambda: d.worker.engine.requests and not p.worker.engine.requests, message="only d busy")
     resp = await client.post("/flush_cache")
     body = await resp.json()
     assert resp.status == 400 and body["success"] is False
     assert [w["url"] for w in body["workers"] if not w["success"]] == [d.url]
-    d.in_handler = 0
+    d.set_faults(hang_after_tokens=None)
+    assert (await pending).status == 200
 
 
 async def test_server_info_aggregates_both_pools(sim_workers, make_router):
