@@ -92,19 +92,20 @@ async def test_connection_refused_everywhere_is_502_json(sim_workers, make_route
     await settled(client)
 
 
-async def test_client_errors_are_not_retried(fake_fleet, make_router):
-    p, d1, d2 = await fake_fleet(1, 2)
-    d1.behaviour.status = d2.behaviour.status = 400
+async def test_client_errors_are_not_retried(sim_workers, make_router):
+    p, d1, d2 = await sim_workers(1, 2)
+    for d in (d1, d2):
+        d.set_faults(error_rate=1.0, error_status=400)
     client = await make_router([p], [d1, d2], health=NO_PROBES, retry=FAST_RETRY)
     assert (await client.post("/generate", json={"text": "x"})).status == 400
     assert len(d1.bodies()) + len(d2.bodies()) == 1
     await settled(client)
 
 
-async def test_no_retry_after_output_was_sent(fake_fleet, make_router):
-    p, d1, d2 = await fake_fleet(1, 2)
+async def test_no_retry_after_output_was_sent(sim_workers, make_router):
+    p, d1, d2 = await sim_workers(1, 2)
     for d in (d1, d2):
-        d.behaviour.stream_chunks, d.behaviour.cut_after = 6, 2
+        d.set_faults(crash_after_tokens=2)
     client = await make_router([p], [d1, d2], health=NO_PROBES, retry=FAST_RETRY)
     resp = await client.post("/generate", json={"text": "x", "stream": True})
     events = await read_events(resp)
