@@ -70,6 +70,11 @@ def assert_fleet_quiet(router, fleet) -> None:
                what="the router has nothing in flight")
 
 
+def router_inflight(router) -> int:
+    """Requests the router has open on its decode servers (its own count, current at every call)."""
+    return sum(w["inflight"] for w in router.workers() if w["role"] == "decode")
+
+
 def decoding(router, body=None) -> Background:
     """A long streaming request through the router, once it is decoding (tokens arrive)."""
     request = Background(router.url + "/generate", body or {"text": PROMPT, "sampling_params": LONG})
@@ -99,6 +104,10 @@ def test_abort_by_rid_ends_that_request_only(router, fleet, stream):
         request = decoding(router, target)
     else:
         request = Background(router.url + "/generate", target, stream=False)
+        # the router's own count first: a decode's load row can be 15 steps old and still show the previous test's
+        # two requests, and an abort sent before this one reached the router finds no such rid anywhere
+        wait_until(lambda: router_inflight(router) >= 2 or request.done, timeout=STEP_TIMEOUT_S,
+                   what="the router holds both requests")
         wait_until(lambda: sum(running_requests(d.url) for d in (fleet.decode, fleet.spare)) >= 2 or request.done,
                    timeout=STEP_TIMEOUT_S, what="both requests decode")
     status, answer = post_json(router.url + "/abort_request", {"rid": target["rid"]})
