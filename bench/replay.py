@@ -463,7 +463,10 @@ def main(argv: list[str] | None = None) -> int:
     for item in args.set:
         name, _, value = item.partition("=")
         changes[name] = json.loads(value) if value[:1].isdigit() or value in ("true", "false") else value
-    made, again = replay_recording(recording, decide, **changes)
+    try:
+        made, again = replay_recording(recording, decide, **changes)
+    except ValueError as exc:  # an unknown field or a bad value: said like any other bad argument
+        parser.error(str(exc))
     differ = 0
     for m, a in zip(made, again):
         if not _same(m, a):

@@ -386,6 +386,10 @@ def test_a_recording_survives_json_and_replays_from_the_command_line(tmp_path, c
     recording["decisions"][-1] = {**recording["decisions"][-1], "reason": "planted"}
     path.write_text(json.dumps(recording))
     assert replay.main([str(path)]) == 1 and "1 differ from the recording" in capsys.readouterr().out
+    for bad in ("no_such_field=1", "window_secs=-3"):
+        with pytest.raises(SystemExit):
+            replay.main([str(path), "--set", bad])
+    assert "no_such_field" in capsys.readouterr().err
 
 
 def test_sparse_arrivals_are_read_as_their_rate_not_as_none():
