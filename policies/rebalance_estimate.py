@@ -116,8 +116,8 @@ def _shapes(sizes: tuple[tuple[float, float, float], ...]) -> tuple[tuple[float,
 
 
 def _median(values: list[float]) -> float:
-    """The median of per-interval rates: a burst shorter than half the window is not a new rate (its backlog is
-    read as a backlog)."""
+    """The median of the window's slices (rates or work): a burst shorter than half the window is not a new
+    level (its backlog is read as a backlog)."""
     ordered = sorted(values)
     mid = len(ordered) // 2
     return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
