@@ -58,6 +58,7 @@ class Interval:
     sized: int = 0  # requests that arrived in it whose prompt size the router read
     prompt_size: float = 0.0  # their prompt sizes summed
     prompt_squares: float = 0.0  # and their squares (how far the interval's mean size is from its mix's)
+    prefill_held: int = 0  # requests the prefills held at its start (older arrivals: the first to leave)
 
 
 def counters(obs: Observation) -> tuple[Counters, ...]:
@@ -70,7 +71,7 @@ def interval(before: tuple[Counters, ...], after: tuple[Counters, ...], secs: fl
     """The differences between two looks' counters (a server whose counters went back restarted: skipped), with
     the prompt sizes of the requests that arrived between them (`prompts`)."""
     then = {(c.id, c.role): c for c in before}
-    arrivals = prefill_done = decode_done = decode_started = 0
+    arrivals = prefill_done = decode_done = decode_started = held = 0
     busy = tokens = 0.0
     for c in after:
         old = then.get((c.id, c.role))
@@ -84,12 +85,13 @@ def interval(before: tuple[Counters, ...], after: tuple[Counters, ...], secs: fl
             if c.busy_s is not None and old.busy_s is not None and c.busy_s >= old.busy_s:
                 prefill_done += done
                 busy += c.busy_s - old.busy_s
+                held += old.inflight
         elif c.tokens is not None and old.tokens is not None and c.tokens >= old.tokens:
             decode_done += done
             decode_started += started
             tokens += c.tokens - old.tokens
     return Interval(secs, arrivals, prefill_done, busy, decode_done, decode_started, tokens, len(prompts),
-                    float(sum(prompts)), float(sum(p * p for p in prompts)))
+                    float(sum(prompts)), float(sum(p * p for p in prompts)), held)
 
 
 @dataclass(frozen=True, slots=True)
@@ -147,24 +149,50 @@ def _slice_count(arrivals: int, most: int) -> int:
     return max(1, min(most, arrivals // PER_SLICE))
 
 
-def _grouped_rates(intervals: list, count: int) -> list[float]:
-    """The arrival rate of each of `count` groups of consecutive intervals (about as many intervals each)."""
+def _grouped_rates(intervals: list, count: int) -> tuple[list[float], list[float]]:
+    """The arrival rate of each of `count` groups of consecutive intervals (about as many intervals each), and
+    each rate's Poisson variance."""
     size = len(intervals) / count
     groups = [intervals[round(i * size):round((i + 1) * size)] for i in range(count)]
-    return [sum(iv.arrivals for iv in g) / secs for g in groups if (secs := sum(iv.secs for iv in g)) > 0]
+    rates, variances = [], []
+    for g in groups:
+        secs = sum(iv.secs for iv in g)
+        if secs > 0:
+            arrived = sum(iv.arrivals for iv in g)
+            rates.append(arrived / secs)
+            variances.append(arrived / secs ** 2)
+    return rates, variances
 
 
-def _slices(obs: Observation, secs: float, side: int) -> list[float]:
-    """The work (sizes summed) arriving in each of the window's slices (`SIZE_BINS`, fewer when few requests
-    arrived: `_slice_count`), per second."""
+TRIM_Z = 3.0  # a slice this many of its noise's standard errors off the window's median is a burst or a lull
+
+
+def _typical(values: list[float], variances: list[float]) -> float:
+    """The window's level, not moved by a burst or a lull shorter than half of it: the mean of the slices within
+    `TRIM_Z` standard errors of a slice (its Poisson noise, the median slice's) of the median. The median alone
+    is that robust but biased: of a few requests a slice its median is under the mean (a Poisson count's is)."""
+    if not values:
+        return 0.0
+    center = _median(values)
+    band = TRIM_Z * math.sqrt(_median(variances)) if variances else 0.0
+    kept = [v for v in values if abs(v - center) <= band]
+    return sum(kept) / len(kept) if kept else center
+
+
+def _slices(obs: Observation, secs: float, side: int) -> tuple[list[float], list[float]]:
+    """The work (sizes summed; side 0: requests) arriving in each of the window's slices (`SIZE_BINS`, fewer
+    when few requests arrived: `_slice_count`), per second, and each one's Poisson variance (its sizes'
+    squares summed)."""
     bins = _slice_count(len(obs.request_sizes), SIZE_BINS)
     width = secs / bins
-    work = [0.0] * bins
+    work, squares = [0.0] * bins, [0.0] * bins
     for entry in obs.request_sizes:
         index = int((obs.now - entry[0]) / width)
         if 0 <= index < bins:
-            work[index] += entry[side]
-    return [w / width for w in work]
+            size = entry[side] if side else 1.0
+            work[index] += size
+            squares[index] += size * size
+    return [w / width for w in work], [q / width ** 2 for q in squares]
 
 
 CHANGE_Z = 4.0  # standard errors between two levels of arriving work that say the mix changed, not the noise
@@ -276,18 +304,46 @@ def _rescaled(cost: float | None, obs: Observation, per_request: float | None, s
 
 
 def _arriving_sizes(obs: Observation, secs: float, rate: float) -> tuple[float, float] | None:
-    """The mean sizes (prompt, answer) of the requests arriving: the median slice's work over the median rate,
-    as for the rate (a burst shorter than half the window is a backlog, not the mix); None: too few read."""
+    """The mean sizes (prompt, answer) of the requests arriving: the typical slice's work over the typical
+    slice's count, of the same slices (`_typical`: a burst shorter than half the window is a backlog, not the
+    mix); None: too few read. Over the rate read from the prefills' intervals, other slices, the ratio was of
+    two noisy readings: 0.8 of the prompt size read where every prompt was the same."""
     if len(obs.request_sizes) < MIN_DONE or rate <= 0 or secs <= 0:
         return None
-    return _median(_slices(obs, secs, 1)) / rate, _median(_slices(obs, secs, 2)) / rate
+    count = _typical(*_slices(obs, secs, 0))
+    if count <= 0:
+        return None
+    return _typical(*_slices(obs, secs, 1)) / count, _typical(*_slices(obs, secs, 2)) / count
 
 
 STEADY_SHARE = 0.1  # a decode pool whose requests in flight changed by under this share of those through it
 
 
-BALANCED = 0.2  # an interval whose prefills finished within this share of what arrived: no backlog moved
+BALANCED = 0.2  # an interval whose prefills held and finished within this share of what arrived: no backlog moved
 RELIABLE = 0.5  # the share of the intervals' spread in mean prompt size that must be the mix's, not sampling
+
+
+def _balanced(iv: Interval) -> bool:
+    """The requests that left the prefills in it are the ones that arrived in it (the sizes the router saw
+    arrive are the sizes done): the prefills held few at its start (the queue is first in, first out: a backlog
+    worked through leaves with other sizes, a burst's), and finished about what arrived."""
+    return (iv.sized >= 2 and iv.prefill_done > 0 and iv.prefill_held <= BALANCED * iv.prefill_done
+            and abs(iv.arrivals - iv.prefill_done) <= BALANCED * iv.arrivals)
+
+
+def prefill_per_size(intervals: list[Interval]) -> float | None:
+    """A prefill's seconds per unit of prompt size over `intervals` (the window's), from those that were
+    balanced (`_balanced`); None with fewer than `MIN_DONE` requests behind it. The reference is the prompts
+    that left the prefills, not the requests that ended whole: those are the short answers' kinds more than
+    the mix is (a chat request with a long prompt ends before a long answer does), and scaling by their sizes
+    read a mix of both kinds' prefill a fifth low."""
+    busy = size = done = 0.0
+    for iv in intervals:
+        if _balanced(iv):
+            busy += iv.prefill_busy_s
+            size += iv.prefill_done * iv.prompt_size / iv.sized
+            done += iv.prefill_done
+    return busy / size if done >= MIN_DONE and size > 0 else None
 
 
 def prefill_line(intervals: tuple[Interval, ...]) -> tuple[float, float] | None:
@@ -301,7 +357,7 @@ def prefill_line(intervals: tuple[Interval, ...]) -> tuple[float, float] | None:
     ones."""
     rows = []  # (weight: requests done, mean size, seconds per request, sampling variance of the mean size)
     for iv in intervals:
-        if iv.sized < 2 or not iv.prefill_done or abs(iv.arrivals - iv.prefill_done) > BALANCED * iv.arrivals:
+        if not _balanced(iv):
             continue
         mean = iv.prompt_size / iv.sized
         noise = max(0.0, iv.prompt_squares / iv.sized - mean * mean) / iv.sized
@@ -340,8 +396,8 @@ def fit(obs: Observation, intervals: tuple[Interval, ...], window_secs: float, p
         tokens += iv.decode_tokens
     if secs <= 0:
         return Fit(None, "no interval yet (one look so far)")
-    rates = _grouped_rates(used, _slice_count(arrivals, len(used)))
-    rate = _median(rates)
+    rates, rate_variances = _grouped_rates(used, _slice_count(arrivals, len(used)))
+    rate = _typical(rates, rate_variances)
     sizes = _arriving_sizes(obs, secs, rate)
     change = read_change(obs, secs, changed_at)
     if change is not None:  # the mix changed within the window: read it since the change
@@ -356,8 +412,11 @@ def fit(obs: Observation, intervals: tuple[Interval, ...], window_secs: float, p
     through = (decode_done + decode_started) / 2
     decode_tokens = tokens / through if decode_done >= MIN_DONE and through > 0 else None
     cost_line = prefill_line(intervals)
+    per_size = prefill_per_size(used)
     if cost_line is not None and sizes:
         prefill_s = cost_line[0] + cost_line[1] * sizes[0]
+    elif per_size is not None and sizes:
+        prefill_s = per_size * sizes[0]
     else:  # what finished is a lagging sample of what arrives: scaled by the sizes the router saw of each
         prefill_s = _rescaled(prefill_s, obs, sizes[0] if sizes else None, 1)
     answer_share = previous.answer_share if previous is not None else 1.0
@@ -394,8 +453,8 @@ def fit(obs: Observation, intervals: tuple[Interval, ...], window_secs: float, p
     wait_d = waits_on_decode(obs) or 0.0
     rate_error = _relative_error(rates)
     if len(obs.request_sizes) >= MIN_DONE:
-        spread = (max(rate_error, _relative_error(_slices(obs, secs, 1))),
-                  max(rate_error, _relative_error(_slices(obs, secs, 2))))
+        spread = (max(rate_error, _relative_error(_slices(obs, secs, 1)[0])),
+                  max(rate_error, _relative_error(_slices(obs, secs, 2)[0])))
     else:
         spread = (rate_error, rate_error)
     if change is not None:

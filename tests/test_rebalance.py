@@ -404,3 +404,94 @@ def test_sparse_arrivals_are_read_as_their_rate_not_as_none():
     got = fit(obs, intervals, 15.0, None)
     assert got.mix.rate == pytest.approx(5 / 15)
     assert got.mix.decode_tokens == pytest.approx(63.0, rel=0.05)
+
+
+def test_the_steady_level_is_the_slices_mean_with_a_burst_left_out():
+    """The window's median slice is robust to a burst but, of a few requests a slice, under the mean (a Poisson
+    count's median is). The mean of the slices within three standard errors of their noise of the median is
+    as robust and not biased."""
+    import math
+    import random
+    from policies.rebalance_estimate import _median, _typical
+    rng = random.Random(9)
+
+    def poisson(mean: float) -> int:  # Knuth's: a count of a Poisson stream over one slice
+        limit, k, p = math.exp(-mean), 0, 1.0
+        while True:
+            p *= rng.random()
+            if p <= limit:
+                return k
+            k += 1
+    medians, typicals = [], []
+    for _ in range(2000):
+        counts = [float(poisson(5.0)) for _ in range(8)]
+        medians.append(_median(counts))
+        typicals.append(_typical(counts, counts))
+    assert sum(typicals) / len(typicals) == pytest.approx(5.0, rel=0.02)
+    assert sum(medians) / len(medians) < 0.98 * 5.0  # what the median read
+    # a burst of one slice in eight (a prefill-heavy few seconds): left out, as the median leaves it
+    steady = [10.0, 12.0, 9.0, 11.0, 10.0, 8.0, 10.0]
+    assert _typical(steady + [60.0], steady + [60.0]) == pytest.approx(sum(steady) / len(steady))
+    assert _typical([], []) == 0.0
+
+
+def _two_kinds(rng, start: float, end: float) -> list[tuple[float, float, float]]:
+    """Half chat (long prompts, short answers), half writing (short prompts, long answers)."""
+    chat = _arrivals(rng, start, end, 5.0, 600.0, 24.0)
+    writing = _arrivals(rng, start, end, 5.0, 60.0, 60.0)
+    return sorted(chat + writing)
+
+
+def test_a_prefill_cost_is_scaled_by_the_prompts_that_left_the_prefills_not_by_the_requests_that_ended():
+    """Of two kinds, the chat requests (long prompts, short answers) end before the writing ones: the requests
+    that ended in a window are more chat than the mix. Scaling the prefills' cost by their sizes read a mix's
+    prefill a fifth low (drift6's mixed phase: 3P3D read as safe, then 1P5D, then back: a flap). The prompts
+    that arrived while the prefills held no backlog are those the forwards' seconds were spent on."""
+    import random
+    from policies.rebalance_estimate import Interval
+    rng = random.Random(6)
+    per_token = 0.0003
+    entries = _two_kinds(rng, 0.0, WINDOW)
+    intervals = []
+    for k in range(int(WINDOW / 2)):
+        arrived = [e[1] for e in entries if 2.0 * k <= e[0] < 2.0 * (k + 1)]
+        intervals.append(Interval(2.0, len(arrived), len(arrived), per_token * sum(arrived), len(arrived),
+                                  len(arrived), 40.0 * len(arrived), len(arrived), sum(arrived),
+                                  sum(p * p for p in arrived), prefill_held=1))
+    ended = tuple((600.0, 24.0) for _ in range(40)) + tuple((60.0, 60.0) for _ in range(20))  # two chats a writing
+    obs = replace(_obs(WINDOW, 0, 0.0, 0.0), request_sizes=tuple(entries), finished_sizes=ended)
+    got = fit(obs, tuple(intervals), WINDOW, None)
+    mean_prompt = sum(e[1] for e in entries) / len(entries)
+    assert got.mix.prefill_s == pytest.approx(per_token * mean_prompt, rel=0.1)
+    by_ended = per_token * mean_prompt * mean_prompt / (sum(p for p, _ in ended) / len(ended))
+    assert by_ended < 0.8 * got.mix.prefill_s  # what it read before
+
+
+def test_an_interval_working_through_a_backlog_does_not_say_what_its_arrivals_cost():
+    """A burst of long prompts leaves a queue; the intervals that work through it finish about as many as arrive,
+    but the ones finished are the burst's (first in, first out). Counted as the arrivals' cost, a steady mix's
+    prefill read three times dearer, and burst4 moved on every burst. The prefills held the burst at their
+    start: such an interval says nothing of the arrivals' cost."""
+    from policies.rebalance_estimate import Interval, prefill_per_size
+    clean = [Interval(2.0, 20, 20, 20 * 0.0002 * 100.0, 20, 20, 300.0, 20, 20 * 100.0, 20 * 100.0 ** 2,
+                      prefill_held=1) for _ in range(4)]
+    # 20 arrive (prompts of 100), 20 of the burst's leave (prompts of 1000): 4 s of forwards for 2000 tokens read
+    backlog = [Interval(2.0, 20, 20, 20 * 0.0002 * 1000.0, 20, 20, 300.0, 20, 20 * 100.0, 20 * 100.0 ** 2,
+                        prefill_held=40) for _ in range(4)]
+    assert prefill_per_size(clean + backlog) == pytest.approx(0.0002)
+    assert prefill_per_size(backlog) is None
+    without_the_queue = [replace(iv, prefill_held=0) for iv in backlog]
+    assert prefill_per_size(clean + without_the_queue) > 4 * 0.0002  # what counting them would read
+
+
+def test_the_arriving_sizes_are_read_from_one_set_of_slices():
+    """Every prompt the same: the mean size read is that size, whatever the rate read elsewhere (the prefills'
+    intervals) says; it used to be the slices' median work over that rate, 0.8 of it at a phase's start."""
+    import random
+    from policies.rebalance_estimate import _arriving_sizes
+    rng = random.Random(8)
+    for seed in range(10):
+        rng.seed(seed)
+        obs = _window(_arrivals(rng, 0.0, WINDOW, 11.0, 1002.0, 4.0))
+        for rate_elsewhere in (8.7, 11.0, 13.0):
+            assert _arriving_sizes(obs, WINDOW, rate_elsewhere) == pytest.approx((1002.0, 4.0))
