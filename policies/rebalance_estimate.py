@@ -11,13 +11,16 @@ line, the backlogs the signals read (`rebalance_signals`: which queue waits on w
 of request sizes the router saw (`Observation.request_sizes`: relative shapes; the servers' figures set the
 scale).
 
-What arrives is read two ways. By default as the median of the window's slices: a burst shorter than half the
-window is a backlog, not the mix. When the mix changed within the window (`read_change`: a new level of
-arriving work, its noise known from the sizes themselves, that has lasted a third of the window in every
-slice), it is read since the change, so a shift is acted on in about a third of the window rather than half.
+What arrives is read two ways. By default as the window's typical slice (`_typical`: the mean of the slices, a
+burst or a lull left out): a burst shorter than half the window is a backlog, not the mix. When the mix changed
+within the window (`read_change`: a new level of arriving work, its noise known from the sizes themselves, that
+has lasted a third of the window in every slice), it is read since the change, so a shift is acted on in about a
+third of the window rather than half.
 A prefill request's cost for what arrives comes from a line, fixed + per size, fitted across the memory's
 intervals (`prefill_line`), where the sizes varied enough to fit one; scaling a cost by size alone overstates
-long prompts from short ones' costs, and a shift's first move then overshoots.
+long prompts from short ones' costs, and a shift's first move then overshoots. Elsewhere it is the window's
+forward seconds per unit of prompt size (`prefill_per_size`). Both read only intervals whose requests leaving
+the prefills are the ones that arrived in them (`_balanced`).
 """
 
 from __future__ import annotations
@@ -125,7 +128,7 @@ def _median(values: list[float]) -> float:
     return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
 
 
-SIZE_BINS = 8  # the window's arrivals are read in this many slices, and the median slice's work counts
+SIZE_BINS = 8  # the window's arrivals are read in this many slices (the typical slice's work counts)
 
 
 def _relative_error(values: list[float]) -> float:
