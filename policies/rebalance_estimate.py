@@ -306,17 +306,16 @@ def _rescaled(cost: float | None, obs: Observation, per_request: float | None, s
     return cost * per_request / mean_finished if per_request > 0 else cost
 
 
-def _arriving_sizes(obs: Observation, secs: float, rate: float) -> tuple[float, float] | None:
-    """The mean sizes (prompt, answer) of the requests arriving: the typical slice's work over the typical
-    slice's count, of the same slices (`_typical`: a burst shorter than half the window is a backlog, not the
-    mix); None: too few read. Over the rate read from the prefills' intervals, other slices, the ratio was of
-    two noisy readings: 0.8 of the prompt size read where every prompt was the same."""
-    if len(obs.request_sizes) < MIN_DONE or rate <= 0 or secs <= 0:
-        return None
-    count = _typical(*_slices(obs, secs, 0))
+def _arriving_sizes(sliced: list[tuple[list[float], list[float]]]) -> tuple[float, float] | None:
+    """The mean sizes (prompt, answer) of the requests arriving, from the window's slices of each side
+    (`_slices` of sides 0, 1, 2): the typical slice's work over the typical slice's count, of the same slices
+    (`_typical`: a burst shorter than half the window is a backlog, not the mix); None: none read. Over the
+    rate read from the prefills' intervals, other slices, the ratio was of two noisy readings: 0.8 of the
+    prompt size read where every prompt was the same."""
+    count = _typical(*sliced[0])
     if count <= 0:
         return None
-    return _typical(*_slices(obs, secs, 1)) / count, _typical(*_slices(obs, secs, 2)) / count
+    return _typical(*sliced[1]) / count, _typical(*sliced[2]) / count
 
 
 STEADY_SHARE = 0.1  # a decode pool whose requests in flight changed by under this share of those through it
@@ -401,8 +400,11 @@ def fit(obs: Observation, intervals: tuple[Interval, ...], window_secs: float, p
         return Fit(None, "no interval yet (one look so far)")
     rates, rate_variances = _grouped_rates(used, _slice_count(arrivals, len(used)))
     rate = _typical(rates, rate_variances)
-    sizes = _arriving_sizes(obs, secs, rate)
     change = read_change(obs, secs, changed_at)
+    # the window's slices of each side (requests, prompt work, answer work), while it is read whole
+    sliced = ([_slices(obs, secs, side) for side in range(3)]
+              if change is None and len(obs.request_sizes) >= MIN_DONE else None)
+    sizes = _arriving_sizes(sliced) if sliced else None
     if change is not None:  # the mix changed within the window: read it since the change
         # the router sizes nearly every request; the prefills' counts also hold requests sent again (a shed
         # server's queue), which arrived once: their ratio scales only down
@@ -455,13 +457,12 @@ def fit(obs: Observation, intervals: tuple[Interval, ...], window_secs: float, p
     wait_p = waits_on_prefill(obs) or 0.0
     wait_d = waits_on_decode(obs) or 0.0
     rate_error = _relative_error(rates)
-    if len(obs.request_sizes) >= MIN_DONE:
-        spread = (max(rate_error, _relative_error(_slices(obs, secs, 1)[0])),
-                  max(rate_error, _relative_error(_slices(obs, secs, 2)[0])))
-    else:
-        spread = (rate_error, rate_error)
     if change is not None:
         spread = change.error
+    elif sliced:
+        spread = (max(rate_error, _relative_error(sliced[1][0])), max(rate_error, _relative_error(sliced[2][0])))
+    else:
+        spread = (rate_error, rate_error)
     mix = Mix(rate=rate, prefill_s=prefill_s, decode_tokens=decode_tokens, step_fixed_s=fixed,
               step_per_request_s=per_request, shapes=_shapes(obs.request_sizes), decode_slots=decode_slots(obs),
               waiting_prefill=wait_p, waiting_decode=wait_d, answer_share=answer_share)

@@ -485,13 +485,13 @@ def test_an_interval_working_through_a_backlog_does_not_say_what_its_arrivals_co
 
 
 def test_the_arriving_sizes_are_read_from_one_set_of_slices():
-    """Every prompt the same: the mean size read is that size, whatever the rate read elsewhere (the prefills'
-    intervals) says; it used to be the slices' median work over that rate, 0.8 of it at a phase's start."""
+    """Every prompt the same: the mean size read is that size, the slices' work over their own count; it used to
+    be their median work over the rate the prefills' intervals read (other slices), 0.8 of it at a phase's
+    start."""
     import random
-    from policies.rebalance_estimate import _arriving_sizes
+    from policies.rebalance_estimate import _arriving_sizes, _slices
     rng = random.Random(8)
     for seed in range(10):
         rng.seed(seed)
         obs = _window(_arrivals(rng, 0.0, WINDOW, 11.0, 1002.0, 4.0))
-        for rate_elsewhere in (8.7, 11.0, 13.0):
-            assert _arriving_sizes(obs, WINDOW, rate_elsewhere) == pytest.approx((1002.0, 4.0))
+        assert _arriving_sizes([_slices(obs, WINDOW, side) for side in range(3)]) == pytest.approx((1002.0, 4.0))
