@@ -99,6 +99,13 @@ class RouterProcess:
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
 
+    def why_unreachable(self, exc: BaseException) -> str:
+        """What a failed connection to the router means: it exited (how, and its log's end) or it runs and
+        refused (its log's end either way: a crash prints its traceback there)."""
+        code = self.proc.poll()
+        state = "runs" if code is None else (f"was killed by signal {-code}" if code < 0 else f"exited with {code}")
+        return f"{self.url} unreachable ({exc}); the router {state}; its log ends:\n{self.log()[-4000:]}"
+
     def send(self, sig: signal.Signals = signal.SIGTERM) -> float:
         """Signal the router; the monotonic time it was sent."""
         self.proc.send_signal(sig)

@@ -209,7 +209,8 @@ class Chaos:
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
             if replica in self.down:
                 return 0, {"replica": "restarting", "error": repr(exc)}
-            raise AssertionError(f"replica {replica} did not answer {method} {path}: {exc!r}") from None
+            raise AssertionError(f"replica {replica} did not answer {method} {path}: {router.why_unreachable(exc)}") \
+                from None
 
     @staticmethod
     def _expected(status: int, answer, allowed: tuple[int, ...], what: str) -> str:

@@ -129,9 +129,12 @@ class Cluster:
 
 
 async def get(router: RouterProcess, path: str) -> dict:
-    async with router.session.get(router.url + path) as resp:
-        assert resp.status == 200, (path, resp.status, await resp.text())
-        return await resp.json()
+    try:
+        async with router.session.get(router.url + path) as resp:
+            assert resp.status == 200, (path, resp.status, await resp.text())
+            return await resp.json()
+    except aiohttp.ClientConnectionError as exc:
+        raise AssertionError(router.why_unreachable(exc)) from exc
 
 
 async def worker_view(router: RouterProcess, url: str) -> dict | None:
