@@ -99,10 +99,23 @@ async def test_abort_of_a_prefix_aborts_no_routed_request(sim_workers, make_rout
 async def test_flush_cache_forwards_its_timeout_encoded(fake_fleet, make_router):
     p, d = await fake_fleet(1, 1)
     client = await make_router([p], [d])
-    resp = await client.post("/flush_cache?timeout=5%26abort%3D1%23x")
+    resp = await client.post("/flush_cache?timeout=%2B2.5")
     assert resp.status == 200, await resp.text()
     for fake in (p, d):
-        assert fake.queries == [("/flush_cache", {"timeout": "5&abort=1#x"})]
+        assert fake.queries == [("/flush_cache", {"timeout": "+2.5"})]
+
+
+@pytest.mark.parametrize("timeout", ["x", "-1", "nan", "", "5&abort=1#x"])
+async def test_flush_cache_refuses_a_timeout_sglang_would_refuse(fake_fleet, make_router, timeout):
+    """SGLang 0.5.23 answers 422 to a timeout that is not seconds >= 0: the router says so itself, with an
+    `error` object, and calls no worker (relayed, every worker's 422 read as a failed flush)."""
+    p, d = await fake_fleet(1, 1)
+    client = await make_router([p], [d])
+    resp = await client.post("/flush_cache", params={"timeout": timeout})
+    assert resp.status == 400, await resp.text()
+    error = (await resp.json())["error"]
+    assert "timeout" in error["message"] and repr(timeout) in error["message"] and error["param"] == "timeout"
+    assert p.queries == [] and d.queries == []
 
 
 # ---- admin bodies' size bound ------------------------------------------------------------------------------

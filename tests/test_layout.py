@@ -53,7 +53,7 @@ FAKE_FIXTURE = "fake_fleet"
 FAKE_WORKER_USERS = frozenset({
     "tests/conftest.py",  # defines `fake_fleet`
     "tests/hostile/test_bounds.py", "tests/hostile/test_poison.py", "tests/hostile/test_request_fields.py",
-    "tests/test_access.py", "tests/test_admin_inputs.py", "tests/test_conversion_api.py", "tests/test_discovery_file.py",
+    "tests/test_admin_inputs.py", "tests/test_conversion_api.py", "tests/test_discovery_file.py",
     "tests/test_failures.py", "tests/test_leg_accounting.py", "tests/test_live_state.py", "tests/test_policy_routing.py",
     "tests/test_proxy.py", "tests/test_redaction.py", "tests/test_rollout_burst.py", "tests/test_shared_answers.py",
     "tests/test_shutdown.py", "tests/test_upstream_silence.py", "tests/test_workers_api.py",

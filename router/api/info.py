@@ -10,7 +10,7 @@ from aiohttp import web
 
 from router.api.shared_answers import SHARED_ANSWERS
 from router.control.upstream import Reply, fan_out
-from router.core.errors import ServiceUnavailable, json_response
+from router.core.errors import BadRequest, ServiceUnavailable, json_response
 from router.control.upstream import ADMIN_TIMEOUT, UPSTREAM
 from router.core.keys import LIFECYCLE, REGISTRY, TRAFFIC
 from router.core.redact import redact
@@ -76,10 +76,25 @@ async def health_generate(app: web.Application) -> tuple[dict, int]:
     return {"success": ok, "workers": outcomes}, 200 if ok else 503
 
 
+def flush_timeout(request: web.Request) -> str:
+    """The `?timeout=` to relay: SGLang 0.5.23 takes seconds >= 0 (`Query(0.0, ge=0.0)`) and answers anything
+    else 422; checked here, so that a bad value is the client's 400 with an `error` object, not every worker's
+    422 relayed as a failed flush. Encoded again: the decoded value is relayed as one parameter."""
+    if "timeout" not in request.query:
+        return ""
+    raw = request.query["timeout"]
+    try:
+        seconds = float(raw)
+    except ValueError:
+        seconds = float("nan")
+    if not seconds >= 0:  # NaN too
+        raise BadRequest(f"timeout must be a number of seconds >= 0, got {raw!r}", param="timeout")
+    return "?" + urlencode({"timeout": raw})
+
+
 async def flush_cache(request: web.Request) -> web.Response:
     registry, upstream = request.app[REGISTRY], request.app[UPSTREAM]
-    # Encoded again: the decoded value could carry `&`, `#`, ... and so other parameters of the client's own.
-    query = "?" + urlencode({"timeout": request.query["timeout"]}) if "timeout" in request.query else ""
+    query = flush_timeout(request)
     workers = reachable_workers(registry)
     replies = await fan_out(workers, lambda w: upstream.post(w.url, "/flush_cache" + query, timeout=ADMIN_TIMEOUT))
     outcomes = worker_outcomes(zip(workers, replies))
