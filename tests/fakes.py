@@ -10,8 +10,8 @@ simulator's should do it either:
   never finishes one);
 - a programmable role switch: not-idle refusals, a switch that changes nothing, never answers or answers late,
   no switch API at all, the convert API's moved bootstrap port;
-- a server that reports what it was not started with (a bootstrap port, a role), or is paused while its /health
-  answers, or holds its info routes behind a gate.
+- a server that reports what it was not started with (a bootstrap port, a role), or holds its info routes behind
+  a gate.
 Which test modules may use it: tests/test_layout.py (FAKE_WORKER_USERS). It does not implement the PD transfer.
 """
 
@@ -63,7 +63,6 @@ class FakeWorker:
         self.convert_bootstrap_port = 9500  # the port a decode converted by /convert_pd_role reports
         self.bootstrap_port = bootstrap_port
         self.weight_version = weight_version
-        self.ready_status: int | None = 200  # GET /ready (0.5.23: 503 while paused); None: no such route
         self.behaviour = Behaviour()
         # Launch arguments added to /server_info (top level and internal state, as SGLang reports them), e.g.
         # the keys a real server shows there, and to /model_info and /v1/models (which a later server could
@@ -205,7 +204,7 @@ class FakeWorker:
         return web.Response(status=200)
 
     async def _ready(self, request: web.Request) -> web.Response:
-        return web.Response(status=404 if self.ready_status is None else self.ready_status)
+        return web.Response(status=200)  # 0.5.23's /ready (503 while paused: the simulator's pause does that)
 
     async def _flush(self, request: web.Request) -> web.Response:
         if self.in_handler:

@@ -159,14 +159,17 @@ async def test_register_of_a_known_server_on_other_weights_is_409(three):
     assert body["error"]["fleet_weight_version"] == "default"
 
 
-async def test_register_of_a_known_paused_server_is_409(fake_fleet, make_router):
-    # A fake: a paused server whose /health answers (a paused 0.5.23 server's, and so the simulator's, hangs, and
-    # registration probes /health before /ready: the router answers 502 for it, not this 409).
-    p, d1, d2 = await fake_fleet(1, 2)
-    client = await make_router([p], [d1, d2])
-    d2.ready_status = 503
-    status, body = await register(client, "decode", d2.url)
-    assert status == 409 and "/ready answers 503" in body["error"]["message"]
+async def test_register_of_a_known_paused_server_is_409_at_once(three):
+    """A paused 0.5.23 server holds /health (its 1-token probe cannot run; the simulator's waits its 20 s) and
+    answers /ready 503: the router says it is paused, without waiting out the /health probe."""
+    client, p, d1, d2 = three
+    await d2.worker.engine.pause("in_place")
+    try:
+        async with asyncio.timeout(d2.worker.config.health_timeout_s / 2):  # a deadline: the probe waits all of it
+            status, body = await register(client, "decode", d2.url)
+    finally:
+        d2.worker.engine.resume()  # the probe it sent returns (the server's handler waits on)
+    assert status == 409 and "/ready answers 503" in body["error"]["message"], body
 
 
 async def test_register_of_a_known_server_that_is_down_is_502(three):

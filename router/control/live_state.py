@@ -134,20 +134,26 @@ async def rejoin_check(registry: Registry, upstream: Upstream, worker: Worker, *
     """What a known worker must pass to be routed again (an operator's reinstate, a server's /register):
     it reports a prefill/decode role (`role`, when the caller names one), answers /health, is not paused, and
     carries the fleet's weights. Raises BadGateway (the server cannot tell or is unhealthy) or Conflict."""
-    live, health = await asyncio.gather(read_live_state(upstream, worker.url),
-                                        upstream.health(worker.url, timeout=timeout))
-    prefix = f"cannot {what} {worker.url}"
-    if live.router is not None:
-        raise Conflict(f"{prefix}: it is {router_description(live.router)}, not a SGLang server")
-    if live.role is None:
-        raise BadGateway(f"{prefix}: it reports no prefill/decode role "
-                         f"({live.problem or 'live role unknown'})")
-    if role is not None and live.role is not role:
-        raise Conflict(f"{prefix} as {role}: the server's live role is {live.role}", live_role=live.role.value)
+    # Both read at once; what the live state refuses is answered without waiting for /health, which 0.5.23
+    # holds while it is paused (a 1-token generation that cannot run: the probe's whole timeout, then nothing).
+    health_probe = asyncio.ensure_future(upstream.health(worker.url, timeout=timeout))
+    try:
+        live = await read_live_state(upstream, worker.url)
+        prefix = f"cannot {what} {worker.url}"
+        if live.router is not None:
+            raise Conflict(f"{prefix}: it is {router_description(live.router)}, not a SGLang server")
+        if live.role is None:
+            raise BadGateway(f"{prefix}: it reports no prefill/decode role "
+                             f"({live.problem or 'live role unknown'})")
+        if role is not None and live.role is not role:
+            raise Conflict(f"{prefix} as {role}: the server's live role is {live.role}", live_role=live.role.value)
+        if live.ready is False:
+            raise Conflict(f"{prefix}: it is {NOT_READY}")
+        health = await health_probe
+    finally:
+        health_probe.cancel()
     if not health.ok:
         raise BadGateway(f"{prefix}: /health answered {health.status or 'nothing'} {health.message()}")
-    if live.ready is False:
-        raise Conflict(f"{prefix}: it is {NOT_READY}")
     if (refusal := rejoin_refusal(live.weight_version, registry.fleet_version)) is not None:
         raise Conflict(f"{prefix}: {refusal}", fleet_weight_version=registry.fleet_version)
     return live
