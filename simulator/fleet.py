@@ -41,6 +41,10 @@ from .worker import Worker
 START_TIMEOUT_S = 30.0
 
 
+class SimulatorStartError(RuntimeError):
+    """A simulator process ended before it announced where it serves."""
+
+
 @dataclass
 class WorkerHandle:
     """One fleet member, in-process (``worker``) or a child process (``process``)."""
@@ -141,6 +145,7 @@ class Fleet:
         return handle
 
     async def _spawn(self, cfg: WorkerConfig) -> WorkerHandle:
+        """Start `python -m simulator` for `cfg` and read the line it announces itself with (URL and ports)."""
         cmd = [sys.executable, "-m", "simulator", *config_to_argv(cfg), "--announce"]
         if self.faults is not None:
             cmd += ["--faults-json", json.dumps(self.faults.as_dict())]
@@ -151,9 +156,18 @@ class Fleet:
             line = await asyncio.wait_for(asyncio.get_running_loop().run_in_executor(None, proc.stdout.readline),
                                           START_TIMEOUT_S)  # type: ignore[union-attr]
             ready = json.loads(line)
+        except json.JSONDecodeError:
+            proc.kill()
+            code = proc.wait()
+            proc.stdout.close()  # type: ignore[union-attr]
+            # e.g. its port taken meanwhile (restart() reuses the killed worker's): its stderr, the test's, says
+            raise SimulatorStartError(f"the simulated {cfg.role} on port {cfg.port or 'any'} ended (exit status "
+                                      f"{code}) before announcing itself; it printed {line[:200]!r}; its error "
+                                      f"is on stderr") from None
         except BaseException:
             proc.kill()
             proc.wait()
+            proc.stdout.close()  # type: ignore[union-attr]
             raise
         return WorkerHandle(cfg.role, ready["url"], ready["port"], ready["bootstrap_port"], process=proc, config=cfg)
 

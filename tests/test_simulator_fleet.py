@@ -5,13 +5,14 @@ from __future__ import annotations
 import asyncio
 import json
 import signal
+import socket
 import subprocess
 import sys
 
 import aiohttp
 import pytest
 
-from simulator.fleet import Fleet, config_to_argv, router_args
+from simulator.fleet import Fleet, SimulatorStartError, config_to_argv, router_args
 from simulator.config import WorkerConfig
 from simulator.tokens import expected_generation
 from tests.sim_support import FAST, get, pd_generate
@@ -73,6 +74,22 @@ async def test_process_fleet_and_a_real_kill(session):
         with pytest.raises(aiohttp.ClientConnectorError):
             await get(session, f.decode[0].url + "/health")
         assert (await get(session, f.prefill[0].url + "/health"))[0] == 200
+
+
+async def test_a_restart_on_a_port_taken_meanwhile_says_so(session):
+    """restart() reuses the killed worker's ports: taken meanwhile, the simulator exits before announcing itself,
+    and the error says which worker and how it ended (it was a bare JSONDecodeError of an empty line)."""
+    async with Fleet(1, 1, processes=True, **FAST) as f:
+        handle = f.decode[0]
+        f.kill(handle)
+        with socket.socket() as squatter:
+            squatter.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            squatter.bind(("127.0.0.1", handle.port))
+            squatter.listen()
+            with pytest.raises(SimulatorStartError, match=rf"decode on port {handle.port} ended \(exit status [1-9]"):
+                await f.restart(handle)
+        await f.restart(handle)  # free again: it comes back
+        assert (await get(session, handle.url + "/health"))[0] == 200
 
 
 def test_config_round_trips_through_argv():
