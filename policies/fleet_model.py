@@ -232,18 +232,46 @@ class Segment:
     decodes: int
 
 
+def _backlogs(mix: Mix) -> tuple[float, float, float]:
+    """The backlogs now, in server-seconds of work (prefill, decode), and a request's marginal decode work."""
+    per_decode = mix.decode_tokens * mix.step_per_request_s  # a request's marginal decode work
+    if not math.isinf(mix.decode_slots) and mix.decode_slots > 0:  # or its share of a server's room
+        per_decode = max(per_decode, (mix.prefill_s + mix.decode_tokens * (mix.step_fixed_s + mix.step_per_request_s))
+                         / mix.decode_slots)
+    return mix.waiting_prefill * mix.prefill_s, mix.waiting_decode * per_decode, per_decode
+
+
+def recovery_secs(mix: Mix, segments: list[Segment], slo: Slo) -> float:
+    """When, from now, the backlogs stop making arrivals late (0: they do not; inf: never), the last segment's
+    split lasting on past its end."""
+    backlog_p, backlog_d, per_decode = _backlogs(mix)
+    start, late_until = 0.0, 0.0
+    for index, seg in enumerate(segments):
+        secs = math.inf if index == len(segments) - 1 else seg.secs
+        for backlog, servers, growth in ((backlog_p, seg.prefills, mix.rate * mix.prefill_s - seg.prefills),
+                                         (backlog_d, seg.decodes, mix.rate * per_decode - seg.decodes)):
+            over = backlog - servers * slo.ttft_s  # past what a newcomer can wait behind
+            if growth < 0 and over > 0:  # late until it clears
+                late_until = max(late_until, start + min(secs, over / -growth))
+            elif growth > 0 and -over / growth < secs:  # late from when it grows past the limit to the end
+                late_until = max(late_until, start + secs)
+            elif growth == 0 and over > 0:
+                late_until = max(late_until, start + secs)
+        if math.isinf(secs):
+            break
+        _, backlog_p = _late_secs(backlog_p, seg.prefills, mix.rate * mix.prefill_s - seg.prefills, secs, slo.ttft_s)
+        _, backlog_d = _late_secs(backlog_d, seg.decodes, mix.rate * per_decode - seg.decodes, secs, slo.ttft_s)
+        start += secs
+    return late_until
+
+
 def value(mix: Mix, segments: list[Segment], slo: Slo) -> tuple[float, list[Prediction]]:
     """The attainment predicted over `segments` (time-weighted), the backlogs now included: a request arriving
     while a backlog per server exceeds its target is late."""
     total_secs = sum(s.secs for s in segments)
     if total_secs <= 0:
         return 0.0, []
-    backlog_p = mix.waiting_prefill * mix.prefill_s
-    per_decode = mix.decode_tokens * mix.step_per_request_s  # a request's marginal decode work
-    if not math.isinf(mix.decode_slots) and mix.decode_slots > 0:  # or its share of a server's room
-        per_decode = max(per_decode, (mix.prefill_s + mix.decode_tokens * (mix.step_fixed_s + mix.step_per_request_s))
-                         / mix.decode_slots)
-    backlog_d = mix.waiting_decode * per_decode
+    backlog_p, backlog_d, per_decode = _backlogs(mix)
     good = 0.0
     predictions = []
     for seg in segments:
@@ -268,10 +296,17 @@ class Candidate:
     steady: float  # attainment of the split once reached
     value: float  # attainment over the horizon, the transition included
     cost_s: float  # how long the moved servers serve in neither pool
+    horizon_s: float = 0.0  # what `value` is over (`plan`'s horizon, after the quickest recovery from a backlog)
 
     def to_dict(self) -> dict:
         return {"split": f"{self.prefills}P{self.decodes}D", "moves": self.moves, "to": self.direction,
-                "steady": round(self.steady, 4), "value": round(self.value, 4), "cost_s": round(self.cost_s, 2)}
+                "steady": round(self.steady, 4), "value": round(self.value, 4), "cost_s": round(self.cost_s, 2),
+                "horizon_s": round(self.horizon_s, 1)}
+
+
+# The horizon starts after the quickest recovery from the backlogs now, if that comes within this many horizons
+# (a bound on the arithmetic: past it, or never, the horizon starts now and every split is as late as the next).
+MAX_RECOVERY_HORIZONS = 10.0
 
 
 def plan(mix: Mix, prefills: int, decodes: int, slo: Slo, costs: Costs, horizon_s: float, *,
@@ -280,10 +315,14 @@ def plan(mix: Mix, prefills: int, decodes: int, slo: Slo, costs: Costs, horizon_
     """Every split within the floors, and holding, valued over `horizon_s` from now, best first (holding wins
     ties). The fleet has `prefills` and `decodes` routable servers; `arriving` = (pool, count, seconds left) for servers
     of ours already on their way into a pool: every split counts them, and a split that moves more does so
-    alongside them (the other way would undo them: not offered)."""
-    out = []
+    alongside them (the other way would undo them: not offered).
+
+    The horizon is counted from the quickest recovery from the backlogs now (`recovery_secs` of the split that
+    clears them first): over a horizon from now, a backlog longer than it makes every split late all of it, and
+    holding that never recovers values as a move that recovers just after it (0 both)."""
     total = prefills + decodes
     arrive_pool, arrive_n, arrive_s = arriving if arriving else (None, 0, 0.0)
+    splits = []
     for final_p in range(0, total + arrive_n + 1):
         final_d = total + arrive_n - final_p
         now_p = prefills + (arrive_n if arrive_pool == PREFILL else 0)
@@ -296,27 +335,36 @@ def plan(mix: Mix, prefills: int, decodes: int, slo: Slo, costs: Costs, horizon_
         k = abs(moves)
         if k > (decodes if direction == PREFILL else prefills):
             continue
-        cost = costs.of(direction) if direction else 0.0
+        splits.append((final_p, final_d, k, direction, costs.of(direction) if direction else 0.0))
+
+    def segments_of(final_p: int, final_d: int, k: int, direction: str | None, cost: float,
+                    horizon: float) -> list[Segment]:
         segments = []
         # those of ours on their way arrive first (their time left), then the moves made now
         base_p, base_d = prefills, decodes
         if arrive_n and arrive_s > 0:
             take_p = base_p - (k if direction == DECODE else 0)
             take_d = base_d - (k if direction == PREFILL else 0)
-            segments.append(Segment(min(arrive_s, horizon_s), take_p, take_d))
+            segments.append(Segment(min(arrive_s, horizon), take_p, take_d))
         after_arrival_p = base_p + (arrive_n if arrive_pool == PREFILL else 0)
         after_arrival_d = base_d + (arrive_n if arrive_pool == DECODE else 0)
         spent = sum(s.secs for s in segments)
         if k:
             mid_p = after_arrival_p - (k if direction == DECODE else 0)
             mid_d = after_arrival_d - (k if direction == PREFILL else 0)
-            segments.append(Segment(max(0.0, min(cost, horizon_s) - spent), mid_p, mid_d))
+            segments.append(Segment(max(0.0, min(cost, horizon) - spent), mid_p, mid_d))
             spent = sum(s.secs for s in segments)
-        segments.append(Segment(max(0.0, horizon_s - spent), final_p, final_d))
-        segments = [s for s in segments if s.secs > 0]
-        v, predictions = value(mix, segments, slo)
+        segments.append(Segment(max(0.0, horizon - spent), final_p, final_d))
+        return [s for s in segments if s.secs > 0]
+
+    recovery = min((recovery_secs(mix, segments_of(*split, math.inf), slo) for split in splits), default=0.0)
+    horizon = horizon_s + (recovery if recovery <= horizon_s * MAX_RECOVERY_HORIZONS else 0.0)
+    out = []
+    for split in splits:
+        v, _ = value(mix, segments_of(*split, horizon), slo)
+        final_p, final_d, k, direction, cost = split
         steady = predict(mix, final_p, final_d, slo).attainment
-        out.append(Candidate(final_p, final_d, k, direction, steady, v, cost))
+        out.append(Candidate(final_p, final_d, k, direction, steady, v, cost, horizon))
     out.sort(key=lambda c: (-c.value, c.moves))
     return out
 

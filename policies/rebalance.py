@@ -246,7 +246,7 @@ def decide(obs: Observation, state: RebalanceState, config: RebalanceConfig) -> 
     staying = next(c for c in candidates if c.moves == 0)
     best = candidates[0]
     summary = (f"{n_p}P{n_d}D predicted {staying.value * 100:.1f}% within the SLOs over "
-               f"{config.horizon_secs:g} s (steady {staying.steady * 100:.1f}%)")
+               f"{staying.horizon_s:.0f} s (steady {staying.steady * 100:.1f}%)")
     if staying.value >= config.attainment_target:
         reading["choice"] = {"split": f"{staying.prefills}P{staying.decodes}D", "why": MEETS_TARGET}
         return hold(f"{summary}: meets the {config.attainment_target * 100:g}% target", (), seen)

@@ -7,7 +7,7 @@ from dataclasses import replace
 
 import pytest
 
-from policies.fleet_model import Costs, Mix, Slo, erlang_c, plan, predict
+from policies.fleet_model import Costs, Mix, Segment, Slo, erlang_c, plan, predict, recovery_secs
 
 SLO = Slo(ttft_s=2.0, tpot_s=0.2)
 # the live benchmark's kinds on its capacity model: a 1000-token prompt costs 0.2056 s of prefill, 3 decode
@@ -88,6 +88,32 @@ def test_a_backlog_is_worth_more_capacity_where_it_waits():
     hold_quiet = next(c for c in quiet if c.moves == 0)
     hold_backlog = next(c for c in backlog if c.moves == 0)
     assert hold_backlog.value < hold_quiet.value
+
+
+def test_recovery_is_when_a_backlog_stops_making_arrivals_late():
+    # 3P under the prefill-heavy mix: 11/s x 0.2056 s = 2.26 servers of work, 0.74 spare; a newcomer meets its
+    # 2 s TTFT behind at most 3 x 2 = 6 server-seconds of backlog
+    backlog = replace(PREFILL_HEAVY, waiting_prefill=100.0)  # 20.56 server-seconds
+    clears = recovery_secs(backlog, [Segment(60.0, 3, 1)], SLO)
+    assert clears == pytest.approx((20.56 - 6.0) / (3 - 11.0 * 0.2056))
+    assert recovery_secs(PREFILL_HEAVY, [Segment(60.0, 3, 1)], SLO) == 0.0  # no backlog: no one is late
+    assert recovery_secs(backlog, [Segment(60.0, 2, 2)], SLO) == math.inf  # 2P: the backlog only grows
+    # a conversion first (1P for 15 s): the backlog grows meanwhile, then clears at 3P
+    grown = 20.56 + 15.0 * (11.0 * 0.2056 - 1)
+    moved = recovery_secs(backlog, [Segment(15.0, 1, 1), Segment(60.0, 3, 1)], SLO)
+    assert moved == pytest.approx(15.0 + (grown - 6.0) / (3 - 11.0 * 0.2056))
+
+
+def test_a_backlog_longer_than_the_horizon_still_tells_a_recovery_from_none():
+    """A backlog that takes longer than the horizon to clear at the best split: over a horizon from now every
+    split is late all of it, and holding (never clearing) values as the move that clears it (both 0). Counted from
+    the quickest recovery, the move is worth what it serves after it."""
+    drowning = replace(PREFILL_HEAVY, rate=12.5, waiting_prefill=150.0)  # 3P: 0.43 spare, ~57 s to clear
+    candidates = plan(drowning, 1, 3, SLO, Costs(15.0, 15.0), horizon_s=30)
+    best, hold = candidates[0], next(c for c in candidates if c.moves == 0)
+    assert (best.prefills, best.moves) == (3, 2) and hold.value == 0.0
+    assert best.value > 0.1 and best.horizon_s > 30
+    assert best.horizon_s == pytest.approx(30 + recovery_secs(drowning, [Segment(15.0, 1, 1), Segment(30, 3, 1)], SLO))
 
 
 def test_servers_on_their_way_are_counted_and_never_undone():
