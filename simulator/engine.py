@@ -75,7 +75,9 @@ class Engine(EngineControl):
         self.model_version = config.weight_version  # tokenizer's: /model_info
         self.model_path = config.model_path
         self.deferred_release_until = 0.0
-        self.last_output = 0.0
+        # 0.5.23's TokenizerManager.last_receive_tstamp: the last answer from the scheduler (an output, or an
+        # internal-state reply: /server_info), which its /health probe takes for progress, paused or not
+        self.last_receive = 0.0
         self.counters = Counters()
         self.started_at = time.time()
         self.unhealthy = False  # a failed role switch left this worker broken
@@ -248,7 +250,7 @@ class Engine(EngineControl):
             self.counters.generation_tokens += req.gen.step(1)  # the first token came with the KV
             if req.gen.finished:
                 req.finish_reason = req.gen.finish_reason
-            self.last_output = time.monotonic()
+            self.last_receive = time.monotonic()
             if on_progress is not None:
                 await on_progress(req)
             await self._decode_loop(req, on_progress)
@@ -359,7 +361,7 @@ class Engine(EngineControl):
         self._record_prefill(req)
         req.phase = DECODE
         self.counters.generation_tokens += req.gen.step(1 << 30)
-        self.last_output = time.monotonic()
+        self.last_receive = time.monotonic()
         req.finish_reason = req.gen.finish_reason
         return True
 
@@ -404,7 +406,7 @@ class Engine(EngineControl):
                 continue
             tokens, req.step_tokens = req.step_tokens, 0
             self.counters.generation_tokens += req.gen.step(tokens)
-            self.last_output = time.monotonic()
+            self.last_receive = time.monotonic()
             if req.gen.finished:
                 req.finish_reason = req.gen.finish_reason
             if on_progress is not None:
@@ -437,7 +439,7 @@ class Engine(EngineControl):
             added = req.gen.step(burst)
             self.counters.generation_tokens += added
             self.batches[req.dp_rank].account(1, step * 1e6, added)  # each emit counts as a step of one
-            self.last_output = time.monotonic()
+            self.last_receive = time.monotonic()
             if req.gen.finished:
                 req.finish_reason = req.gen.finish_reason
             if on_progress is not None:

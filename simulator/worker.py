@@ -213,7 +213,7 @@ class Worker:
         deadline = tic + cfg.health_timeout_s
         while True:
             await asyncio.sleep(interval if interval else 0)
-            if engine.last_output > tic or self._probe_can_run():
+            if engine.last_receive > tic or self._probe_can_run():
                 if engine.role != "prefill":  # the probe's one token is a decode step of its own (0.5.23)
                     engine.batches[0].account(1, 0.0, 1)
                 return 200
@@ -235,6 +235,7 @@ class Worker:
         return json_response(info.model_info(self))
 
     async def handle_server_info(self, request: web.Request) -> web.Response:
+        self.engine.last_receive = time.monotonic()  # its internal states are the scheduler's reply
         return json_response(info.server_info(self))
 
     async def handle_v1_loads(self, request: web.Request) -> web.Response:

@@ -160,15 +160,19 @@ async def test_register_of_a_known_server_on_other_weights_is_409(three):
 
 
 async def test_register_of_a_known_paused_server_is_409_at_once(three):
-    """A paused 0.5.23 server holds /health (its 1-token probe cannot run; the simulator's waits its 20 s) and
-    answers /ready 503: the router says it is paused, without waiting out the /health probe."""
+    """A paused server answers /ready 503: the router says it is paused without waiting for /health. Real 0.5.23
+    holds a paused server's /health until the scheduler answers anything (the router's own /server_info read
+    does, in about a second); a server whose /health holds on (here the health_hang fault) made the router wait
+    out its probe (25 s) and answer 502."""
     client, p, d1, d2 = three
     await d2.worker.engine.pause("in_place")
+    d2.set_faults(health_hang=True)
     try:
-        async with asyncio.timeout(d2.worker.config.health_timeout_s / 2):  # a deadline: the probe waits all of it
+        async with asyncio.timeout(10):  # a deadline well under the router's /health probe (25 s)
             status, body = await register(client, "decode", d2.url)
     finally:
-        d2.worker.engine.resume()  # the probe it sent returns (the server's handler waits on)
+        d2.set_faults(health_hang=False)  # the probes it holds are answered
+        d2.worker.engine.resume()
     assert status == 409 and "/ready answers 503" in body["error"]["message"], body
 
 

@@ -174,6 +174,21 @@ async def test_health_waits_while_paused(session):
         assert (await get(session, url + "/health_generate"))[0] == 200
 
 
+async def test_a_paused_servers_health_passes_when_the_scheduler_answers_something_else(session):
+    """0.5.23's probe takes any answer from the scheduler during it for progress (last_receive_tstamp), paused or
+    not: measured on real 0.5.23 paused in place, /health answered 200 in 1 s while /server_info was read (its
+    internal states are a scheduler reply), and 503 after its 20 s with /v1/loads, /model_info or nothing."""
+    async with Fleet(0, 1, health_check_s=0.0, health_timeout_s=5.0) as f:
+        url = f.decode[0].url
+        await post(session, url + "/pause_generation", {"mode": "in_place"})
+        probe = asyncio.ensure_future(get(session, url + "/health"))
+        while not probe.done():  # the probe waits up to 5 s for progress: a reply during it is progress
+            await get(session, url + "/server_info")
+            await asyncio.wait([probe], timeout=0.05)
+        assert probe.result()[0] == 200
+        await post(session, url + "/continue_generation", {})
+
+
 async def test_flush_cache_busy_and_timeout(fleet, session):
     url = fleet.decode[0].url
     assert (await post(session, url + "/flush_cache", None))[0] == 200

@@ -134,8 +134,8 @@ async def rejoin_check(registry: Registry, upstream: Upstream, worker: Worker, *
     """What a known worker must pass to be routed again (an operator's reinstate, a server's /register):
     it reports a prefill/decode role (`role`, when the caller names one), answers /health, is not paused, and
     carries the fleet's weights. Raises BadGateway (the server cannot tell or is unhealthy) or Conflict."""
-    # Both read at once; what the live state refuses is answered without waiting for /health, which 0.5.23
-    # holds while it is paused (a 1-token generation that cannot run: the probe's whole timeout, then nothing).
+    # Both read at once; what the live state refuses is answered without waiting for /health, which 0.5.23 holds
+    # while it is paused until its scheduler answers anything else (up to 20 s, then 503).
     health_probe = asyncio.ensure_future(upstream.health(worker.url, timeout=timeout))
     try:
         live = await read_live_state(upstream, worker.url)

@@ -6,7 +6,7 @@ import threading
 
 import pytest
 
-from .real_client import fully_idle, get_json, post_json, running_requests, stream_events, wait_until
+from .real_client import fully_idle, get_json, is_idle, post_json, running_requests, stream_events, wait_until
 
 PROMPT = "Numbers 0 1 2 3 and"
 LONG = {"temperature": 0, "max_new_tokens": 1500, "ignore_eos": True}  # ~30 s of decoding here: never finishes first
@@ -169,6 +169,23 @@ def test_pause_and_continue(router, fleet, mode):
         expected_prefix = reference(fleet, dict(sampling, max_new_tokens=streamed_before_continue))
         assert last["output_ids"][:streamed_before_continue] == expected_prefix
     assert_fleet_quiet(router, fleet)
+
+
+def test_registering_a_paused_server_again_is_a_409_at_once(router, fleet):
+    """/register of a known server paused behind the router's back says it is paused (/ready 503), at once.
+    0.5.23's /health on a paused server waits for any answer of its scheduler, up to 20 s, then 503 (measured
+    here: 20 s with nothing else asked, or /v1/loads, or /model_info; 1 s while /server_info is read, which the
+    router's own live-state read does): the answer must not wait for it, nor blame it."""
+    spare = fleet.spare.url
+    status, answer = post_json(spare + "/pause_generation", {"mode": "in_place"}, timeout=STEP_TIMEOUT_S)
+    assert status == 200, answer
+    try:
+        # a deadline well under the router's /health probe (25 s): the answer must not wait for it
+        status, answer = post_json(router.url + "/register", {"mode": "decode", "registry_url": spare}, timeout=15)
+        assert status == 409 and "/ready answers 503" in answer["error"]["message"], (status, answer)
+    finally:
+        assert post_json(spare + "/continue_generation", {}, timeout=STEP_TIMEOUT_S)[0] == 200
+    wait_until(lambda: is_idle(spare), timeout=STEP_TIMEOUT_S, what="the spare answers again")
 
 
 def test_weight_update_with_abort_through_the_router(router, fleet):
