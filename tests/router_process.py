@@ -15,7 +15,7 @@ import orjson
 
 from harness import processes
 from harness.processes import REPO
-from simulator.fleet import Fleet
+from simulator.fleet import Fleet, ports_below_ephemeral
 
 from .helpers import free_port
 START_TIMEOUT_S = 60.0  # a deadline, not a measure: a loaded machine (2 shared cores) took over 30 s to import it
@@ -24,7 +24,8 @@ START_TIMEOUT_S = 60.0  # a deadline, not a measure: a loaded machine (2 shared 
 class RouterProcess:
     def __init__(self, fleet: Fleet, *flags: str, log_path: Path, nofile: tuple[int, int] | None = None) -> None:
         """`nofile`: the (soft, hard) open-files limit the process starts with (util-linux's prlimit)."""
-        self.port = free_port()
+        # restarted on the same port after a kill: kept out of the range client connections take theirs from
+        self.port = (ports_below_ephemeral(1) or [free_port()])[0]
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
         limit = ["prlimit", f"--nofile={nofile[0]}:{nofile[1]}", "--"] if nofile is not None else []
