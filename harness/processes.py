@@ -14,6 +14,7 @@ import contextlib
 import ctypes
 import inspect
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -59,6 +60,40 @@ def free_ports(count: int, host: str = HOST) -> list[int]:
 
 def free_port(host: str = HOST) -> int:
     return free_ports(1, host)[0]
+
+
+def below_ephemeral() -> range | None:
+    """Ports under the kernel's ephemeral range (up to 12,000 of them), where no client connection takes its own
+    end: a server restarted on its port after a kill finds it free there. None where the range is unknown."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            ephemeral_low = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+    return range(max(1024, ephemeral_low - 12000), ephemeral_low)
+
+
+def ports_below_ephemeral(count: int, host: str = HOST) -> list[int]:
+    """`count` distinct ports free now, `below_ephemeral` (a child binds them a moment later); [] where none
+    can be had (the caller then lets the OS choose)."""
+    ports = below_ephemeral()
+    if ports is None or len(ports) < 4 * count:
+        return []
+    rng = random.Random()
+    found: list[int] = []
+    for _ in range(100 * count):  # a bound: most probes of this range find a port free
+        port = rng.choice(ports)
+        if port in found:
+            continue
+        with socket.socket() as probe:
+            try:
+                probe.bind((host, port))
+            except OSError:
+                continue
+        found.append(port)
+        if len(found) == count:
+            return found
+    return []
 
 
 def port_open(port: int, host: str = HOST) -> bool:

@@ -241,6 +241,13 @@ def _backlogs(mix: Mix) -> tuple[float, float, float]:
     return mix.waiting_prefill * mix.prefill_s, mix.waiting_decode * per_decode, per_decode
 
 
+def _pools(mix: Mix, seg: Segment, per_decode: float) -> tuple[tuple[int, float], tuple[int, float]]:
+    """Each pool's servers in `seg` and how fast its backlog grows there (the arrivals' work per second less the
+    servers; negative: it clears), prefill then decode."""
+    return ((seg.prefills, mix.rate * mix.prefill_s - seg.prefills),
+            (seg.decodes, mix.rate * per_decode - seg.decodes))
+
+
 def recovery_secs(mix: Mix, segments: list[Segment], slo: Slo) -> float:
     """When, from now, the backlogs stop making arrivals late (0: they do not; inf: never), the last segment's
     split lasting on past its end."""
@@ -248,8 +255,8 @@ def recovery_secs(mix: Mix, segments: list[Segment], slo: Slo) -> float:
     start, late_until = 0.0, 0.0
     for index, seg in enumerate(segments):
         secs = math.inf if index == len(segments) - 1 else seg.secs
-        for backlog, servers, growth in ((backlog_p, seg.prefills, mix.rate * mix.prefill_s - seg.prefills),
-                                         (backlog_d, seg.decodes, mix.rate * per_decode - seg.decodes)):
+        (servers_p, growth_p), (servers_d, growth_d) = _pools(mix, seg, per_decode)
+        for backlog, servers, growth in ((backlog_p, servers_p, growth_p), (backlog_d, servers_d, growth_d)):
             over = backlog - servers * slo.ttft_s  # past what a newcomer can wait behind
             if growth < 0 and over > 0:  # late until it clears
                 late_until = max(late_until, start + min(secs, over / -growth))
@@ -259,8 +266,8 @@ def recovery_secs(mix: Mix, segments: list[Segment], slo: Slo) -> float:
                 late_until = max(late_until, start + secs)
         if math.isinf(secs):
             break
-        _, backlog_p = _late_secs(backlog_p, seg.prefills, mix.rate * mix.prefill_s - seg.prefills, secs, slo.ttft_s)
-        _, backlog_d = _late_secs(backlog_d, seg.decodes, mix.rate * per_decode - seg.decodes, secs, slo.ttft_s)
+        _, backlog_p = _late_secs(backlog_p, servers_p, growth_p, secs, slo.ttft_s)
+        _, backlog_d = _late_secs(backlog_d, servers_d, growth_d, secs, slo.ttft_s)
         start += secs
     return late_until
 
@@ -277,10 +284,9 @@ def value(mix: Mix, segments: list[Segment], slo: Slo) -> tuple[float, list[Pred
     for seg in segments:
         p = predict(mix, seg.prefills, seg.decodes, slo)
         predictions.append(p)
-        late_p, backlog_p = _late_secs(backlog_p, seg.prefills, mix.rate * mix.prefill_s - seg.prefills, seg.secs,
-                                       slo.ttft_s)
-        late_d, backlog_d = _late_secs(backlog_d, seg.decodes, mix.rate * per_decode - seg.decodes, seg.secs,
-                                       slo.ttft_s)
+        (servers_p, growth_p), (servers_d, growth_d) = _pools(mix, seg, per_decode)
+        late_p, backlog_p = _late_secs(backlog_p, servers_p, growth_p, seg.secs, slo.ttft_s)
+        late_d, backlog_d = _late_secs(backlog_d, servers_d, growth_d, seg.secs, slo.ttft_s)
         good += p.attainment * max(0.0, seg.secs - max(late_p, late_d))
     return good / total_secs, predictions
 

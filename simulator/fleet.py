@@ -23,9 +23,7 @@ import asyncio
 import contextlib
 import json
 import os
-import random
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -35,41 +33,14 @@ from typing import Any
 import aiohttp
 import orjson
 
+from harness.processes import ports_below_ephemeral
+
 from .config import WorkerConfig, add_worker_flags, config_from_args
 from .faults import Faults
 from .journal import Journal
 from .worker import Worker
 
 START_TIMEOUT_S = 30.0
-
-
-def ports_below_ephemeral(count: int, host: str = "127.0.0.1") -> list[int]:
-    """`count` distinct ports free now, below the kernel's ephemeral range: while a killed worker process is down,
-    any client connection may take a port of that range as its own end, and `Fleet.restart` (which reuses the
-    worker's ports) would find it taken. [] where no such range can be had (the caller then lets the OS choose)."""
-    try:
-        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
-            ephemeral_low = int(f.read().split()[0])
-    except (OSError, ValueError, IndexError):
-        return []
-    low = max(1024, ephemeral_low - 12000)
-    if ephemeral_low - low < 4 * count:
-        return []
-    rng = random.Random()
-    found: list[int] = []
-    for _ in range(100 * count):  # a bound: most probes of this range find a port free
-        port = rng.randrange(low, ephemeral_low)
-        if port in found:
-            continue
-        with socket.socket() as probe:
-            try:
-                probe.bind((host, port))
-            except OSError:
-                continue
-        found.append(port)
-        if len(found) == count:
-            return found
-    return []
 
 
 class SimulatorStartError(RuntimeError):
@@ -131,14 +102,15 @@ class Fleet:
         """One config per worker: ports from ``base_port`` (HTTP first, then bootstrap); else, for processes, free
         ports below the ephemeral range (`ports_below_ephemeral`), or all 0 (the OS chooses)."""
         n = self.n_prefill + self.n_decode
-        # processes can be killed and restarted on their ports: those are kept out of the ephemeral range
-        chosen = ports_below_ephemeral(2 * n, self.config.host) if self.processes and not self.base_port else []
+        if self.base_port:
+            ports = list(range(self.base_port, self.base_port + 2 * n))
+        else:  # processes can be killed and restarted on their ports: those are kept out of the ephemeral range
+            ports = (ports_below_ephemeral(2 * n, self.config.host) if self.processes else []) or [0] * (2 * n)
         plans = []
         for i in range(n):
             role = "prefill" if i < self.n_prefill else "decode"
             overrides = dict(self.prefill_overrides if role == "prefill" else self.decode_overrides)
-            port = self.base_port + i if self.base_port else chosen[i] if chosen else 0
-            boot = self.base_port + n + i if self.base_port else chosen[n + i] if chosen else 0
+            port, boot = ports[i], ports[n + i]
             decode_listens = self.config.enable_pd_role_switch and self.config.api in ("0.5.23", "patched")
             if role == "decode" and not decode_listens and "bootstrap_port" not in overrides:
                 boot = None

@@ -14,8 +14,8 @@ import aiohttp
 import orjson
 
 from harness import processes
-from harness.processes import REPO
-from simulator.fleet import Fleet, ports_below_ephemeral
+from harness.processes import REPO, ports_below_ephemeral
+from simulator.fleet import Fleet
 
 from .helpers import free_port
 START_TIMEOUT_S = 60.0  # a deadline, not a measure: a loaded machine (2 shared cores) took over 30 s to import it

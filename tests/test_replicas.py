@@ -15,6 +15,7 @@ import time
 import aiohttp
 import pytest
 
+from harness.processes import below_ephemeral
 from simulator.fleet import Fleet
 
 from .helpers import wait_for
@@ -36,9 +37,10 @@ def replica_flags(tmp_path) -> list[str]:
 def free_ports_in_a_row(count: int) -> int:
     """The first of `count` consecutive free ports, below Linux's ephemeral range (where any client connection
     may hold one of them)."""
+    ports = below_ephemeral() or range(20000, 32000)
     rng = random.Random()
     while True:
-        first = rng.randrange(20000, 32000 - count)
+        first = rng.randrange(ports.start, ports.stop - count)
         try:
             for port in range(first, first + count):
                 with socket.socket() as probe:
