@@ -393,7 +393,7 @@ def run(arrivals: list[Arrival], phases: list[tuple[str, float, float]], prefill
                     fleet.convert(server, decision.to_role, decision.conversion_mode or config.conversion_mode)
             if fleet.now + config.interval_secs < end:
                 fleet.at(fleet.now + config.interval_secs, look)
-        fleet.at(config.interval_secs, look)
+        fleet.at(0.0, look)  # as the live rebalancer: a look as it starts, then every interval
     for when, target in schedule or ():
         fleet.at(when, _reach, fleet, target)
     fleet.run_until(end + drain_s)

@@ -257,7 +257,7 @@ def _new_level(bins: list[list], k: int, width: float) -> Level | None:
     by half as many (a burst shorter than the run leaves slices at the old level wherever it falls in it)."""
     newer = [e for b in bins[:k] for e in b]
     older = [e for b in bins[k:] for e in b]
-    if len(newer) < MIN_DONE or len(older) < MIN_DONE:
+    if len(newer) < MIN_DONE:
         return None
     new, old = Level.of(newer, k * width), Level.of(older, (len(bins) - k) * width)
     slices = [Level.of(b, width) for b in bins[:k]]
@@ -291,6 +291,23 @@ def read_change(obs: Observation, secs: float, changed_at: float | None = None) 
         if level is not None:
             return level.reading()
     return None
+
+
+def unsettled_start(secs: float, window_secs: float, change: Reading | None) -> str:
+    """Why the arrivals since the start are not a level yet ("" once they are). The window whole is read past a
+    burst because a burst shorter than half of it is left out (`_typical`); until the memory holds twice the
+    shortest level that counts (`CHANGE_MIN_SHARE` of the window), a burst at the start could be most of it.
+    A level is read sooner when it is one: it has lasted that shortest level, and no change is read within it
+    (a burst followed by the steady mix is one). This is the model's own warm-up; the `warmup` guard waits out
+    the servers' start-up (first compilations, empty caches), which replay and the simulator do not have."""
+    shortest = CHANGE_MIN_SHARE * window_secs
+    if secs >= 2 * shortest:
+        return ""
+    if secs < shortest:
+        return f"the arrivals since the start span {secs:.1f} s of the {shortest:.1f} s a level must last"
+    if change is not None:
+        return f"the arrivals changed {change.secs:.1f} s ago, {secs:.1f} s after the start: no level yet"
+    return ""
 
 
 def _rescaled(cost: float | None, obs: Observation, per_request: float | None, side: int) -> float | None:
@@ -401,6 +418,9 @@ def fit(obs: Observation, intervals: tuple[Interval, ...], window_secs: float, p
     rates, rate_variances = _grouped_rates(used, _slice_count(arrivals, len(used)))
     rate = _typical(rates, rate_variances)
     change = read_change(obs, secs, changed_at)
+    unsettled = unsettled_start(secs, window_secs, change)
+    if unsettled:
+        return Fit(None, unsettled, secs)
     # the window's slices of each side (requests, prompt work, answer work), while it is read whole
     sliced = ([_slices(obs, secs, side) for side in range(3)]
               if change is None and len(obs.request_sizes) >= MIN_DONE else None)

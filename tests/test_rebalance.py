@@ -44,6 +44,15 @@ def test_bursts_shorter_than_a_conversion_are_held_through():
     assert result.flaps == 0
 
 
+def test_the_start_is_acted_on_once_a_level_is_read_with_no_warm_up_to_wait_out():
+    """shift4-slow starts prefill-heavy on 2P2D: a conversion as soon as what arrived has lasted a third of the
+    window (5 s, and the look after), not after a warm-up fitted to the suite (10 s, which cost phase 1 a tenth
+    of its requests with 15 s switches); burst4 starts with a 3 s burst and moves nothing (the test above)."""
+    run = _driven(_suite("shift4-slow"))
+    assert run.conversions and run.conversions[0]["started_at"] <= 8.0, run.conversions[:1]
+    assert run.conversions[0]["to_role"] == "prefill"
+
+
 def test_the_suite_bounds_a_causal_policy_and_changes_any_setting_for_every_workload():
     workload = _suite("shift4")
     knows_the_future, needs_8s = ws.evaluate(workload), ws.evaluate(workload, oracle_delay=8.0)
@@ -278,6 +287,40 @@ def test_a_change_stays_read_while_it_lasts_and_is_dropped_when_it_ends():
     # ... unless what arrives now is back at the old level: it was a burst
     ended = [e for e in after if e[0] < WINDOW - 4.0] + _arrivals(rng, WINDOW - 4.0, WINDOW, 10.0, 100.0)
     assert read_change(_window(before + ended), WINDOW, changed_at=WINDOW - 10.0) is None
+
+
+def test_a_load_starting_after_an_idle_spell_is_read_as_a_change_from_nothing():
+    """A fleet idle before its load begins (a router started before its clients): the load is a new level once
+    it has lasted a third of the window, not a level diluted by the idle seconds the window still holds."""
+    import random
+    from policies.rebalance_estimate import read_change
+    rng = random.Random(2)
+    started = read_change(_window(_arrivals(rng, WINDOW - 6.0, WINDOW, 10.0, 1000.0)), WINDOW)
+    assert started is not None and started.rate == pytest.approx(10.0, rel=0.35) and 5.0 <= started.secs <= 7.0
+    assert read_change(_window(_arrivals(rng, WINDOW - 3.0, WINDOW, 10.0, 1000.0)), WINDOW) is None  # or a burst
+
+
+def test_the_start_is_a_level_once_it_has_lasted_a_third_of_the_window_with_no_change_within():
+    """Until the memory holds twice the shortest level (a burst at the start could be most of it), the arrivals
+    since the start are read once they have lasted a third of the window and no change is read within them."""
+    import random
+    from policies.rebalance_estimate import read_change, unsettled_start
+    rng = random.Random(4)
+    span = 6.0  # seconds since the start, of a 15 s window: a level must last 5
+
+    def mix(start: float, end: float) -> list:  # the suite's burst4: half long prompts, half long answers
+        return _arrivals(rng, start, end, 6.0, 1000.0, answer=4.0) + _arrivals(rng, start, end, 6.0, 20.0)
+
+    for seed in range(10):
+        rng.seed(seed)
+        now = Observation(now=span, prefill=(), decode=(), request_sizes=tuple(sorted(mix(0.0, span))))
+        assert unsettled_start(span, 15.0, read_change(now, span)) == "", seed
+        # a 3 s burst of long prompts as the fleet starts, then the steady mix: not a level yet
+        burst = _arrivals(rng, 0.0, 3.0, 30.0, 1000.0, answer=4.0) + mix(3.0, span)
+        then = Observation(now=span, prefill=(), decode=(), request_sizes=tuple(sorted(burst)))
+        assert "changed" in unsettled_start(span, 15.0, read_change(then, span)), seed
+    assert "5.0 s a level must last" in unsettled_start(4.0, 15.0, None)
+    assert unsettled_start(10.0, 15.0, None) == ""  # twice the shortest level: the median leaves a burst out
 
 
 def _intervals(rng, phases: list[tuple[float, int]], fixed: float, per_size: float, sigma: float):

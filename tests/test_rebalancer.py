@@ -165,6 +165,18 @@ async def test_a_converter_that_raises_does_not_stop_the_rebalancer():
     assert rebalancer.conversions[-1]["ok"] is False and "flow bug" in rebalancer.conversions[-1]["detail"]
 
 
+async def test_the_loop_looks_as_it_starts_then_every_interval():
+    """The first look is the counters the first interval is measured from: taken as the loop starts, not an
+    interval later (the model reads a level an interval sooner)."""
+    rebalancer, _ = make(fleet(), replace(ENABLED, interval_secs=3600.0))
+    loop = asyncio.ensure_future(rebalancer.run())
+    try:
+        await wait_for(lambda: len(rebalancer.decisions) == 1, timeout=10, message="a decision as the loop starts")
+    finally:
+        loop.cancel()
+    assert rebalancer.decisions[0]["action"] == "hold"
+
+
 def test_enabled_without_a_conversion_flow_refuses_visibly():
     registry = fleet()
     rebalancer, clock = make(registry, ENABLED)

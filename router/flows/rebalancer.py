@@ -371,12 +371,12 @@ class Rebalancer:
         return config
 
     async def run(self) -> None:
-        while True:
-            await asyncio.sleep(self.config.interval_secs)
+        while True:  # a look as it starts (the counters the first interval is measured from), then every interval
             try:
                 self.tick()
             except Exception:  # a bug in one tick must not stop the loop
                 logger.exception("rebalancer tick failed")
+            await asyncio.sleep(self.config.interval_secs)
 
     def recording(self) -> dict:
         """What replays the last decisions offline (`python -m bench.replay FILE`): the configuration, when the
