@@ -97,7 +97,9 @@ class EtcdProcess:
         self.client_port = client_port or _free_port(host)
         self.peer_port = peer_port or _free_port(host)
         self.name = name
-        # without fsync a SIGKILL still loses nothing (the data is in the page cache), only a host crash would
+        # without fsync a SIGKILL loses nothing written down (it is in the page cache), only a host crash would;
+        # a lone member answers a write before writing it down (etcd-io/etcd#14370, fixed in 3.5.5), with or
+        # without fsync: a SIGKILL just after an answer can lose that write
         self.fsync = fsync
         # a lone member has no one to lose its leadership to, so a short election only speeds its start
         self.election_timeout_ms = election_timeout_ms

@@ -25,6 +25,7 @@ from router.cluster.etcd_types import (
 )
 
 from ..helpers import free_port
+from .conftest import persist_writes
 
 
 async def test_put_get_and_missing_key(etcd_client):
@@ -152,6 +153,7 @@ async def test_refused_requests_raise_request_errors(etcd_client):
 
 async def test_a_down_etcd_fails_calls_at_once(etcd, etcd_client):
     await etcd_client.put("/k", b"x")
+    await persist_writes(etcd_client)
     await etcd.kill()
     for call in (etcd_client.get("/k"), etcd_client.put("/k", b"y"), etcd_client.txn([Compare.absent("/k")]),
                  etcd_client.grant_lease(5), etcd_client.get_prefix("/")):

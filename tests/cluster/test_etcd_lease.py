@@ -10,6 +10,7 @@ import pytest
 from router.cluster.etcd_types import EtcdLeaseNotFound
 
 from ..helpers import wait_for
+from .conftest import persist_writes
 
 
 async def test_grant_info_revoke(etcd_client):
@@ -69,6 +70,7 @@ async def test_the_keeper_reports_a_lease_that_etcd_ended(etcd_client):
 async def test_the_keeper_survives_an_etcd_restart_shorter_than_its_ttl(etcd, etcd_client):
     keeper = await etcd_client.lease(ttl=5, interval=0.3)
     await etcd_client.put("/member/r1", b"up", lease=keeper.id)
+    await persist_writes(etcd_client)
     await etcd.kill()
     await etcd.start()
     renewals = keeper.renewals

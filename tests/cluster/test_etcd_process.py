@@ -56,6 +56,8 @@ async def test_started_etcd_answers_in_its_own_process_group(etcd):
 async def test_restart_keeps_ports_and_data(etcd, how):
     key, value = base64.b64encode(b"/kept").decode(), base64.b64encode(b"yes").decode()
     await _gateway(etcd.client_url, "/v3/kv/put", {"key": key, "value": value})
+    # a later write's answer: the first is written down, a SIGKILL keeps it (conftest.persist_writes)
+    await _gateway(etcd.client_url, "/v3/kv/put", {"key": base64.b64encode(b"/later").decode(), "value": value})
     ports, old_pid = (etcd.client_port, etcd.peer_port), etcd.pid
     await (etcd.stop() if how == "stop" else etcd.kill())
     assert not etcd.running and not _alive(old_pid)
