@@ -254,7 +254,8 @@ def _binned(obs: Observation, secs: float) -> list[list]:
 def _new_level(bins: list[list], k: int, width: float) -> Level | None:
     """The level of the newest `k` slices when it is a change from the level before them: `CHANGE_Z` standard
     errors off it in the requests or either side's work, with each of the `k` slices beyond it on the same side
-    by half as many (a burst shorter than the run leaves slices at the old level wherever it falls in it)."""
+    by half as many (a burst shorter than the run leaves slices at the old level wherever it falls in it).
+    Nothing before the run is a level too: a load that begins after an idle spell is a change from nothing."""
     newer = [e for b in bins[:k] for e in b]
     older = [e for b in bins[k:] for e in b]
     if len(newer) < MIN_DONE:
@@ -415,12 +416,12 @@ def fit(obs: Observation, intervals: tuple[Interval, ...], window_secs: float, p
         tokens += iv.decode_tokens
     if secs <= 0:
         return Fit(None, "no interval yet (one look so far)")
-    rates, rate_variances = _grouped_rates(used, _slice_count(arrivals, len(used)))
-    rate = _typical(rates, rate_variances)
     change = read_change(obs, secs, changed_at)
     unsettled = unsettled_start(secs, window_secs, change)
     if unsettled:
         return Fit(None, unsettled, secs)
+    rates, rate_variances = _grouped_rates(used, _slice_count(arrivals, len(used)))
+    rate = _typical(rates, rate_variances)
     # the window's slices of each side (requests, prompt work, answer work), while it is read whole
     sliced = ([_slices(obs, secs, side) for side in range(3)]
               if change is None and len(obs.request_sizes) >= MIN_DONE else None)
