@@ -14,8 +14,8 @@ scale).
 What arrives is read two ways. By default as the window's typical slice (`_typical`: the mean of the slices, a
 burst or a lull left out): a burst shorter than half the window is a backlog, not the mix. When the mix changed
 within the window (`read_change`: a new level of arriving work, its noise known from the sizes themselves, that
-has lasted a third of the window in every slice), it is read since the change, so a shift is acted on in about a
-third of the window rather than half.
+has lasted a third of the window in every slice), it is read since the change (`change_point`: when, to the
+arrival), so a shift is acted on in about a third of the window rather than half, on the new mix alone.
 A prefill request's cost for what arrives comes from a line, fixed + per size, fitted across the memory's
 intervals (`prefill_line`), where the sizes varied enough to fit one; scaling a cost by size alone overstates
 long prompts from short ones' costs, and a shift's first move then overshoots. Elsewhere it is the window's
@@ -218,9 +218,13 @@ class Level:
         squares = (len(entries), sum(e[1] ** 2 for e in entries), sum(e[2] ** 2 for e in entries))
         return Level(secs, tuple(v / secs for v in values), tuple(q / secs ** 2 for q in squares))
 
-    def beyond(self, other: "Level", side: int, z: float) -> bool:
+    def distance(self, other: "Level", side: int) -> float:
+        """How many standard errors (of both levels' noise) apart the two are on `side` (0 when neither has any)."""
         variance = self.variances[side] + other.variances[side]
-        return variance > 0 and abs(self.values[side] - other.values[side]) >= z * math.sqrt(variance)
+        return abs(self.values[side] - other.values[side]) / math.sqrt(variance) if variance > 0 else 0.0
+
+    def beyond(self, other: "Level", side: int, z: float) -> bool:
+        return self.distance(other, side) >= z
 
     def reading(self) -> "Reading":
         rate, prompt, answer = self.values
@@ -240,57 +244,113 @@ class Reading:
     secs: float  # how long ago the change was
 
 
-def _binned(obs: Observation, secs: float) -> list[list]:
-    """The window's arrivals in `SIZE_BINS` slices, newest first."""
-    width = secs / SIZE_BINS
-    bins: list[list] = [[] for _ in range(SIZE_BINS)]
-    for entry in obs.request_sizes:
-        index = int((obs.now - entry[0]) / width)
-        if 0 <= index < SIZE_BINS:
-            bins[index].append(entry)
-    return bins
-
-
-def _new_level(bins: list[list], k: int, width: float) -> Level | None:
-    """The level of the newest `k` slices when it is a change from the level before them: `CHANGE_Z` standard
-    errors off it in the requests or either side's work, with each of the `k` slices beyond it on the same side
-    by half as many (a burst shorter than the run leaves slices at the old level wherever it falls in it).
-    Nothing before the run is a level too: a load that begins after an idle spell is a change from nothing."""
-    newer = [e for b in bins[:k] for e in b]
-    older = [e for b in bins[k:] for e in b]
-    if len(newer) < MIN_DONE:
+def _new_level(entries: list, now: float, start: float, since: float, parts: int, kept: bool = False) -> Level | None:
+    """The level of the arrivals since `since` when it is a change from the level of those before it (from
+    `start`): `CHANGE_Z` standard errors off it in the requests or either side's work, with each of `parts` equal
+    slices since it at the new level on that side (`_slice_holds`: a burst shorter than the run leaves slices at
+    the old level wherever it falls in it). Nothing before the run is a level too: a load that begins after an
+    idle spell is a change from nothing."""
+    newer = [e for e in entries if e[0] > since]
+    if len(newer) < MIN_DONE or since <= start or now <= since:
         return None
-    new, old = Level.of(newer, k * width), Level.of(older, (len(bins) - k) * width)
-    slices = [Level.of(b, width) for b in bins[:k]]
+    new = Level.of(newer, now - since)
+    old = Level.of([e for e in entries if e[0] <= since], since - start)
+    width = (now - since) / parts
+    slices = [Level.of([e for e in newer if now - (i + 1) * width < e[0] <= now - i * width], width)
+              for i in range(parts)]
     for side in range(3):
         up = new.values[side] > old.values[side]
-        if new.beyond(old, side, CHANGE_Z) and all(
-                (one.values[side] > old.values[side]) == up and one.beyond(old, side, CHANGE_Z / 2) for one in slices):
+        if new.beyond(old, side, CHANGE_Z) and all(_slice_holds(one, new, old, side, up, kept) for one in slices):
             return new
     return None
 
 
+def _slice_holds(one: Level, new: Level, old: Level, side: int, up: bool, kept: bool) -> bool:
+    """Whether a slice of a run is at the run's new level on `side`: beyond the old level by half `CHANGE_Z`
+    (a change to be read), or, for a change already read (`kept`), nearer the new level than the old, each
+    distance in the standard errors a slice of that level has (a slice of a level of heavy-tailed sizes is 2 of
+    the standard errors of both from the old level, or not, by chance: a change read and held 10 s was dropped
+    on one slice at 1.98, and the fleet moved back on the window's median, a flap; a burst that ended leaves its
+    newest slices at the old level, within its own noise)."""
+    if (one.values[side] > old.values[side]) != up:
+        return False
+    if not kept:
+        return one.beyond(old, side, CHANGE_Z / 2)
+
+    def errors_from(level: Level) -> float:
+        noise = math.sqrt(level.variances[side] * level.secs / one.secs)  # a slice's, at that level
+        gap = abs(one.values[side] - level.values[side])
+        return gap / noise if noise > 0 else (0.0 if gap == 0 else math.inf)
+    return errors_from(new) < errors_from(old)
+
+
+def change_point(entries: list, now: float, start: float, lo: float, hi: float) -> float:
+    """When, between `lo` and `hi`, the arrivals changed: the split of the window's arrivals (`entries`, oldest
+    first, from `start`) under which they are likeliest as two levels, each a Poisson stream of its own rate
+    whose requests' sizes (log prompt, log answer) are normal of their own mean and spread; halfway between the
+    last arrival before it and the first after (the first when none came before it in the window). A run of
+    whole slices read as a change holds, in its oldest slice, the old level's last seconds too: read on all of
+    them, the first reading of a shift is a level between the two mixes, and the first move is one server short
+    (live, the second followed 8 s later). The work per second alone located it worse: a long-prompt level's
+    noise is the larger, and the arrival times' noise moved the split by seconds."""
+    logs = [(math.log1p(max(0.0, e[1])), math.log1p(max(0.0, e[2]))) for e in entries]
+    count = len(entries)
+    sums = [[0.0, 0.0, 0.0, 0.0]]  # prefix sums of log prompt, its square, log answer, its square
+    for p, a in logs:
+        last = sums[-1]
+        sums.append([last[0] + p, last[1] + p * p, last[2] + a, last[3] + a * a])
+
+    def fit(n: int, secs: float, part: list[float]) -> float:
+        """A segment's log-likelihood (constants left out): its rate's, and its sizes' on each side."""
+        if n == 0:
+            return 0.0
+        total = n * math.log(n / secs) - n
+        for side in (0, 2):
+            mean = part[side] / n
+            total -= n / 2 * math.log(max(part[side + 1] / n - mean * mean, 0.0) + SIZE_FLOOR)
+        return total
+    best, best_score = hi, -math.inf
+    for index, entry in enumerate(entries):
+        cut = (entries[index - 1][0] + entry[0]) / 2 if index else entry[0]
+        if not (lo <= cut <= hi and start < cut < now):
+            continue
+        before, after = sums[index], [t - b for t, b in zip(sums[count], sums[index])]
+        score = fit(index, cut - start, before) + fit(count - index, now - cut, after)
+        if score > best_score:
+            best, best_score = cut, score
+    return best
+
+
+SIZE_FLOOR = 1e-3  # the least variance of a segment's log sizes (sizes all alike would be a certainty)
+
+
 def read_change(obs: Observation, secs: float, changed_at: float | None = None) -> Reading | None:
-    """The level the arriving work changed to within the window, else None: the longest newest run of slices,
-    from `CHANGE_MIN_SHARE` of the window to half of it, that is a new level (`_new_level`; a level that has
-    lasted half the window is what the window's median reads anyway). A change read at an earlier look
-    (`changed_at`) stays read, its run growing to the whole window, while every slice since it is still beyond
-    the level before it: the reading does not go back to the median and forth again as runs qualify or not,
-    and a burst that was read as a change is dropped once it ends."""
+    """The level the arriving work changed to within the window, else None. A change is found on runs of the
+    window's newest slices (`SIZE_BINS` of it), the longest first from half the window down to
+    `CHANGE_MIN_SHARE` of it, that are a new level (`_new_level`; a level that has lasted half the window is what
+    the window's median reads anyway); it is read from when it happened (`change_point`), and only once that
+    is `CHANGE_MIN_SHARE` of the window ago. A change read at an earlier look (`changed_at`) stays read, from
+    then, while the arrivals since are still a new level against those before it: the reading does not go back
+    to the median and forth again as runs qualify or not, and a burst that was read as a change is dropped once
+    it ends."""
     if secs <= 0 or len(obs.request_sizes) < 2 * MIN_DONE:
         return None
+    now, start = obs.now, obs.now - secs
+    entries = sorted(e for e in obs.request_sizes if start < e[0] <= now)
     width = secs / SIZE_BINS
-    bins = _binned(obs, secs)
     least = max(2, math.ceil(SIZE_BINS * CHANGE_MIN_SHARE))
-    runs = list(range(SIZE_BINS // 2, least - 1, -1))
-    if changed_at is not None:
-        since = round((obs.now - changed_at) / width)
-        if SIZE_BINS // 2 < since < SIZE_BINS:
-            runs.insert(0, since)
-    for k in runs:
-        level = _new_level(bins, k, width)
-        if level is not None:
-            return level.reading()
+    shortest = CHANGE_MIN_SHARE * secs
+    if changed_at is not None and shortest <= now - changed_at < secs:
+        kept = _new_level(entries, now, start, changed_at, max(least, round((now - changed_at) / width)), kept=True)
+        if kept is not None:
+            return kept.reading()
+    for k in range(SIZE_BINS // 2, least - 1, -1):
+        if _new_level(entries, now, start, now - k * width, k) is None:
+            continue
+        since = change_point(entries, now, start, now - (k + 1) * width, now - (k - 1) * width)
+        if now - since < shortest:
+            return None  # the run read as a change holds the old level's last seconds: it is younger than a level
+        return Level.of([e for e in entries if e[0] > since], now - since).reading()
     return None
 
 

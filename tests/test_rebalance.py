@@ -289,6 +289,47 @@ def test_a_change_stays_read_while_it_lasts_and_is_dropped_when_it_ends():
     assert read_change(_window(before + ended), WINDOW, changed_at=WINDOW - 10.0) is None
 
 
+def test_a_change_is_read_from_when_it_happened_not_from_the_slice_it_fell_in():
+    """A change 6.9 s old falls 1.1 s into the run of four 2 s slices that reads it: read on the whole run, the
+    level was one between the two mixes (prompt work 876 a request, not 1000), and a shift's first move was one
+    server short. Read from the change point, it is the new mix and its age."""
+    import random
+    from policies.rebalance_estimate import change_point, read_change
+    rng = random.Random(4)
+    for seed in range(20):
+        rng.seed(seed)
+        before = _arrivals(rng, 0.0, WINDOW - 6.9, 10.0, 100.0, sigma=0.5)
+        after = _arrivals(rng, WINDOW - 6.9, WINDOW, 10.0, 1000.0, sigma=0.5)
+        read = read_change(_window(before + after), WINDOW)
+        assert read is not None, seed
+        assert read.secs == pytest.approx(6.9, abs=0.5), seed
+        assert read.work[0] == pytest.approx(sum(e[1] for e in after) / len(after), rel=0.05), seed
+    # sizes alike on both sides, the rate tripled: the split is where the arrivals quicken
+    rng.seed(1)
+    entries = sorted(_arrivals(rng, 0.0, 10.0, 5.0, 100.0) + _arrivals(rng, 10.0, WINDOW, 15.0, 100.0))
+    assert change_point(entries, WINDOW, 0.0, 6.0, 12.0) == pytest.approx(10.0, abs=0.5)
+
+
+def test_a_change_read_stays_read_through_a_slice_its_own_noise_explains():
+    """Kept, a change needs its slices nearer the new level than the old, each in its own noise. A newest slice
+    whose answer work is one long answer (a fifth of the new level's, its noise as large as itself: under 2 of
+    its standard errors from the old level) is the new level's noise (2.5 of a slice's standard errors from it,
+    6 of the old's from the old); dropped on it, the change gave way to the window's median, and the fleet moved
+    back (drift6 seed 11, a flap). The old level back in the newest slices still ends it (the burst ended)."""
+    import math
+    import random
+    from policies.rebalance_estimate import read_change
+    rng = random.Random(6)
+    before = _arrivals(rng, 0.0, WINDOW - 10.0, 9.0, 300.0, answer=6.0)  # only the answers change
+    after = [(t, p, rng.lognormvariate(math.log(60.0) - 0.32, 0.8))
+             for t, p, _ in _arrivals(rng, WINDOW - 10.0, WINDOW - 2.0, 9.0, 300.0)]
+    dip = after + [(WINDOW - 1.0, 300.0, 200.0)]  # the newest slice: one request, a long answer
+    kept = read_change(_window(before + dip), WINDOW, changed_at=WINDOW - 10.0)
+    assert kept is not None and kept.secs == pytest.approx(10.0)
+    back = [e for e in dip if e[0] <= WINDOW - 4.0] + _arrivals(rng, WINDOW - 4.0, WINDOW, 9.0, 300.0, answer=6.0)
+    assert read_change(_window(before + back), WINDOW, changed_at=WINDOW - 10.0) is None
+
+
 def test_a_load_starting_after_an_idle_spell_is_read_as_a_change_from_nothing():
     """A fleet idle before its load begins (a router started before its clients): the load is a new level once
     it has lasted a third of the window, not a level diluted by the idle seconds the window still holds."""
