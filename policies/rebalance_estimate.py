@@ -328,11 +328,10 @@ def read_change(obs: Observation, secs: float, changed_at: float | None = None) 
     """The level the arriving work changed to within the window, else None. A change is found on runs of the
     window's newest slices (`SIZE_BINS` of it), the longest first from half the window down to
     `CHANGE_MIN_SHARE` of it, that are a new level (`_new_level`; a level that has lasted half the window is what
-    the window's median reads anyway); it is read from when it happened (`change_point`), and only once that
-    is `CHANGE_MIN_SHARE` of the window ago. A change read at an earlier look (`changed_at`) stays read, from
-    then, while the arrivals since are still a new level against those before it: the reading does not go back
-    to the median and forth again as runs qualify or not, and a burst that was read as a change is dropped once
-    it ends."""
+    the window's median reads anyway); it is read from when it happened (`change_point`). A change read at an
+    earlier look (`changed_at`) stays read, from then, while the arrivals since are still a new level against
+    those before it: the reading does not go back to the median and forth again as runs qualify or not, and a
+    burst that was read as a change is dropped once it ends."""
     if secs <= 0 or len(obs.request_sizes) < 2 * MIN_DONE:
         return None
     now, start = obs.now, obs.now - secs
@@ -347,9 +346,9 @@ def read_change(obs: Observation, secs: float, changed_at: float | None = None) 
     for k in range(SIZE_BINS // 2, least - 1, -1):
         if _new_level(entries, now, start, now - k * width, k) is None:
             continue
+        # the run's slices are each at the new level (the test that tells a shift from a burst); its oldest may
+        # hold the old level's last seconds too: the level is read from the change on
         since = change_point(entries, now, start, now - (k + 1) * width, now - (k - 1) * width)
-        if now - since < shortest:
-            return None  # the run read as a change holds the old level's last seconds: it is younger than a level
         return Level.of([e for e in entries if e[0] > since], now - since).reading()
     return None
 
