@@ -25,6 +25,7 @@ the prefills are the ones that arrived in them (`_balanced`).
 
 from __future__ import annotations
 
+import bisect
 import math
 from dataclasses import dataclass
 
@@ -244,20 +245,27 @@ class Reading:
     secs: float  # how long ago the change was
 
 
+def _arrived_at(entry: tuple[float, float, float]) -> float:
+    return entry[0]
+
+
 def _new_level(entries: list, now: float, start: float, since: float, parts: int, kept: bool = False) -> Level | None:
     """The level of the arrivals since `since` when it is a change from the level of those before it (from
     `start`): `CHANGE_Z` standard errors off it in the requests or either side's work, with each of `parts` equal
     slices since it at the new level on that side (`_slice_holds`: a burst shorter than the run leaves slices at
     the old level wherever it falls in it). Nothing before the run is a level too: a load that begins after an
     idle spell is a change from nothing."""
-    newer = [e for e in entries if e[0] > since]
+    split = bisect.bisect_right(entries, since, key=_arrived_at)
+    newer = entries[split:]
     if len(newer) < MIN_DONE or since <= start or now <= since:
         return None
     new = Level.of(newer, now - since)
-    old = Level.of([e for e in entries if e[0] <= since], since - start)
+    old = Level.of(entries[:split], since - start)
     width = (now - since) / parts
-    slices = [Level.of([e for e in newer if now - (i + 1) * width < e[0] <= now - i * width], width)
-              for i in range(parts)]
+    parted: list[list] = [[] for _ in range(parts)]
+    for entry in newer:
+        parted[min(parts - 1, int((now - entry[0]) / width))].append(entry)
+    slices = [Level.of(part, width) for part in parted]
     for side in range(3):
         up = new.values[side] > old.values[side]
         if new.beyond(old, side, CHANGE_Z) and all(_slice_holds(one, new, old, side, up, kept) for one in slices):
@@ -300,7 +308,7 @@ def change_point(entries: list, now: float, start: float, lo: float, hi: float) 
         last = sums[-1]
         sums.append([last[0] + p, last[1] + p * p, last[2] + a, last[3] + a * a])
 
-    def fit(n: int, secs: float, part: list[float]) -> float:
+    def likelihood(n: int, secs: float, part: list[float]) -> float:
         """A segment's log-likelihood (constants left out): its rate's, and its sizes' on each side."""
         if n == 0:
             return 0.0
@@ -315,7 +323,7 @@ def change_point(entries: list, now: float, start: float, lo: float, hi: float) 
         if not (lo <= cut <= hi and start < cut < now):
             continue
         before, after = sums[index], [t - b for t, b in zip(sums[count], sums[index])]
-        score = fit(index, cut - start, before) + fit(count - index, now - cut, after)
+        score = likelihood(index, cut - start, before) + likelihood(count - index, now - cut, after)
         if score > best_score:
             best, best_score = cut, score
     return best
@@ -335,7 +343,7 @@ def read_change(obs: Observation, secs: float, changed_at: float | None = None) 
     if secs <= 0 or len(obs.request_sizes) < 2 * MIN_DONE:
         return None
     now, start = obs.now, obs.now - secs
-    entries = sorted(e for e in obs.request_sizes if start < e[0] <= now)
+    entries = sorted((e for e in obs.request_sizes if start < e[0] <= now), key=_arrived_at)
     width = secs / SIZE_BINS
     least = max(2, math.ceil(SIZE_BINS * CHANGE_MIN_SHARE))
     shortest = CHANGE_MIN_SHARE * secs
