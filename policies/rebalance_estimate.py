@@ -357,7 +357,11 @@ def read_change(obs: Observation, secs: float, changed_at: float | None = None) 
         # the run's slices are each at the new level (the test that tells a shift from a burst); its oldest may
         # hold the old level's last seconds too: the level is read from the change on
         since = change_point(entries, now, start, now - (k + 1) * width, now - (k - 1) * width)
-        return Level.of([e for e in entries if e[0] > since], now - since).reading()
+        newer = entries[bisect.bisect_right(entries, since, key=_arrived_at):]
+        if len(newer) < MIN_DONE:  # too few since it to read a level on (a load falling to nothing): the run's
+            since = now - k * width
+            newer = entries[bisect.bisect_right(entries, since, key=_arrived_at):]
+        return Level.of(newer, now - since).reading()
     return None
 
 
