@@ -249,15 +249,22 @@ def _arrived_at(entry: tuple[float, float, float]) -> float:
     return entry[0]
 
 
+def _split_at(entries: list, at: float) -> int:
+    """Where `entries` (oldest first) split at time `at`: those before it arrived at or before `at`."""
+    return bisect.bisect_right(entries, at, key=_arrived_at)
+
+
 def _new_level(entries: list, now: float, start: float, since: float, parts: int, kept: bool = False) -> Level | None:
     """The level of the arrivals since `since` when it is a change from the level of those before it (from
     `start`): `CHANGE_Z` standard errors off it in the requests or either side's work, with each of `parts` equal
     slices since it at the new level on that side (`_slice_holds`: a burst shorter than the run leaves slices at
     the old level wherever it falls in it). Nothing before the run is a level too: a load that begins after an
     idle spell is a change from nothing."""
-    split = bisect.bisect_right(entries, since, key=_arrived_at)
+    if since <= start or now <= since:
+        return None
+    split = _split_at(entries, since)
     newer = entries[split:]
-    if len(newer) < MIN_DONE or since <= start or now <= since:
+    if len(newer) < MIN_DONE:
         return None
     new = Level.of(newer, now - since)
     old = Level.of(entries[:split], since - start)
@@ -267,21 +274,20 @@ def _new_level(entries: list, now: float, start: float, since: float, parts: int
         parted[min(parts - 1, int((now - entry[0]) / width))].append(entry)
     slices = [Level.of(part, width) for part in parted]
     for side in range(3):
-        up = new.values[side] > old.values[side]
-        if new.beyond(old, side, CHANGE_Z) and all(_slice_holds(one, new, old, side, up, kept) for one in slices):
+        if new.beyond(old, side, CHANGE_Z) and all(_slice_holds(one, new, old, side, kept) for one in slices):
             return new
     return None
 
 
-def _slice_holds(one: Level, new: Level, old: Level, side: int, up: bool, kept: bool) -> bool:
+def _slice_holds(one: Level, new: Level, old: Level, side: int, kept: bool) -> bool:
     """Whether a slice of a run is at the run's new level on `side`: beyond the old level by half `CHANGE_Z`
     (a change to be read), or, for a change already read (`kept`), nearer the new level than the old, each
     distance in the standard errors a slice of that level has (a slice of a level of heavy-tailed sizes is 2 of
     the standard errors of both from the old level, or not, by chance: a change read and held 10 s was dropped
     on one slice at 1.98, and the fleet moved back on the window's median, a flap; a burst that ended leaves its
     newest slices at the old level, within its own noise)."""
-    if (one.values[side] > old.values[side]) != up:
-        return False
+    if (one.values[side] > old.values[side]) != (new.values[side] > old.values[side]):
+        return False  # on the old level's other side
     if not kept:
         return one.beyond(old, side, CHANGE_Z / 2)
 
@@ -357,10 +363,10 @@ def read_change(obs: Observation, secs: float, changed_at: float | None = None) 
         # the run's slices are each at the new level (the test that tells a shift from a burst); its oldest may
         # hold the old level's last seconds too: the level is read from the change on
         since = change_point(entries, now, start, now - (k + 1) * width, now - (k - 1) * width)
-        newer = entries[bisect.bisect_right(entries, since, key=_arrived_at):]
+        newer = entries[_split_at(entries, since):]
         if len(newer) < MIN_DONE:  # too few since it to read a level on (a load falling to nothing): the run's
             since = now - k * width
-            newer = entries[bisect.bisect_right(entries, since, key=_arrived_at):]
+            newer = entries[_split_at(entries, since):]
         return Level.of(newer, now - since).reading()
     return None
 
