@@ -173,12 +173,15 @@ TRIM_Z = 3.0  # a slice this many of its noise's standard errors off the window'
 
 def _typical(values: list[float], variances: list[float]) -> float:
     """The window's level, not moved by a burst or a lull shorter than half of it: the mean of the slices within
-    `TRIM_Z` standard errors of a slice (its Poisson noise, the median slice's) of the median. The median alone
-    is that robust but biased: of a few requests a slice its median is under the mean (a Poisson count's is)."""
+    `TRIM_Z` standard errors of a slice (its Poisson noise: the slices' variances pooled, what a slice of the
+    window's own sizes varies by) of the median. The median alone is that robust but biased: of a few requests a
+    slice its median is under the mean (a Poisson count's is). So is the median slice's variance for heavy-tailed
+    sizes (a sum of squares is ruled by the rare long one): a slice holding one long prompt read as a burst, and
+    the mean prompt read a fifth low, at a start a third."""
     if not values:
         return 0.0
     center = _median(values)
-    band = TRIM_Z * math.sqrt(_median(variances)) if variances else 0.0
+    band = TRIM_Z * math.sqrt(sum(variances) / len(variances)) if variances else 0.0
     kept = [v for v in values if abs(v - center) <= band]
     return sum(kept) / len(kept) if kept else center
 

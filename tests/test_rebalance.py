@@ -570,6 +570,35 @@ def test_a_prefill_cost_is_scaled_by_the_prompts_that_left_the_prefills_not_by_t
     assert by_ended < 0.8 * got.mix.prefill_s  # what it read before
 
 
+def test_a_slice_holding_one_long_prompt_is_not_read_as_a_burst():
+    """Heavy-tailed prompts (lognormal, sigma 1): a slice's work is ruled by its rare long prompt. With the band
+    drawn from the median slice's variance, such a slice was left out as a burst and the mean prompt read an
+    eighth low (a third at a start, on fewer requests); the band is the slices' pooled variance now, and a true
+    burst (five times the requests in one slice) is still left out."""
+    import math
+    import random
+    from policies.rebalance_estimate import _typical
+    rng = random.Random(5)
+
+    def slice_of(count_mean: float) -> tuple[float, float]:  # a Poisson count of lognormal sizes of mean 1
+        limit, k, p = math.exp(-count_mean), 0, 1.0
+        while True:
+            p *= rng.random()
+            if p <= limit:
+                break
+            k += 1
+        sizes = [rng.lognormvariate(-0.5, 1.0) for _ in range(k)]
+        return sum(sizes), sum(x * x for x in sizes)
+    read, with_burst = [], []
+    for _ in range(2000):
+        slices = [slice_of(5.0) for _ in range(8)]
+        read.append(_typical([w for w, _ in slices], [v for _, v in slices]))
+        burst = slices[:7] + [slice_of(25.0)]
+        with_burst.append(_typical([w for w, _ in burst], [v for _, v in burst]))
+    assert sum(read) / len(read) >= 0.93 * 5.0  # the median slice's band read 0.87 of it
+    assert sum(with_burst) / len(with_burst) < 1.1 * 5.0  # the burst's slice (25) mostly left out
+
+
 def test_an_interval_working_through_a_backlog_does_not_say_what_its_arrivals_cost():
     """A burst of long prompts leaves a queue; the intervals that work through it finish about as many as arrive,
     but the ones finished are the burst's (first in, first out). Counted as the arrivals' cost, a steady mix's
