@@ -20,7 +20,8 @@ A prefill request's cost for what arrives comes from a line, fixed + per size, f
 intervals (`prefill_line`), where the sizes varied enough to fit one; scaling a cost by size alone overstates
 long prompts from short ones' costs, and a shift's first move then overshoots. Elsewhere it is the window's
 forward seconds per unit of prompt size (`prefill_per_size`). Both read only intervals whose requests leaving
-the prefills are the ones that arrived in them (`_balanced`).
+the prefills are the ones that arrived in them (`_balanced`); the window's is read whole when it held no queue
+(a forward across two intervals' edge belongs to both).
 """
 
 from __future__ import annotations
@@ -431,14 +432,33 @@ def _balanced(iv: Interval) -> bool:
             and abs(iv.arrivals - iv.prefill_done) <= BALANCED * iv.arrivals)
 
 
+def _as_one(intervals: list[Interval]) -> Interval:
+    """Consecutive intervals (oldest first) as one: what the prefills held at its start, the oldest's."""
+    return Interval(sum(iv.secs for iv in intervals), sum(iv.arrivals for iv in intervals),
+                    sum(iv.prefill_done for iv in intervals), sum(iv.prefill_busy_s for iv in intervals),
+                    sum(iv.decode_done for iv in intervals), sum(iv.decode_started for iv in intervals),
+                    sum(iv.decode_tokens for iv in intervals), sum(iv.sized for iv in intervals),
+                    sum(iv.prompt_size for iv in intervals), sum(iv.prompt_squares for iv in intervals),
+                    intervals[0].prefill_held)
+
+
 def prefill_per_size(intervals: list[Interval]) -> float | None:
-    """A prefill's seconds per unit of prompt size over `intervals` (the window's), from those that were
-    balanced (`_balanced`); None with fewer than `MIN_DONE` requests behind it. The reference is the prompts
-    that left the prefills, not the requests that ended whole: those are the short answers' kinds more than
-    the mix is (a chat request with a long prompt ends before a long answer does), and scaling by their sizes
-    read a mix of both kinds' prefill a fifth low."""
+    """A prefill's seconds per unit of prompt size over `intervals` (the window's, oldest first); None with fewer
+    than `MIN_DONE` requests behind it. The window is read as one while no interval of it began with a queue
+    (the prefills held at most `BALANCED` of what the window finished) and it is balanced as a whole: a forward
+    running across two intervals' edge counts in the second, so balance judged interval by interval keeps those
+    whose long prompts were still running at their end and leaves out those that finished them (heavy-tailed
+    prompts read at a third of their cost at a start, a fifth under it later, and the fleet moved on it).
+    A window working through a queue is read from its intervals that were balanced each (`_balanced`). The
+    reference is the prompts that left the prefills, not the requests that ended whole: those are the short
+    answers' kinds more than the mix is (a chat request with a long prompt ends before a long answer does), and
+    scaling by their sizes read a mix of both kinds' prefill a fifth low."""
+    if not intervals:
+        return None
+    whole = _as_one(intervals)
+    queued = max(iv.prefill_held for iv in intervals) > BALANCED * whole.prefill_done
     busy = size = done = 0.0
-    for iv in intervals:
+    for iv in (intervals if queued or not _balanced(whole) else [whole]):
         if _balanced(iv):
             busy += iv.prefill_busy_s
             size += iv.prefill_done * iv.prompt_size / iv.sized
@@ -518,7 +538,7 @@ def fit(obs: Observation, intervals: tuple[Interval, ...], window_secs: float, p
     through = (decode_done + decode_started) / 2
     decode_tokens = tokens / through if decode_done >= MIN_DONE and through > 0 else None
     cost_line = prefill_line(intervals)
-    per_size = prefill_per_size(used)
+    per_size = prefill_per_size(used[::-1])  # oldest first
     if cost_line is not None and sizes:
         prefill_s = cost_line[0] + cost_line[1] * sizes[0]
     elif per_size is not None and sizes:

@@ -599,6 +599,27 @@ def test_a_slice_holding_one_long_prompt_is_not_read_as_a_burst():
     assert sum(with_burst) / len(with_burst) < 1.1 * 5.0  # the burst's slice (25) mostly left out
 
 
+def test_a_prompt_whose_forward_runs_across_an_intervals_edge_is_counted_with_its_arrival():
+    """Long prompts arrive last in an interval and finish in the next: the first interval finishes its short
+    ones only (balanced: it held nothing and finished 16 of 20), the next finishes the long ones it held (4 at
+    its start: not balanced). Judged interval by interval, the cost per unit of prompt read a fifth of the
+    truth (the long prompts' forwards left out, their sizes counted); the window held no queue, so it is read
+    as one."""
+    from policies.rebalance_estimate import Interval, prefill_per_size
+    per_unit, short, long = 0.0002, 100.0, 2000.0
+
+    def interval(held: int, shorts: int, longs: int, finished_longs: int) -> Interval:
+        size = shorts * short + longs * long
+        squares = shorts * short ** 2 + longs * long ** 2
+        done = shorts + finished_longs
+        busy = per_unit * (shorts * short + finished_longs * long)
+        return Interval(2.0, shorts + longs, done, busy, done, done, 10.0 * done, shorts + longs, size, squares,
+                        prefill_held=held)
+    window = [interval(0, 16, 4, 0), interval(4, 12, 0, 4), interval(0, 16, 4, 0), interval(4, 12, 0, 4)]
+    assert prefill_per_size(window) == pytest.approx(per_unit)
+    assert prefill_per_size([window[0], window[2]]) < 0.25 * per_unit  # the balanced intervals alone
+
+
 def test_an_interval_working_through_a_backlog_does_not_say_what_its_arrivals_cost():
     """A burst of long prompts leaves a queue; the intervals that work through it finish about as many as arrive,
     but the ones finished are the burst's (first in, first out). Counted as the arrivals' cost, a steady mix's
