@@ -551,9 +551,12 @@ def fit(obs: Observation, intervals: tuple[Interval, ...], window_secs: float, p
         # the router read each request's token budget as it arrived: that is the mix now; the servers' tokens say
         # what share of it requests decode, read only while the decode pool is steady (its rows lag by up to
         # 15 steps, which a pool whose batch grows makes seconds, and which a steady one makes no difference to)
-        finished = [a - 1 for _, a in obs.finished_sizes if a > 1]
+        # a budget of one token decodes none (the first comes with the KV): its 0 counts, as it does in the
+        # budget and in the requests through the pool (left out, a mix where a third of the requests asked for
+        # one token read a share of 0.67 where every request decoded its whole budget)
+        finished = [a - 1 for _, a in obs.finished_sizes]
         steady = abs(decode_started - decode_done) <= STEADY_SHARE * max(decode_done, decode_started)
-        if decode_tokens is not None and finished and steady:
+        if decode_tokens is not None and finished and sum(finished) > 0 and steady:
             answer_share = min(1.0, max(0.01, decode_tokens / (sum(finished) / len(finished))))
         decode_tokens = budget * answer_share
     else:

@@ -211,6 +211,23 @@ def test_the_token_budget_the_router_read_is_the_decode_mix_scaled_by_the_share_
     assert turned.mix.answer_share == pytest.approx(7 / 20) and turned.mix.decode_tokens == pytest.approx(14.0, rel=0.05)
 
 
+def test_requests_asking_for_one_token_count_in_the_share_of_the_budget_decoded():
+    """A third of the requests ask for one token (the prefill gives it: the decode adds none), the rest for 31,
+    and every request decodes its whole budget: 20 tokens each on average through the pool, the budget read 20.
+    The share is 1. Measured against the finished requests' budgets without the one-token ones (30 each), it
+    read 0.67, and the decode work of the next mix, kept at that share, read a third short: heavy6 held a
+    saturated decode pool for 30 s."""
+    from policies.rebalance_estimate import counters
+    before, after = _obs(0.0, 0, 0.0, 0.0), _obs(10.0, 50, 10.0, 1000.0)  # 100 through, 2000 tokens
+    budgets = [1 if t % 3 == 0 else 31 for t in range(99)]
+    arrived = tuple((t * 0.1, 100, b) for t, b in enumerate(budgets))
+    ended = tuple((100, b) for b in budgets)
+    steady = interval(counters(before), counters(after), 10.0)
+    got = fit(replace(after, request_sizes=arrived, finished_sizes=ended), (steady,), 10.0, None)
+    assert got.mix.answer_share == pytest.approx(1.0, abs=0.02)
+    assert got.mix.decode_tokens == pytest.approx(20.0, rel=0.05)
+
+
 # ---- reading a change of the mix, and a prefill's cost line ---------------------------------------------------
 WINDOW = 16.0  # seconds of arrivals the fit reads (SIZE_BINS slices of 2 s)
 
