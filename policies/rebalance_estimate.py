@@ -20,15 +20,14 @@ A prefill request's cost for what arrives comes from a line, fixed + per size, f
 intervals (`prefill_line`), where the sizes varied enough to fit one; scaling a cost by size alone overstates
 long prompts from short ones' costs, and a shift's first move then overshoots. Elsewhere it is the window's
 forward seconds per unit of prompt size (`prefill_per_size`). Both read only intervals whose requests leaving
-the prefills are the ones that arrived in them (`_balanced`); the window's is read whole when it held no queue
-(a forward across two intervals' edge belongs to both).
+the prefills are the ones that arrived in them (`_balanced`), the window whole while it held no queue.
 """
 
 from __future__ import annotations
 
 import bisect
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 
 from .fleet_model import Mix
 from .rebalance_signals import DECODE, PREFILL, Observation, decoding_now, step_line, waits_on_decode, waits_on_prefill
@@ -174,11 +173,10 @@ TRIM_Z = 3.0  # a slice this many of its noise's standard errors off the window'
 
 def _typical(values: list[float], variances: list[float]) -> float:
     """The window's level, not moved by a burst or a lull shorter than half of it: the mean of the slices within
-    `TRIM_Z` standard errors of a slice (its Poisson noise: the slices' variances pooled, what a slice of the
-    window's own sizes varies by) of the median. The median alone is that robust but biased: of a few requests a
-    slice its median is under the mean (a Poisson count's is). So is the median slice's variance for heavy-tailed
-    sizes (a sum of squares is ruled by the rare long one): a slice holding one long prompt read as a burst, and
-    the mean prompt read a fifth low, at a start a third."""
+    `TRIM_Z` standard errors of a slice (its Poisson noise, the slices' variances pooled) of the median. The
+    median alone is that robust but biased: of a few requests a slice its median is under the mean (a Poisson
+    count's is); so is the median slice's variance of heavy-tailed sizes (ruled by the rare long one): a slice
+    holding one long prompt was left out as a burst, the mean prompt read an eighth low, a third at a start."""
     if not values:
         return 0.0
     center = _median(values)
@@ -400,17 +398,14 @@ def _rescaled(cost: float | None, obs: Observation, per_request: float | None, s
     if cost is None or per_request is None or len(finished) < MIN_DONE:
         return cost
     mean_finished = sum(s[side - 1] for s in finished) / len(finished)
-    if mean_finished <= 0:
-        return cost
-    return cost * per_request / mean_finished if per_request > 0 else cost
+    return cost * per_request / mean_finished if mean_finished > 0 and per_request > 0 else cost
 
 
 def _arriving_sizes(sliced: list[tuple[list[float], list[float]]]) -> tuple[float, float] | None:
-    """The mean sizes (prompt, answer) of the requests arriving, from the window's slices of each side
-    (`_slices` of sides 0, 1, 2): the typical slice's work over the typical slice's count, of the same slices
-    (`_typical`: a burst shorter than half the window is a backlog, not the mix); None: none read. Over the
-    rate read from the prefills' intervals, other slices, the ratio was of two noisy readings: 0.8 of the
-    prompt size read where every prompt was the same."""
+    """The mean sizes (prompt, answer) of the requests arriving, from the window's slices of each side (`_slices`
+    of sides 0, 1, 2): the typical slice's work over the typical slice's count, of the same slices (`_typical`);
+    None: none read. Over the rate read from the prefills' intervals, other slices, the ratio was of two noisy
+    readings: 0.8 of the prompt size read where every prompt was the same."""
     count = _typical(*sliced[0])
     if count <= 0:
         return None
@@ -418,8 +413,6 @@ def _arriving_sizes(sliced: list[tuple[list[float], list[float]]]) -> tuple[floa
 
 
 STEADY_SHARE = 0.1  # a decode pool whose requests in flight changed by under this share of those through it
-
-
 BALANCED = 0.2  # an interval whose prefills held and finished within this share of what arrived: no backlog moved
 RELIABLE = 0.5  # the share of the intervals' spread in mean prompt size that must be the mix's, not sampling
 
@@ -434,25 +427,18 @@ def _balanced(iv: Interval) -> bool:
 
 def _as_one(intervals: list[Interval]) -> Interval:
     """Consecutive intervals (oldest first) as one: what the prefills held at its start, the oldest's."""
-    return Interval(sum(iv.secs for iv in intervals), sum(iv.arrivals for iv in intervals),
-                    sum(iv.prefill_done for iv in intervals), sum(iv.prefill_busy_s for iv in intervals),
-                    sum(iv.decode_done for iv in intervals), sum(iv.decode_started for iv in intervals),
-                    sum(iv.decode_tokens for iv in intervals), sum(iv.sized for iv in intervals),
-                    sum(iv.prompt_size for iv in intervals), sum(iv.prompt_squares for iv in intervals),
-                    intervals[0].prefill_held)
+    summed = Interval(*(sum(getattr(iv, f.name) for iv in intervals) for f in fields(Interval)))
+    return replace(summed, prefill_held=intervals[0].prefill_held)
 
 
 def prefill_per_size(intervals: list[Interval]) -> float | None:
     """A prefill's seconds per unit of prompt size over `intervals` (the window's, oldest first); None with fewer
-    than `MIN_DONE` requests behind it. The window is read as one while no interval of it began with a queue
-    (the prefills held at most `BALANCED` of what the window finished) and it is balanced as a whole: a forward
-    running across two intervals' edge counts in the second, so balance judged interval by interval keeps those
-    whose long prompts were still running at their end and leaves out those that finished them (heavy-tailed
-    prompts read at a third of their cost at a start, a fifth under it later, and the fleet moved on it).
-    A window working through a queue is read from its intervals that were balanced each (`_balanced`). The
-    reference is the prompts that left the prefills, not the requests that ended whole: those are the short
-    answers' kinds more than the mix is (a chat request with a long prompt ends before a long answer does), and
-    scaling by their sizes read a mix of both kinds' prefill a fifth low."""
+    than `MIN_DONE` requests behind it. Read as one window while none of its intervals began with a queue (over
+    `BALANCED` of what it finished) and it is balanced whole: a forward across two intervals' edge counts in the
+    second, and balance judged per interval kept those whose long prompts still ran at their end and left out
+    those that finished them (heavy-tailed prompts read a third of their cost at a start, a fifth under later).
+    Else from the intervals balanced each (`_balanced`). Not scaled by the requests that ended whole: those are
+    the short answers' kinds more than the mix is, and read a mix of both kinds' prefill a fifth low."""
     if not intervals:
         return None
     whole = _as_one(intervals)
@@ -551,9 +537,8 @@ def fit(obs: Observation, intervals: tuple[Interval, ...], window_secs: float, p
         # the router read each request's token budget as it arrived: that is the mix now; the servers' tokens say
         # what share of it requests decode, read only while the decode pool is steady (its rows lag by up to
         # 15 steps, which a pool whose batch grows makes seconds, and which a steady one makes no difference to)
-        # a budget of one token decodes none (the first comes with the KV): its 0 counts, as it does in the
-        # budget and in the requests through the pool (left out, a mix where a third of the requests asked for
-        # one token read a share of 0.67 where every request decoded its whole budget)
+        # a budget of one token decodes none (the KV brings it): its 0 counts, as in the budget and the requests
+        # through the pool (left out, a third of one-token requests read a share of 0.67 where it was 1)
         finished = [a - 1 for _, a in obs.finished_sizes]
         steady = abs(decode_started - decode_done) <= STEADY_SHARE * max(decode_done, decode_started)
         if decode_tokens is not None and finished and sum(finished) > 0 and steady:
