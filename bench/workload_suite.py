@@ -194,7 +194,7 @@ def suite_config(workload: Workload, overrides: dict[str, float] | None = None) 
 def suite_config_for(ttft_s: float, tpot_s: float) -> RebalanceConfig:
     """The defaults, enabled, the operator's SLOs as the targets, and no warm-up: the `warmup` guard waits out
     real servers' start-up (first compilations, empty caches), which the capacity model and the simulator do not
-    have; the model waits for a level of its own (`rebalance_estimate.unsettled_start`)."""
+    have; the model waits for a level of its own (`rebalance_change.unsettled_start`)."""
     return RebalanceConfig(mode=RebalanceMode.ENABLED, warmup_secs=0.0, ttft_target_secs=ttft_s,
                            itl_target_secs=tpot_s)
 

@@ -12,7 +12,7 @@ that a model fitted to it predicts serves the operator's SLOs best. One look:
    look and the last ones within `window_secs` (the router's requests sent and open on each server, the
    prefills' forward seconds, the decodes' tokens and step lines), the backlogs the signals read
    (`rebalance_signals`: which queue waits on which pool) and the spread of request sizes the router saw; what
-   arrives read since a change of the mix when there was one (`rebalance_estimate.read_change`).
+   arrives read since a change of the mix when there was one (`rebalance_change.read_change`).
 3. **Value every split** (`fleet_model.plan`): each split within the floors, its predicted SLO attainment (the
    share of requests meeting both the TTFT and the TPOT target) over `horizon_secs`, the backlogs now and the
    conversions' cost (their measured duration per direction) included. Several servers move at once when the
@@ -67,7 +67,7 @@ class RebalanceState:
     last_counters: tuple | None = None  # every routable server's counters at the last look (rebalance_estimate)
     intervals: tuple = ()  # what happened between looks (rebalance_estimate.Interval), newest last
     mix: object | None = None  # the mix fitted at the last look (fleet_model.Mix)
-    changed_at: float | None = None  # when the fit last read a change of the mix (rebalance_estimate.read_change)
+    changed_at: float | None = None  # when the fit last read a change of the mix (rebalance_change.read_change)
     # the recent successful conversions' durations: ((into prefill...), (into decode...))
     conversion_secs: tuple[tuple[float, ...], tuple[float, ...]] = ((), ())
 
@@ -260,7 +260,7 @@ def decide(obs: Observation, state: RebalanceState, config: RebalanceConfig) -> 
     # flap), and it must not lose to holding at either end, or it bets on the noise
     error_p, error_d = fitted.spread
     reading["spread"] = {"prefill": round(error_p, 3), "decode": round(error_d, 3)}
-    if fitted.changed_at is not None:  # the mix is read since then (rebalance_estimate.read_change)
+    if fitted.changed_at is not None:  # the mix is read since then (rebalance_change.read_change)
         reading["changed_secs_ago"] = round(obs.now - fitted.changed_at, 2)
     if best.moves and (error_p or error_d):
         ends = []

@@ -251,7 +251,7 @@ def _window(entries) -> Observation:
 
 def test_a_new_level_is_read_after_a_third_of_the_window_and_a_burst_within_it_is_not():
     import random
-    from policies.rebalance_estimate import read_change
+    from policies.rebalance_change import read_change
     rng = random.Random(3)
     for seed in range(20):
         rng.seed(seed)
@@ -284,7 +284,7 @@ def test_noise_alone_is_not_read_as_a_change():
     """The noise of a level is the Poisson stream's, known from the sizes: a steady heavy-tailed mix is not
     read as a change at the looks of a long run (a false one moves servers for nothing)."""
     import random
-    from policies.rebalance_estimate import read_change
+    from policies.rebalance_change import read_change
     rng = random.Random(11)
     false = sum(read_change(_window(_arrivals(rng, 0.0, WINDOW, 9.0, 600.0, answer=24.0, sigma=1.2)), WINDOW)
                 is not None for _ in range(500))
@@ -293,7 +293,7 @@ def test_noise_alone_is_not_read_as_a_change():
 
 def test_a_change_stays_read_while_it_lasts_and_is_dropped_when_it_ends():
     import random
-    from policies.rebalance_estimate import read_change
+    from policies.rebalance_change import read_change
     rng = random.Random(5)
     before = _arrivals(rng, 0.0, WINDOW - 10.0, 10.0, 100.0)
     after = _arrivals(rng, WINDOW - 10.0, WINDOW, 10.0, 1000.0)
@@ -311,7 +311,7 @@ def test_a_change_is_read_from_when_it_happened_not_from_the_slice_it_fell_in():
     level was one between the two mixes (prompt work 876 a request, not 1000), and a shift's first move was one
     server short. Read from the change point, it is the new mix and its age."""
     import random
-    from policies.rebalance_estimate import change_point, read_change
+    from policies.rebalance_change import change_point, read_change
     rng = random.Random(4)
     for seed in range(20):
         rng.seed(seed)
@@ -331,7 +331,7 @@ def test_a_change_is_never_read_on_fewer_requests_than_a_level_needs():
     """A load falling to almost nothing: the change point can leave one or two requests after it (16 readings of
     309 did), a rate read on those is noise; the run that found the change is read then, as before."""
     import random
-    from policies.rebalance_estimate import MIN_DONE, read_change
+    from policies.rebalance_change import MIN_DONE, read_change
     rng = random.Random(2)
     read = 0
     for seed in range(300):
@@ -354,7 +354,7 @@ def test_a_change_read_stays_read_through_a_slice_its_own_noise_explains():
     back (drift6 seed 11, a flap). The old level back in the newest slices still ends it (the burst ended)."""
     import math
     import random
-    from policies.rebalance_estimate import read_change
+    from policies.rebalance_change import read_change
     rng = random.Random(6)
     before = _arrivals(rng, 0.0, WINDOW - 10.0, 9.0, 300.0, answer=6.0)  # only the answers change
     after = [(t, p, rng.lognormvariate(math.log(60.0) - 0.32, 0.8))
@@ -370,7 +370,7 @@ def test_a_load_starting_after_an_idle_spell_is_read_as_a_change_from_nothing():
     """A fleet idle before its load begins (a router started before its clients): the load is a new level once
     it has lasted a third of the window, not a level diluted by the idle seconds the window still holds."""
     import random
-    from policies.rebalance_estimate import read_change
+    from policies.rebalance_change import read_change
     rng = random.Random(2)
     started = read_change(_window(_arrivals(rng, WINDOW - 6.0, WINDOW, 10.0, 1000.0)), WINDOW)
     assert started is not None and started.rate == pytest.approx(10.0, rel=0.35) and 5.0 <= started.secs <= 7.0
@@ -381,7 +381,7 @@ def test_the_start_is_a_level_once_it_has_lasted_a_third_of_the_window_with_no_c
     """Until the memory holds twice the shortest level (a burst at the start could be most of it), the arrivals
     since the start are read once they have lasted a third of the window and no change is read within them."""
     import random
-    from policies.rebalance_estimate import read_change, unsettled_start
+    from policies.rebalance_change import read_change, unsettled_start
     rng = random.Random(4)
     span = 6.0  # seconds since the start, of a 15 s window: a level must last 5
 
