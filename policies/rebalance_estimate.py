@@ -11,10 +11,10 @@ line, the backlogs the signals read (`rebalance_signals`: which queue waits on w
 of request sizes the router saw (`Observation.request_sizes`: relative shapes; the servers' figures set the
 scale).
 
-What arrives is read two ways. By default as the window's typical slice (`_typical`: the mean of the slices, a
-burst or a lull left out): a burst shorter than half the window is a backlog, not the mix. When the mix changed
-within the window (`rebalance_change.read_change`), it is read since the change, so a shift is acted on in about
-a third of the window rather than half, on the new mix alone.
+What arrives is read two ways. By default as the window's typical slices (`_kept`: a burst or a lull of
+requests left out; the sizes are those slices' work over their count): a burst shorter than half the window is
+a backlog, not the mix. When the mix changed within the window (`rebalance_change.read_change`), it is read
+since the change, so a shift is acted on in about a third of the window rather than half, on the new mix alone.
 A prefill request's cost for what arrives comes from a line, fixed + per size, fitted across the memory's
 intervals (`prefill_line`), where the sizes varied enough to fit one; scaling a cost by size alone overstates
 long prompts from short ones' costs, and a shift's first move then overshoots. Elsewhere it is the window's
@@ -166,18 +166,22 @@ def _grouped_rates(intervals: list, count: int) -> tuple[list[float], list[float
 TRIM_Z = 3.0  # a slice this many of its noise's standard errors off the window's median is a burst or a lull
 
 
-def _typical(values: list[float], variances: list[float]) -> float:
-    """The window's level, not moved by a burst or a lull shorter than half of it: the mean of the slices within
-    `TRIM_Z` standard errors of a slice (its Poisson noise, the slices' variances pooled) of the median. The
-    median alone is that robust but biased: of a few requests a slice its median is under the mean (a Poisson
-    count's is); so is the median slice's variance of heavy-tailed sizes (ruled by the rare long one): a slice
-    holding one long prompt was left out as a burst, the mean prompt read an eighth low, a third at a start."""
+def _kept(values: list[float], variances: list[float]) -> list[int]:
+    """The slices within `TRIM_Z` standard errors (of their Poisson noise, the slices' variances pooled) of the
+    median: a burst or a lull shorter than half the window is left out."""
     if not values:
-        return 0.0
+        return []
     center = _median(values)
     band = TRIM_Z * math.sqrt(sum(variances) / len(variances)) if variances else 0.0
-    kept = [v for v in values if abs(v - center) <= band]
-    return sum(kept) / len(kept) if kept else center
+    return [i for i, v in enumerate(values) if abs(v - center) <= band]
+
+
+def _typical(values: list[float], variances: list[float]) -> float:
+    """The window's level, not moved by a burst or a lull shorter than half of it: the mean of the slices kept
+    (`_kept`). The median alone is that robust but biased: of a few requests a slice its median is under the
+    mean (a Poisson count's is)."""
+    kept = _kept(values, variances)
+    return sum(values[i] for i in kept) / len(kept) if kept else (_median(values) if values else 0.0)
 
 
 def _slices(obs: Observation, secs: float, side: int) -> tuple[list[float], list[float]]:
@@ -209,13 +213,16 @@ def _rescaled(cost: float | None, obs: Observation, per_request: float | None, s
 
 def _arriving_sizes(sliced: list[tuple[list[float], list[float]]]) -> tuple[float, float] | None:
     """The mean sizes (prompt, answer) of the requests arriving, from the window's slices of each side (`_slices`
-    of sides 0, 1, 2): the typical slice's work over the typical slice's count, of the same slices (`_typical`);
-    None: none read. Over the rate read from the prefills' intervals, other slices, the ratio was of two noisy
-    readings: 0.8 of the prompt size read where every prompt was the same."""
-    count = _typical(*sliced[0])
+    of sides 0, 1, 2): the work of the slices whose count of requests is typical (`_kept`) over their count;
+    None: none read. A burst or a lull is of requests; a slice's work is trimmed by its count, not by itself:
+    the Poisson band of a sum of heavy-tailed sizes is narrow for the rare long one that rules it, and a slice
+    holding one long prompt was left out as a burst (the mean prompt read 0.6 of itself at a start)."""
+    counts, variances = sliced[0]
+    kept = _kept(counts, variances) or list(range(len(counts)))
+    count = sum(counts[i] for i in kept)
     if count <= 0:
         return None
-    return _typical(*sliced[1]) / count, _typical(*sliced[2]) / count
+    return sum(sliced[1][0][i] for i in kept) / count, sum(sliced[2][0][i] for i in kept) / count
 
 
 STEADY_SHARE = 0.1  # a decode pool whose requests in flight changed by under this share of those through it
