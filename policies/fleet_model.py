@@ -272,23 +272,29 @@ def recovery_secs(mix: Mix, segments: list[Segment], slo: Slo) -> float:
     return late_until
 
 
-def value(mix: Mix, segments: list[Segment], slo: Slo) -> tuple[float, list[Prediction]]:
+def value(mix: Mix, segments: list[Segment], slo: Slo) -> tuple[float, float]:
     """The attainment predicted over `segments` (time-weighted), the backlogs now included: a request arriving
-    while a backlog per server exceeds its target is late."""
+    while a backlog per server exceeds its target is late; and the wait behind the backlogs left at their end
+    (the longer of the two pools': their queued work over their servers)."""
     total_secs = sum(s.secs for s in segments)
     if total_secs <= 0:
-        return 0.0, []
+        return 0.0, 0.0
     backlog_p, backlog_d, per_decode = _backlogs(mix)
     good = 0.0
-    predictions = []
     for seg in segments:
         p = predict(mix, seg.prefills, seg.decodes, slo)
-        predictions.append(p)
         (servers_p, growth_p), (servers_d, growth_d) = _pools(mix, seg, per_decode)
         late_p, backlog_p = _late_secs(backlog_p, servers_p, growth_p, seg.secs, slo.ttft_s)
         late_d, backlog_d = _late_secs(backlog_d, servers_d, growth_d, seg.secs, slo.ttft_s)
         good += p.attainment * max(0.0, seg.secs - max(late_p, late_d))
-    return good / total_secs, predictions
+    last = segments[-1]
+    return good / total_secs, max(_per_server(backlog_p, last.prefills), _per_server(backlog_d, last.decodes))
+
+
+def _per_server(backlog_s: float, servers: int) -> float:
+    if backlog_s <= 0:
+        return 0.0
+    return backlog_s / servers if servers else math.inf
 
 
 @dataclass(frozen=True, slots=True)
@@ -303,11 +309,15 @@ class Candidate:
     value: float  # attainment over the horizon, the transition included
     cost_s: float  # how long the moved servers serve in neither pool
     horizon_s: float = 0.0  # what `value` is over (`plan`'s horizon, after the quickest recovery from a backlog)
+    # the wait behind the backlogs left at the horizon's end (`value`): where no split serves the workload, the
+    # least of it serves the most requests and recovers first when the load eases
+    behind_s: float = 0.0
 
     def to_dict(self) -> dict:
         return {"split": f"{self.prefills}P{self.decodes}D", "moves": self.moves, "to": self.direction,
                 "steady": round(self.steady, 4), "value": round(self.value, 4), "cost_s": round(self.cost_s, 2),
-                "horizon_s": round(self.horizon_s, 1)}
+                "horizon_s": round(self.horizon_s, 1),
+                "behind_s": None if math.isinf(self.behind_s) else round(self.behind_s, 2)}
 
 
 # The horizon starts after the quickest recovery from the backlogs now, if that comes within this many horizons
@@ -367,10 +377,10 @@ def plan(mix: Mix, prefills: int, decodes: int, slo: Slo, costs: Costs, horizon_
     horizon = horizon_s + (recovery if recovery <= horizon_s * MAX_RECOVERY_HORIZONS else 0.0)
     out = []
     for split in splits:
-        v, _ = value(mix, segments_of(*split, horizon), slo)
+        v, behind = value(mix, segments_of(*split, horizon), slo)
         final_p, final_d, k, direction, cost = split
         steady = predict(mix, final_p, final_d, slo).attainment
-        out.append(Candidate(final_p, final_d, k, direction, steady, v, cost, horizon))
+        out.append(Candidate(final_p, final_d, k, direction, steady, v, cost, horizon, behind))
     out.sort(key=lambda c: (-c.value, c.moves))
     return out
 

@@ -34,10 +34,11 @@ finish where they are.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, fields, replace
 
 from . import rebalance_guards as guards
-from .fleet_model import Costs, Slo, plan, predict
+from .fleet_model import Costs, Mix, Slo, plan, predict
 from .rebalance_config import RebalanceConfig, RebalanceMode, UnknownFields
 from .rebalance_estimate import MAX_INTERVALS, counters, fit, interval, overgrown_batch
 from .rebalance_signals import DECODE, PREFILL, Observation, WorkerView
@@ -211,6 +212,68 @@ def most_robust(moves: list, ends: list[dict]) -> object:
     return max(moves, key=lambda c: (worst(c), c.value, -c.moves))
 
 
+def least_behind(moves: list, ends: list[dict]) -> object | None:
+    """Of the candidate moves where no split serves the workload, the one leaving the shortest wait behind its
+    backlogs at the horizon's end at its worst (at the estimate or either end of its spread: `ends`, each split's
+    candidate there); ties to fewer moves. None: no move."""
+    def worst(c) -> float:
+        return max((c.behind_s, *(end[(c.prefills, c.decodes)].behind_s for end in ends)))
+    return min(moves, key=lambda c: (worst(c), c.moves), default=None)
+
+
+def served_choice(candidates: list, staying, at_ends, spread: str, min_gain: float) -> tuple:
+    """The move where some split serves the workload: (the candidate, "", "") or (None, why, text) to hold.
+    The split changes for the workload, not for a backlog: a backlog clears at the split the workload needs, and
+    it is what a move's urgency and cost are weighed on (a move to clear one is a move back later). The mix is an
+    estimate: what the window's spread allows is valued too (`at_ends()`); of the moves, the one whose worst case
+    is best is chosen (a split good at the estimate and bad within its noise, one server short at an edge, is
+    corrected a look later: a flap), and it must not lose to holding at either end, or it bets on the noise."""
+    key = (staying.prefills, staying.decodes)
+    candidates = [c for c in candidates if c.moves == 0 or c.steady - staying.steady >= min_gain]
+    best = candidates[0]
+    if best.moves:
+        ends = [{split: c.value for split, c in end.items()} for end in at_ends()]
+        if ends:
+            best = most_robust([c for c in candidates if c.moves], ends)
+            if any(end[(best.prefills, best.decodes)] < end[key] for end in ends):
+                return None, UNSURE, (f"{best.prefills}P{best.decodes}D gains under the estimate, but loses within "
+                                      f"its spread ({spread})")
+    if best.moves == 0 or best.value - staying.value < min_gain:
+        text = f"no split gains {min_gain * 100:g} points"
+        if best.moves:
+            text += f" ({best.prefills}P{best.decodes}D: {best.value * 100:.1f}%)"
+        return None, NO_GAIN, text
+    return best, "", ""
+
+
+def overloaded_choice(candidates: list, staying, ends: list[dict], whole: dict | None, spread: str) -> tuple:
+    """The move where no split serves the workload within the SLOs (every one saturates a pool): (the
+    candidate, "", "") or (None, why, text) to hold. Valued on attainment alone every split reads 0, and the
+    fleet held at its worst; the one leaving the shortest wait behind its backlogs at the horizon's end
+    (`least_behind`) serves the most requests and recovers first when the load eases, and it must leave less
+    than holding at either end of the spread (`ends`). What it spares comes after the move, so the overload
+    must not be a burst: where the mix is read since a change, the move must not lose to holding on the window
+    read whole either (`whole`: a burst left out; one read as a change ends before a server moved for it
+    arrives)."""
+    key = (staying.prefills, staying.decodes)
+    best = least_behind([c for c in candidates if c.moves], ends)
+    if best is None or best.behind_s >= staying.behind_s or any(
+            end[(best.prefills, best.decodes)].behind_s >= end[key].behind_s for end in ends):
+        return None, NO_GAIN, ("no split serves the workload, and none leaves less of it waiting within its "
+                               f"spread ({spread})")
+    if whole is not None:
+        moved, held = whole[(best.prefills, best.decodes)], whole[key]
+        if (moved.value, -moved.behind_s) < (held.value, -held.behind_s):
+            return None, UNSURE, (f"no split serves the mix since its change; {best.prefills}P{best.decodes}D leaves "
+                                  f"the least of it waiting, but loses to holding on the window read whole "
+                                  f"({moved.value * 100:.1f}% against {held.value * 100:.1f}%): it may be a burst")
+    return best, "", ""
+
+
+def _behind(c) -> str:
+    return "an unbounded wait" if math.isinf(c.behind_s) else f"{c.behind_s:.0f} s"
+
+
 def decide(obs: Observation, state: RebalanceState, config: RebalanceConfig) -> Decision:
     refilled = refill(obs, state)
     if refilled is not None:
@@ -244,50 +307,41 @@ def decide(obs: Observation, state: RebalanceState, config: RebalanceConfig) -> 
     reading["candidates"] = [c.to_dict() for c in candidates]
     reading["now"] = now_split.to_dict()
     staying = next(c for c in candidates if c.moves == 0)
-    best = candidates[0]
     summary = (f"{n_p}P{n_d}D predicted {staying.value * 100:.1f}% within the SLOs over "
                f"{staying.horizon_s:.0f} s (steady {staying.steady * 100:.1f}%)")
     if staying.value >= config.attainment_target:
         reading["choice"] = {"split": f"{staying.prefills}P{staying.decodes}D", "why": MEETS_TARGET}
         return hold(f"{summary}: meets the {config.attainment_target * 100:g}% target", (), seen)
-    # the split changes for the workload, not for a backlog: a backlog clears at the split the workload needs,
-    # and it is what a move's urgency and cost are weighed on (a move to clear one is a move back later)
-    candidates = [c for c in candidates if c.moves == 0 or c.steady - staying.steady >= config.min_gain]
-    best = candidates[0]
-    # the mix is an estimate: what the window's spread allows (one standard error more work on one pool and less
-    # on the other, either way) is valued too. Of the moves, the one whose worst case is best is chosen (a split
-    # good at the estimate and bad within its noise, one server short at an edge, is corrected a look later: a
-    # flap), and it must not lose to holding at either end, or it bets on the noise
     error_p, error_d = fitted.spread
     reading["spread"] = {"prefill": round(error_p, 3), "decode": round(error_d, 3)}
     if fitted.changed_at is not None:  # the mix is read since then (rebalance_change.read_change)
         reading["changed_secs_ago"] = round(obs.now - fitted.changed_at, 2)
-    if best.moves and (error_p or error_d):
-        ends = []
-        for sign in (1, -1):
-            shifted = replace(mix, prefill_s=mix.prefill_s * (1 + sign * error_p),
-                              decode_tokens=mix.decode_tokens * (1 - sign * error_d))
-            ends.append({(c.prefills, c.decodes): c.value for c in plan(
-                shifted, n_p, n_d, slo, costs, config.horizon_secs, min_prefill=config.min_prefill,
-                min_decode=config.min_decode, arriving=arriving)})
-        best = most_robust([c for c in candidates if c.moves], ends)
-        key = (staying.prefills, staying.decodes)
-        if any(end[(best.prefills, best.decodes)] < end[key] for end in ends):
-            reading["choice"] = {"split": f"{staying.prefills}P{staying.decodes}D", "why": UNSURE}
-            return hold(f"{summary}: {best.prefills}P{best.decodes}D gains under the estimate, but loses within "
-                        f"its spread (prefill work +-{error_p * 100:.0f}%, decode +-{error_d * 100:.0f}%)",
-                        (), seen)
-    if best.moves == 0 or best.value - staying.value < config.min_gain:
-        why = NO_GAIN
-        text = f"{summary}: no split gains {config.min_gain * 100:g} points"
-        if best.moves:
-            text += f" ({best.prefills}P{best.decodes}D: {best.value * 100:.1f}%)"
+
+    def planned(of: Mix) -> dict:
+        return {(c.prefills, c.decodes): c for c in plan(
+            of, n_p, n_d, slo, costs, config.horizon_secs, min_prefill=config.min_prefill,
+            min_decode=config.min_decode, arriving=arriving)}
+
+    def at_ends() -> list[dict]:  # one standard error more work on one pool and less on the other, either way
+        return [planned(replace(mix, prefill_s=mix.prefill_s * (1 + sign * error_p),
+                                decode_tokens=mix.decode_tokens * (1 - sign * error_d))) for sign in (1, -1)]
+    spread = f"prefill work +-{error_p * 100:.0f}%, decode +-{error_d * 100:.0f}%"
+    if max(c.steady for c in candidates) < config.min_gain:
+        whole = planned(fitted.whole) if fitted.whole is not None else None
+        best, why, text = overloaded_choice(candidates, staying, at_ends(), whole, spread)
+    else:
+        best, why, text = served_choice(candidates, staying, at_ends if error_p or error_d else (lambda: []), spread,
+                                        config.min_gain)
+    if best is None:
         reading["choice"] = {"split": f"{staying.prefills}P{staying.decodes}D", "why": why}
-        return hold(text, (), seen)
+        return hold(f"{summary}: {text}", (), seen)
     direction = f"to_{best.direction}"
     donor_role = DECODE if best.direction == PREFILL else PREFILL
     proposal = (f"{summary}; {best.prefills}P{best.decodes}D predicted {best.value * 100:.1f}% "
-                f"(steady {best.steady * 100:.1f}%, {best.moves} conversion(s) of ~{best.cost_s:.0f} s)")
+                f"(steady {best.steady * 100:.1f}%, {best.moves} conversion(s) of ~{best.cost_s:.0f} s")
+    if best.steady < config.min_gain:
+        proposal += f"; {_behind(best)} waiting behind its backlogs at the horizon's end, holding {_behind(staying)}"
+    proposal += ")"
     reading["choice"] = {"split": f"{best.prefills}P{best.decodes}D", "why": "best", "gain": round(
         best.value - staying.value, 4)}
     fired, notes = guards.check(obs, state, config, best.direction)

@@ -107,6 +107,8 @@ class Fit:
     # from what the window's slices say (their spread over the square root of their number)
     spread: tuple[float, float] = (0.0, 0.0)
     changed_at: float | None = None  # when the mix changed, while the window still holds the old one
+    # when it changed: the window read whole (its typical slices, a burst left out), as `mix` would be without
+    whole: Mix | None = None
 
 
 def _shapes(sizes: tuple[tuple[float, float, float], ...]) -> tuple[tuple[float, float], ...]:
@@ -320,45 +322,46 @@ def fit(obs: Observation, intervals: tuple[Interval, ...], window_secs: float, p
     if unsettled:
         return Fit(None, unsettled, secs)
     rates, rate_variances = _grouped_rates(used, _slice_count(arrivals, len(used)))
-    rate = _typical(rates, rate_variances)
-    # the window's slices of each side (requests, prompt work, answer work), while it is read whole
-    sliced = ([_slices(obs, secs, side) for side in range(3)]
-              if change is None and len(obs.request_sizes) >= MIN_DONE else None)
-    sizes = _arriving_sizes(sliced) if sliced else None
+    rate = whole_rate = _typical(rates, rate_variances)
+    # the window's slices of each side (requests, prompt work, answer work): the window read whole
+    sliced = [_slices(obs, secs, side) for side in range(3)] if len(obs.request_sizes) >= MIN_DONE else None
+    sizes = whole_sizes = _arriving_sizes(sliced) if sliced else None
     if change is not None:  # the mix changed within the window: read it since the change
         # the router sizes nearly every request; the prefills' counts also hold requests sent again (a shed
         # server's queue), which arrived once: their ratio scales only down
         covered = min(1.0, arrivals / len(obs.request_sizes)) if obs.request_sizes and arrivals else 1.0
         rate, sizes = change.rate * covered, change.work
-    prefill_s = busy / prefill_done if prefill_done >= MIN_DONE else None
+    measured_prefill = busy / prefill_done if prefill_done >= MIN_DONE else None
     # the tokens of a window come from the requests that finished in it and from those that arrived in it, each
     # in part: per request, over the mean of the two (completions alone overstate it while a batch grows, as
     # it does in an overload: 26 to 56 tokens read for answers of 15; arrivals alone understate it)
     through = (decode_done + decode_started) / 2
-    decode_tokens = tokens / through if decode_done >= MIN_DONE and through > 0 else None
+    measured_tokens = tokens / through if decode_done >= MIN_DONE and through > 0 else None
     cost_line = prefill_line(intervals)
     per_size = prefill_per_size(used[::-1])  # oldest first
-    if cost_line is not None and sizes:
-        prefill_s = cost_line[0] + cost_line[1] * sizes[0]
-    elif per_size is not None and sizes:
-        prefill_s = per_size * sizes[0]
-    else:  # what finished is a lagging sample of what arrives: scaled by the sizes the router saw of each
-        prefill_s = _rescaled(prefill_s, obs, sizes[0] if sizes else None, 1)
     answer_share = previous.answer_share if previous is not None else 1.0
-    budget = sizes[1] - 1 if sizes and sizes[1] > 1 else None
-    if budget is not None:
-        # the router read each request's token budget as it arrived: that is the mix now; the servers' tokens say
-        # what share of it requests decode, read only while the decode pool is steady (its rows lag by up to
-        # 15 steps, which a pool whose batch grows makes seconds, and which a steady one makes no difference to)
-        # a budget of one token decodes none (the KV brings it): its 0 counts, as in the budget and the requests
-        # through the pool (left out, a third of one-token requests read a share of 0.67 where it was 1)
-        finished = [a - 1 for _, a in obs.finished_sizes]
-        steady = abs(decode_started - decode_done) <= STEADY_SHARE * max(decode_done, decode_started)
-        if decode_tokens is not None and finished and sum(finished) > 0 and steady:
-            answer_share = min(1.0, max(0.01, decode_tokens / (sum(finished) / len(finished))))
-        decode_tokens = budget * answer_share
-    else:
-        decode_tokens = _rescaled(decode_tokens, obs, sizes[1] if sizes else None, 2)
+    # the router read each request's token budget as it arrived: that is the mix now; the servers' tokens say
+    # what share of it requests decode, read only while the decode pool is steady (its rows lag by up to 15
+    # steps, which a pool whose batch grows makes seconds, and which a steady one makes no difference to). A
+    # budget of one token decodes none (the KV brings it): its 0 counts, as in the budget and the requests
+    # through the pool (left out, a third of one-token requests read a share of 0.67 where it was 1)
+    finished = [a - 1 for _, a in obs.finished_sizes]
+    steady = abs(decode_started - decode_done) <= STEADY_SHARE * max(decode_done, decode_started)
+    if sizes and sizes[1] > 1 and measured_tokens is not None and finished and sum(finished) > 0 and steady:
+        answer_share = min(1.0, max(0.01, measured_tokens / (sum(finished) / len(finished))))
+
+    def costs_of(read: tuple[float, float] | None) -> tuple[float | None, float | None]:
+        """A request's prefill seconds and decode tokens, for arriving requests of these mean sizes."""
+        if read and cost_line is not None:
+            prefill = cost_line[0] + cost_line[1] * read[0]
+        elif read and per_size is not None:
+            prefill = per_size * read[0]
+        else:  # what finished is a lagging sample of what arrives: scaled by the sizes the router saw of each
+            prefill = _rescaled(measured_prefill, obs, read[0] if read else None, 1)
+        if read and read[1] > 1:
+            return prefill, (read[1] - 1) * answer_share
+        return prefill, _rescaled(measured_tokens, obs, read[1] if read else None, 2)
+    prefill_s, decode_tokens = costs_of(sizes)
     line = step_line(obs)
     fixed, per_request = line if line else (None, None)
     if fixed is None:
@@ -388,7 +391,12 @@ def fit(obs: Observation, intervals: tuple[Interval, ...], window_secs: float, p
     mix = Mix(rate=rate, prefill_s=prefill_s, decode_tokens=decode_tokens, step_fixed_s=fixed,
               step_per_request_s=per_request, shapes=_shapes(obs.request_sizes), decode_slots=decode_slots(obs),
               waiting_prefill=wait_p, waiting_decode=wait_d, answer_share=answer_share)
-    return Fit(mix, "", secs, spread, obs.now - change.secs if change is not None else None)
+    whole = None
+    if change is not None:
+        whole_prefill, whole_tokens = costs_of(whole_sizes)
+        whole = replace(mix, rate=whole_rate, prefill_s=whole_prefill or prefill_s,
+                        decode_tokens=whole_tokens or decode_tokens)
+    return Fit(mix, "", secs, spread, obs.now - change.secs if change is not None else None, whole)
 
 
 def decode_slots(obs: Observation) -> float:

@@ -82,6 +82,19 @@ def test_plan_moves_when_the_split_is_wrong_and_holds_when_the_move_costs_more_t
     assert slow[0].moves == 0
 
 
+def test_where_every_split_saturates_the_wait_left_behind_tells_them_apart():
+    """25 long prompts a second are 5.1 servers of prefill work: no split of 4 serves them (each values 0), but
+    the more prefills, the less waits at the horizon's end; moving costs its conversion's time."""
+    over = replace(PREFILL_HEAVY, rate=25.0)
+    candidates = {(c.prefills, c.decodes): c for c in plan(over, 2, 2, SLO, Costs(5, 5), horizon_s=60)}
+    assert all(c.value == 0.0 for c in candidates.values())
+    behind = [candidates[(p, 4 - p)].behind_s for p in (3, 2, 1)]
+    assert behind == sorted(behind) and behind[0] < behind[-1]
+    assert behind[1] == pytest.approx((25.0 * 0.2056 - 2) * 60 / 2)  # holding 2P2D: the growth over 60 s, per server
+    slower = {(c.prefills, c.decodes): c for c in plan(over, 2, 2, SLO, Costs(30, 30), horizon_s=60)}
+    assert slower[(3, 1)].behind_s > candidates[(3, 1)].behind_s
+
+
 def test_a_backlog_is_worth_more_capacity_where_it_waits():
     quiet = plan(PREFILL_HEAVY, 3, 1, SLO, Costs(5, 5), horizon_s=60)
     backlog = plan(replace(PREFILL_HEAVY, waiting_prefill=200.0), 3, 1, SLO, Costs(5, 5), horizon_s=60)

@@ -44,6 +44,19 @@ def test_bursts_shorter_than_a_conversion_are_held_through():
     assert result.flaps == 0
 
 
+def test_a_burst_beyond_every_split_is_held_through_where_the_window_read_whole_is_served():
+    """burst4 seed 9: a burst of long prompts at 30/s read as a change of the mix saturates every split; where no
+    split serves the workload the model moves to the one leaving the least waiting, but on the window read whole
+    (the burst left out) that move loses to holding: it was 3P1D and back, a flap."""
+    workload = _suite("burst4")
+    plan, phases = ws.arrivals(workload, 9)
+    run = replay.run(plan, phases, 2, 2, workload.capacity, config=ws.suite_config(workload), decide=decide,
+                     record=True)
+    assert run.conversions == [], run.conversions
+    held = [d for d in run.decisions if "may be a burst" in d["reason"]]
+    assert held, "the burst was never read as an overload of every split: the test no longer covers the case"
+
+
 def test_the_start_is_acted_on_once_a_level_is_read_with_no_warm_up_to_wait_out():
     """shift4-slow starts prefill-heavy on 2P2D: a conversion as soon as what arrived has lasted a third of the
     window (5 s, and the look after), not after a warm-up fitted to the suite (10 s, which cost phase 1 a tenth
@@ -151,6 +164,28 @@ def test_guards_hold_what_the_model_would_do(why, change, guard):
     decision = _decide_over(looks, config, state)
     assert not decision.convert and guard in decision.guards, decision.reason
     assert decision.model["choice"]["split"] == "1P3D"  # the model's choice stands, held
+
+
+def _overloaded(now: float) -> Observation:
+    """2P2D under 25 long prompts a second (5.1 servers of prefill work): the prefills busy all the time, their
+    queue growing; 3 decode tokens a request."""
+    done = now / 0.2056  # per prefill: one forward at a time
+    p = tuple(WorkerView(id=f"p{i}", started=int(12.5 * now), inflight=int(12.5 * now - done), busy_total_s=now,
+                         waiting_queue=int(12.5 * now - done), bootstrap=0, inflight_queue=0) for i in range(2))
+    d = tuple(WorkerView(id=f"d{i}", started=int(done), inflight=0, tokens_total=3 * done, waiting_queue=0,
+                         prealloc=0, decode_step_fixed_s=0.04, decode_step_per_request_s=0.008) for i in range(2))
+    return Observation(now=now, prefill=p, decode=d)
+
+
+def test_where_no_split_serves_the_workload_the_one_leaving_the_least_waiting_is_chosen():
+    """Every split saturates its prefills: each reads 0% within the SLOs, and the fleet held where it was ("no
+    split gains"). The split that leaves the shortest wait behind its backlogs at the horizon's end serves the
+    most requests: the prefills get every server the floors allow."""
+    decision = _decide_over([_overloaded(t) for t in (0.0, 5.0, 10.0, 15.0)], CONFIG)
+    assert all(c["steady"] == 0.0 for c in decision.model["candidates"]), decision.model["candidates"]
+    assert decision.convert and decision.to_role == "prefill", decision.reason
+    assert decision.model["choice"]["split"] == "3P1D"
+    assert "waiting behind its backlogs" in decision.reason
 
 
 def test_a_split_predicted_to_meet_the_target_holds():
