@@ -254,7 +254,7 @@ def overloaded_choice(candidates: list, staying, ends: list[dict], whole: dict |
     than holding at either end of the spread (`ends`). What it spares comes after the move, so the overload
     must not be a burst: where the mix is read since a change, the move must not lose to holding on the window
     read whole either (`whole`: a burst left out; one read as a change ends before a server moved for it
-    arrives)."""
+    arrives), once steady (the burst's backlog is in both readings, and a move to clear it is a move back)."""
     key = (staying.prefills, staying.decodes)
     best = least_behind([c for c in candidates if c.moves], ends)
     if best is None or best.behind_s >= staying.behind_s or any(
@@ -263,10 +263,11 @@ def overloaded_choice(candidates: list, staying, ends: list[dict], whole: dict |
                                f"spread ({spread})")
     if whole is not None:
         moved, held = whole[(best.prefills, best.decodes)], whole[key]
-        if (moved.value, -moved.behind_s) < (held.value, -held.behind_s):
+        if (moved.steady, -moved.behind_s) < (held.steady, -held.behind_s):
             return None, UNSURE, (f"no split serves the mix since its change; {best.prefills}P{best.decodes}D leaves "
                                   f"the least of it waiting, but loses to holding on the window read whole "
-                                  f"({moved.value * 100:.1f}% against {held.value * 100:.1f}%): it may be a burst")
+                                  f"({moved.steady * 100:.1f}% against {held.steady * 100:.1f}% once steady): it "
+                                  f"may be a burst")
     return best, "", ""
 
 
@@ -327,6 +328,10 @@ def decide(obs: Observation, state: RebalanceState, config: RebalanceConfig) -> 
                                 decode_tokens=mix.decode_tokens * (1 - sign * error_d))) for sign in (1, -1)]
     spread = f"prefill work +-{error_p * 100:.0f}%, decode +-{error_d * 100:.0f}%"
     if max(c.steady for c in candidates) < config.min_gain:
+        if fitted.window_secs < config.window_secs:  # the start: what arrived so far could be a burst, and no more
+            reading["choice"] = {"split": f"{staying.prefills}P{staying.decodes}D", "why": UNSURE}
+            return hold(f"{summary}: no split serves the {fitted.window_secs:.0f} s since the start; an overload is "
+                        f"read on a full window ({config.window_secs:g} s): a burst could be most of it", (), seen)
         whole = planned(fitted.whole) if fitted.whole is not None else None
         best, why, text = overloaded_choice(candidates, staying, at_ends(), whole, spread)
     else:

@@ -91,8 +91,12 @@ def _new_level(entries: list, now: float, start: float, since: float, parts: int
     for entry in newer:
         parted[min(parts - 1, int((now - entry[0]) / width))].append(entry)
     slices = [Level.of(part, width) for part in parted]
+    # a burst that has ended leaves the newest seconds at the old level while the slice holding its end still
+    # reads high: a change read now is one still going on (its newest half slice nearer the new level)
+    newest = Level.of(entries[_split_at(entries, now - width / 2):], width / 2)
     for side in range(3):
-        if new.beyond(old, side, CHANGE_Z) and all(_slice_holds(one, new, old, side, kept) for one in slices):
+        if new.beyond(old, side, CHANGE_Z) and all(_slice_holds(one, new, old, side, kept) for one in slices) and (
+                kept or _slice_holds(newest, new, old, side, True)):
             return new
     return None
 

@@ -317,14 +317,18 @@ def fit(obs: Observation, intervals: tuple[Interval, ...], window_secs: float, p
         tokens += iv.decode_tokens
     if secs <= 0:
         return Fit(None, "no interval yet (one look so far)")
-    change = read_change(obs, secs, changed_at)
+    # the router keeps the sizes of the last `window_secs` of arrivals; the intervals summed reach past it by up
+    # to a look, and read over that span the sizes' oldest stretch was short of its requests (a level read under
+    # itself, and a change up read from it: burst4 kept a burst as a change 15 s against a second of "old" level)
+    sized_secs = min(secs, window_secs)
+    change = read_change(obs, sized_secs, changed_at)
     unsettled = unsettled_start(secs, window_secs, change)
     if unsettled:
         return Fit(None, unsettled, secs)
     rates, rate_variances = _grouped_rates(used, _slice_count(arrivals, len(used)))
     rate = whole_rate = _typical(rates, rate_variances)
     # the window's slices of each side (requests, prompt work, answer work): the window read whole
-    sliced = [_slices(obs, secs, side) for side in range(3)] if len(obs.request_sizes) >= MIN_DONE else None
+    sliced = [_slices(obs, sized_secs, side) for side in range(3)] if len(obs.request_sizes) >= MIN_DONE else None
     sizes = whole_sizes = _arriving_sizes(sliced) if sliced else None
     if change is not None:  # the mix changed within the window: read it since the change
         # the router sizes nearly every request; the prefills' counts also hold requests sent again (a shed
@@ -338,7 +342,10 @@ def fit(obs: Observation, intervals: tuple[Interval, ...], window_secs: float, p
     through = (decode_done + decode_started) / 2
     measured_tokens = tokens / through if decode_done >= MIN_DONE and through > 0 else None
     cost_line = prefill_line(intervals)
-    per_size = prefill_per_size(used[::-1])  # oldest first
+    # oldest first; where no interval of the window says (it worked through a queue), the memory's do: a cost per
+    # unit of prompt is the servers', not the mix's (scaled by the requests that finished instead, a lagging
+    # sample of another mix, drift6-slow's mixed phase read its prefill 0.78 of the arrivals' after a queue)
+    per_size = prefill_per_size(used[::-1]) or prefill_per_size(list(intervals))
     answer_share = previous.answer_share if previous is not None else 1.0
     # the router read each request's token budget as it arrived: that is the mix now; the servers' tokens say
     # what share of it requests decode, read only while the decode pool is steady (its rows lag by up to 15

@@ -45,11 +45,11 @@ def test_bursts_shorter_than_a_conversion_are_held_through():
 
 
 def test_a_burst_beyond_every_split_is_held_through_where_the_window_read_whole_is_served():
-    """burst4 seed 9: a burst of long prompts at 30/s read as a change of the mix saturates every split; where no
+    """burst4 seed 6: a burst of long prompts at 30/s read as a change of the mix saturates every split; where no
     split serves the workload the model moves to the one leaving the least waiting, but on the window read whole
     (the burst left out) that move loses to holding: it was 3P1D and back, a flap."""
     workload = _suite("burst4")
-    plan, phases = ws.arrivals(workload, 9)
+    plan, phases = ws.arrivals(workload, 6)
     run = replay.run(plan, phases, 2, 2, workload.capacity, config=ws.suite_config(workload), decide=decide,
                      record=True)
     assert run.conversions == [], run.conversions
@@ -188,6 +188,15 @@ def test_where_no_split_serves_the_workload_the_one_leaving_the_least_waiting_is
     assert "waiting behind its backlogs" in decision.reason
 
 
+def test_an_overload_is_not_acted_on_before_the_window_is_full():
+    """At the start what arrived so far could be a burst and no more (burst4 starts with one: 22 requests a
+    second read on its first 6 s saturate every split): where no split serves it, the move waits for a full
+    window."""
+    decision = _decide_over([_overloaded(t) for t in (0.0, 5.0, 10.0)], CONFIG)
+    assert not decision.convert, decision.reason
+    assert "full window" in decision.reason
+
+
 def test_a_split_predicted_to_meet_the_target_holds():
     steady = [_obs(t, int(6 * t), 0.107 * 6 * t, 9 * 6 * t) for t in (0.0, 5.0, 10.0, 15.0)]
     decision = _decide_over(steady, CONFIG)
@@ -313,6 +322,43 @@ def test_a_new_level_is_read_after_a_third_of_the_window_and_a_burst_within_it_i
                 assert read.secs <= WINDOW - burst_end + 2.0, (seed, burst_end, read)
                 assert read.rate * read.work[0] < 1.5 * 12.0 * 500.0, (seed, burst_end, read)
     assert after_burst < 60
+
+
+def test_a_burst_that_has_ended_is_not_read_as_a_change_on_the_slice_holding_its_end():
+    """A 3 s burst of long prompts at three times the rate, ended half a second to a second and a half ago: the
+    slice holding its end still reads high, and with a noisy slice before it the run passed as a new level
+    (burst4 moved to 3P1D and back). A change read now is one still going on: its newest half slice nearer the
+    new level than the old. Read on 900 windows: 87 without that, 25 with it."""
+    import random
+    from policies.rebalance_change import read_change
+    read = 0
+    for seed in range(300):
+        rng = random.Random(seed)
+        for ended_ago in (0.5, 1.0, 1.5):
+            steady = _arrivals(rng, 0.0, WINDOW, 6.0, 1000.0) + _arrivals(rng, 0.0, WINDOW, 6.0, 20.0)
+            end = WINDOW - ended_ago
+            read += read_change(_window(steady + _arrivals(rng, end - 3.0, end, 18.0, 1000.0)), WINDOW) is not None
+    assert read <= 40
+
+
+def test_arrivals_are_read_over_the_span_the_router_kept_their_sizes_for():
+    """The router keeps the sizes of the last `window_secs` of arrivals; the intervals summed reach a look past
+    it (8 looks of 2 s for a 15 s window). Read over the intervals' span, the oldest second held no sizes: the
+    level before a change read low, and a change read at an earlier look stayed read against it (burst4 kept a
+    3 s burst as a change for 15 s: 34 of 50 steady windows kept a change 14.5 s old; read over the sizes' own
+    span, 2)."""
+    import random
+    from policies.rebalance_estimate import Interval
+    kept = 0
+    for seed in range(50):
+        entries = _arrivals(random.Random(seed), 0.0, 16.0, 12.0, 500.0)
+        intervals = []
+        for k in range(8):
+            n = sum(1 for e in entries if 2 * k <= e[0] < 2 * k + 2)
+            intervals.append(Interval(2.0, n, n, n * 0.1, n, n, 16.0 * n, n, 500.0 * n, 500.0 ** 2 * n))
+        obs = replace(_obs(16.0, 0, 0.0, 0.0), request_sizes=tuple(e for e in entries if e[0] >= 1.0))
+        kept += fit(obs, tuple(intervals), 15.0, None, changed_at=1.5).changed_at is not None
+    assert kept <= 5
 
 
 def test_noise_alone_is_not_read_as_a_change():
@@ -692,6 +738,28 @@ def test_an_interval_working_through_a_backlog_does_not_say_what_its_arrivals_co
     assert prefill_per_size(backlog) is None
     without_the_queue = [replace(iv, prefill_held=0) for iv in backlog]
     assert prefill_per_size(clean + without_the_queue) > 4 * 0.0002  # what counting them would read
+
+
+def test_a_window_working_through_a_queue_costs_its_arrivals_at_the_memorys_cost_per_unit_of_prompt():
+    """After a prefill-heavy phase the prefills work through its queue (2,000-token prompts) while a mix of
+    300-token prompts arrives: no interval of the window says what the arrivals cost. Scaled by the requests that
+    finished whole (the old phase's, 1,000 tokens on average), a lagging sample of another mix, the cost read
+    0.78 of the arrivals' on drift6-slow, and the fleet moved to 1P5D and back. A cost per unit of prompt is the
+    servers': the memory's balanced intervals say it."""
+    import random
+    from policies.rebalance_estimate import Interval
+    per_token = 0.0003
+    older = [Interval(2.0, 20, 20, 20 * per_token * 300.0, 20, 20, 600.0, 20, 20 * 300.0, 20 * 300.0 ** 2,
+                      prefill_held=1) for _ in range(8)]
+    queued = [Interval(2.0, 20, 6, 6 * per_token * 2000.0, 20, 20, 600.0, 20, 20 * 300.0, 20 * 300.0 ** 2,
+                       prefill_held=60) for _ in range(int(WINDOW / 2))]
+    arrivals = _arrivals(random.Random(3), 0.0, WINDOW, 10.0, 300.0)
+    ended = tuple((2000.0, 4.0) for _ in range(10)) + tuple((300.0, 40.0) for _ in range(20))
+    obs = replace(_obs(WINDOW, 0, 0.0, 0.0), request_sizes=tuple(arrivals), finished_sizes=ended)
+    got = fit(obs, tuple(older + queued), WINDOW, None)
+    assert got.mix.prefill_s == pytest.approx(per_token * 300.0, rel=0.05)
+    by_ended = per_token * 2000.0 * 300.0 / (sum(p for p, _ in ended) / len(ended))  # what it read before
+    assert by_ended > 1.5 * got.mix.prefill_s
 
 
 def test_the_arriving_sizes_are_read_from_one_set_of_slices():
