@@ -110,16 +110,19 @@ async def test_convert_api_opens_and_closes_bootstrap_listeners(session):
         p, d = f.prefill[0], f.decode[0]
         assert (await post(session, p.url + "/pd_role_switch", TO_DECODE))[0] == 404
         status, out = await post(session, d.url + "/convert_pd_role", {"server_url": d.url, "check_idle": True})
+        # the first free port from the base (another process on this machine can take the base meanwhile)
+        port = out.get("bootstrap_port")
+        assert isinstance(port, int) and base <= port < base + 100, out
         assert (status, out) == (200, {"success": True, "message": "The role of this server is now PREFILL.",
-                                       "bootstrap_port": base})
+                                       "bootstrap_port": port})
         server = (await get(session, d.url + "/server_info"))[1]
-        assert server["disaggregation_mode"] == "prefill" and server["disaggregation_bootstrap_port"] == base
+        assert server["disaggregation_mode"] == "prefill" and server["disaggregation_bootstrap_port"] == port
         old_port = p.bootstrap_port
         status, out = await post(session, p.url + "/convert_pd_role", {"server_url": p.url})
         assert (status, out["message"]) == (200, "The role of this server is now DECODE.")
         # the new pairing works through the reported port; the old port is closed
         body = {"text": PROMPT, "sampling_params": {"max_new_tokens": 3}, "bootstrap_host": "127.0.0.1",
-                "bootstrap_port": base, "bootstrap_room": 1}
+                "bootstrap_port": port, "bootstrap_room": 1}
         (ps, _), (ds, dout) = await asyncio.gather(post(session, d.url + "/generate", body),
                                                    post(session, p.url + "/generate", body))
         assert (ps, ds) == (200, 200) and len(dout["output_ids"]) == 3
