@@ -324,6 +324,8 @@ def decide(obs: Observation, state: RebalanceState, config: RebalanceConfig) -> 
             min_decode=config.min_decode, arriving=arriving)}
 
     def at_ends() -> list[dict]:  # one standard error more work on one pool and less on the other, either way
+        if not (error_p or error_d):
+            return []
         return [planned(replace(mix, prefill_s=mix.prefill_s * (1 + sign * error_p),
                                 decode_tokens=mix.decode_tokens * (1 - sign * error_d))) for sign in (1, -1)]
     spread = f"prefill work +-{error_p * 100:.0f}%, decode +-{error_d * 100:.0f}%"
@@ -335,8 +337,7 @@ def decide(obs: Observation, state: RebalanceState, config: RebalanceConfig) -> 
         whole = planned(fitted.whole) if fitted.whole is not None else None
         best, why, text = overloaded_choice(candidates, staying, at_ends(), whole, spread)
     else:
-        best, why, text = served_choice(candidates, staying, at_ends if error_p or error_d else (lambda: []), spread,
-                                        config.min_gain)
+        best, why, text = served_choice(candidates, staying, at_ends, spread, config.min_gain)
     if best is None:
         reading["choice"] = {"split": f"{staying.prefills}P{staying.decodes}D", "why": why}
         return hold(f"{summary}: {text}", (), seen)
