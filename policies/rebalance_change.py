@@ -3,7 +3,7 @@
 The window is read whole by default (`rebalance_estimate`: its typical slice, a burst shorter than half of it
 left out). A shift is acted on sooner when it is read as one: a new level of arriving work (`Level`: requests,
 prompt work and answer work per second, with the noise a Poisson stream of these very sizes has) that has lasted
-a third of the window in every slice (`read_change`), read from when it happened (`change_point`: to the
+two of the window's slices, each at it (`read_change`), read from when it happened (`change_point`: to the
 arrival). Until the memory holds twice that shortest level, the start is read the same way (`unsettled_start`).
 """
 
@@ -18,7 +18,10 @@ from .rebalance_signals import Observation
 MIN_DONE = 3  # requests behind a figure: a level read here, a pool's per-request cost (rebalance_estimate)
 SIZE_BINS = 8  # the window's arrivals are read in this many slices (the typical slice's work counts)
 CHANGE_Z = 4.0  # standard errors between two levels of arriving work that say the mix changed, not the noise
-CHANGE_MIN_SHARE = 1 / 3  # the share of the window a new level must have lasted to be read as the mix
+# the fewest of the window's slices a new level must have lasted, each at it, to be read as the mix: one slice
+# can be all one burst. Three (a third of the window) left a shift 2 s more on the wrong split, whose backlog
+# outlasts the move by as long again (the live benchmark's later phases lost 15-23 points in replay, at two 10-16)
+CHANGE_MIN_SLICES = 2
 
 
 @dataclass(frozen=True, slots=True)
@@ -160,10 +163,27 @@ def change_point(entries: list, now: float, start: float, lo: float, hi: float) 
 SIZE_FLOOR = 1e-3  # the least variance of a segment's log sizes (sizes all alike would be a certainty)
 
 
+def _earliest_change(entries: list, now: float, start: float, k: float, width: float) -> float:
+    """The earliest a change read on the run of the newest `k` slices can have happened: within the slice before
+    the run (a change in its middle leaves it between the two levels), unless that slice is beyond the old level
+    on the far side from the new on a side where the new level is a change: then it is a third level of its own
+    (a burst that ended as the run began; read from within it, the level after the burst read as a third of
+    the burst)."""
+    run_start = now - k * width
+    split = _split_at(entries, run_start)
+    old, new = Level.of(entries[:split], run_start - start), Level.of(entries[split:], now - run_start)
+    before = Level.of(entries[_split_at(entries, run_start - width):split], width)
+    for side in range(3):
+        if new.beyond(old, side, CHANGE_Z) and (before.values[side] > old.values[side]) != (
+                new.values[side] > old.values[side]):
+            return run_start
+    return run_start - width
+
+
 def read_change(obs: Observation, secs: float, changed_at: float | None = None) -> Reading | None:
     """The level the arriving work changed to within the window, else None. A change is found on runs of the
     window's newest slices (`SIZE_BINS` of it), the longest first from half the window down to
-    `CHANGE_MIN_SHARE` of it, that are a new level (`_new_level`; a level that has lasted half the window is what
+    `CHANGE_MIN_SLICES` of it, that are a new level (`_new_level`; a level that has lasted half the window is what
     the window's median reads anyway); it is read from when it happened (`change_point`). A change read at an
     earlier look (`changed_at`) stays read, from then, while the arrivals since are still a new level against
     those before it: the reading does not go back to the median and forth again as runs qualify or not, and a
@@ -173,8 +193,8 @@ def read_change(obs: Observation, secs: float, changed_at: float | None = None) 
     now, start = obs.now, obs.now - secs
     entries = sorted((e for e in obs.request_sizes if start < e[0] <= now), key=_arrived_at)
     width = secs / SIZE_BINS
-    least = max(2, math.ceil(SIZE_BINS * CHANGE_MIN_SHARE))
-    shortest = CHANGE_MIN_SHARE * secs
+    least = CHANGE_MIN_SLICES
+    shortest = least * width
     if changed_at is not None and shortest <= now - changed_at < secs:
         kept = _new_level(entries, now, start, changed_at, max(least, round((now - changed_at) / width)), kept=True)
         if kept is not None:
@@ -183,8 +203,10 @@ def read_change(obs: Observation, secs: float, changed_at: float | None = None) 
         if _new_level(entries, now, start, now - k * width, k) is None:
             continue
         # the run's slices are each at the new level (the test that tells a shift from a burst); its oldest may
-        # hold the old level's last seconds too: the level is read from the change on
-        since = change_point(entries, now, start, now - (k + 1) * width, now - (k - 1) * width)
+        # hold the old level's last seconds too, and the slice before it the new level's first: the level is
+        # read from the change on
+        since = change_point(entries, now, start, _earliest_change(entries, now, start, k, width),
+                             now - (k - 1) * width)
         newer = entries[_split_at(entries, since):]
         if len(newer) < MIN_DONE:  # too few since it to read a level on (a load falling to nothing): the run's
             since = now - k * width
@@ -196,11 +218,11 @@ def read_change(obs: Observation, secs: float, changed_at: float | None = None) 
 def unsettled_start(secs: float, window_secs: float, change: Reading | None) -> str:
     """Why the arrivals since the start are not a level yet ("" once they are). The window whole is read past a
     burst because a burst shorter than half of it is left out (`_typical`); until the memory holds twice the
-    shortest level that counts (`CHANGE_MIN_SHARE` of the window), a burst at the start could be most of it.
+    shortest level that counts (`CHANGE_MIN_SLICES` of the window's slices), a burst at the start could be most of it.
     A level is read sooner when it is one: it has lasted that shortest level, and no change is read within it
     (a burst followed by the steady mix is one). This is the model's own warm-up; the `warmup` guard waits out
     the servers' start-up (first compilations, empty caches), which replay and the simulator do not have."""
-    shortest = CHANGE_MIN_SHARE * window_secs
+    shortest = CHANGE_MIN_SLICES * window_secs / SIZE_BINS
     if secs >= 2 * shortest:
         return ""
     if secs < shortest:

@@ -14,7 +14,7 @@ scale).
 What arrives is read two ways. By default as the window's typical slices (`_kept`: a burst or a lull of
 requests left out; the sizes are those slices' work over their count): a burst shorter than half the window is
 a backlog, not the mix. When the mix changed within the window (`rebalance_change.read_change`), it is read
-since the change, so a shift is acted on in about a third of the window rather than half, on the new mix alone.
+since the change, so a shift is acted on in about a quarter of the window rather than half, on the new mix alone.
 A prefill request's cost for what arrives comes from a line, fixed + per size, fitted across the memory's
 intervals (`prefill_line`), where the sizes varied enough to fit one; scaling a cost by size alone overstates
 long prompts from short ones' costs, and a shift's first move then overshoots. Elsewhere it is the window's

@@ -11,6 +11,7 @@ import pytest
 
 from bench import replay, workload_suite as ws
 from policies.rebalance import RebalanceConfig, RebalanceMode, UnknownFields, decide, initial_state
+from policies.rebalance_change import CHANGE_MIN_SLICES, SIZE_BINS
 from policies.rebalance_estimate import Counters, interval, fit
 from policies.rebalance_guards import GUARDS, guard_table
 from policies.rebalance_signals import Observation, WorkerView
@@ -44,25 +45,46 @@ def test_bursts_shorter_than_a_conversion_are_held_through():
     assert result.flaps == 0
 
 
-def test_a_burst_beyond_every_split_is_held_through_where_the_window_read_whole_is_served():
-    """burst4 seed 6: a burst of long prompts at 30/s read as a change of the mix saturates every split; where no
+@pytest.mark.parametrize("seed", [6, 18])
+def test_a_burst_beyond_every_split_is_held_through_where_the_window_read_whole_is_served(seed):
+    """burst4: a burst of long prompts at 30/s read as a change of the mix saturates every split; where no
     split serves the workload the model moves to the one leaving the least waiting, but on the window read whole
-    (the burst left out) that move loses to holding: it was 3P1D and back, a flap."""
+    (the burst left out) that move loses to holding: it was 3P1D and back, a flap (seed 6: 3P1D lost there;
+    seed 18: both served the window whole, and 3P1D only cleared the burst's backlog sooner)."""
     workload = _suite("burst4")
-    plan, phases = ws.arrivals(workload, 6)
+    plan, phases = ws.arrivals(workload, seed)
     run = replay.run(plan, phases, 2, 2, workload.capacity, config=ws.suite_config(workload), decide=decide,
                      record=True)
-    assert run.conversions == [], run.conversions
+    assert run.flaps() == 0, run.conversions
     held = [d for d in run.decisions if "may be a burst" in d["reason"]]
     assert held, "the burst was never read as an overload of every split: the test no longer covers the case"
 
 
+@pytest.mark.parametrize("name, seed", [("tails6", 10), ("tails6", 18), ("drift6-slow", 9)])
+def test_a_move_must_hold_at_the_spreads_ends_which_a_heavy_tailed_first_reading_falls_within(
+        name, seed, monkeypatch):
+    """A first reading of a few seconds of heavy-tailed sizes is as short of the tail in its noise as in its
+    mean: with the spread's ends at one standard error, the truth fell beyond one, and the fleet moved to a
+    split one server short and back (a flap). At `SPREAD_Z` standard errors it holds, or moves as far as holds."""
+    import policies.rebalance as rebalance
+    workload = _suite(name)
+    plan, phases = ws.arrivals(workload, seed)
+    half = workload.start_prefills or workload.servers // 2
+
+    def flaps() -> int:
+        return replay.run(plan, phases, half, workload.servers - half, workload.capacity,
+                          config=ws.suite_config(workload), decide=decide).flaps()
+    assert flaps() == 0
+    monkeypatch.setattr(rebalance, "SPREAD_Z", 1.0)
+    assert flaps() > 0, "at one standard error it no longer flaps: the case is not covered"
+
+
 def test_the_start_is_acted_on_once_a_level_is_read_with_no_warm_up_to_wait_out():
-    """shift4-slow starts prefill-heavy on 2P2D: a conversion as soon as what arrived has lasted a third of the
-    window (5 s, and the look after), not after a warm-up fitted to the suite (10 s, which cost phase 1 a tenth
-    of its requests with 15 s switches); burst4 starts with a 3 s burst and moves nothing (the test above)."""
+    """shift4-slow starts prefill-heavy on 2P2D: a conversion as soon as what arrived has lasted two slices of
+    the window (3.75 s, and the look after), not after a warm-up fitted to the suite (10 s, which cost phase 1 a
+    tenth of its requests with 15 s switches); burst4 starts with a 3 s burst and moves nothing (the test above)."""
     run = _driven(_suite("shift4-slow"))
-    assert run.conversions and run.conversions[0]["started_at"] <= 8.0, run.conversions[:1]
+    assert run.conversions and run.conversions[0]["started_at"] <= 6.0, run.conversions[:1]
     assert run.conversions[0]["to_role"] == "prefill"
 
 
@@ -293,7 +315,7 @@ def _window(entries) -> Observation:
     return Observation(now=WINDOW, prefill=(), decode=(), request_sizes=tuple(sorted(entries)))
 
 
-def test_a_new_level_is_read_after_a_third_of_the_window_and_a_burst_within_it_is_not():
+def test_a_new_level_is_read_after_two_slices_of_the_window_and_a_burst_within_it_is_not():
     import random
     from policies.rebalance_change import read_change
     rng = random.Random(3)
@@ -304,15 +326,21 @@ def test_a_new_level_is_read_after_a_third_of_the_window_and_a_burst_within_it_i
         assert shifted is not None, seed
         assert shifted.work[0] == pytest.approx(1000.0, rel=0.01) and 5.0 <= shifted.secs <= 7.0
         assert shifted.error[0] > 0  # the noise of what it was read on goes with it
-        # the same change, 4 s old: shorter than a third of the window, a burst could look the same
-        young = before + _arrivals(rng, WINDOW - 6.0, WINDOW - 4.0, 10.0, 100.0) + _arrivals(
+        # the same change, 4 s old: two slices, each at the new level, is the shortest level read
+        recent = before + _arrivals(rng, WINDOW - 6.0, WINDOW - 4.0, 10.0, 100.0) + _arrivals(
             rng, WINDOW - 4.0, WINDOW, 10.0, 1000.0)
+        four = read_change(_window(recent), WINDOW)
+        assert four is not None and four.secs == pytest.approx(4.0, abs=0.6), seed
+        # 1.5 s old: within one slice, which a burst could fill
+        young = before + _arrivals(rng, WINDOW - 6.0, WINDOW - 1.5, 10.0, 100.0) + _arrivals(
+            rng, WINDOW - 1.5, WINDOW, 10.0, 1000.0)
         assert read_change(_window(young), WINDOW) is None, seed
-    # a 3 s burst of three times the requests, five times the prompt work, wherever it falls in the window, is
-    # never read as the mix: either nothing is read, or what came after it, at the steady level
+    # a 3 s burst of three times the requests, five times the prompt work, wherever it ended in the window, is
+    # not read as the mix: either nothing is read, or what came after it, at the steady level (going on at the
+    # window's end, it is a level of two slices: the choice weighs it against the window read whole)
     after_burst = 0
     for seed in range(10):
-        for burst_end in (WINDOW, WINDOW - 1.0, WINDOW - 2.5, WINDOW - 4.0, WINDOW - 6.0, WINDOW - 9.0):
+        for burst_end in (WINDOW - 1.0, WINDOW - 2.5, WINDOW - 4.0, WINDOW - 6.0, WINDOW - 9.0):
             rng.seed(seed)
             steady = _arrivals(rng, 0.0, WINDOW, 12.0, 500.0, sigma=0.8)
             burst = _arrivals(rng, burst_end - 3.0, burst_end, 24.0, 1000.0)
@@ -321,24 +349,25 @@ def test_a_new_level_is_read_after_a_third_of_the_window_and_a_burst_within_it_i
                 after_burst += 1
                 assert read.secs <= WINDOW - burst_end + 2.0, (seed, burst_end, read)
                 assert read.rate * read.work[0] < 1.5 * 12.0 * 500.0, (seed, burst_end, read)
-    assert after_burst < 60
+    assert after_burst < 50
 
 
 def test_a_burst_that_has_ended_is_not_read_as_a_change_on_the_slice_holding_its_end():
-    """A 3 s burst of long prompts at three times the rate, ended half a second to a second and a half ago: the
-    slice holding its end still reads high, and with a noisy slice before it the run passed as a new level
-    (burst4 moved to 3P1D and back). A change read now is one still going on: its newest half slice nearer the
-    new level than the old. Read on 900 windows: 87 without that, 25 with it."""
+    """A 3 s burst of long prompts at three times the rate, ended one to two seconds ago: the slice holding
+    its end still reads high, and with a noisy slice before it the run passed as a new level (burst4 moved to
+    3P1D and back). A change read now is one still going on: its newest half slice nearer the new level than
+    the old. Read on 900 windows: 46 with that, over 500 without. (Ended half a second ago, a burst is a new
+    level of two slices: nothing in the arrivals tells it from a shift yet; the choice weighs it.)"""
     import random
     from policies.rebalance_change import read_change
     read = 0
     for seed in range(300):
         rng = random.Random(seed)
-        for ended_ago in (0.5, 1.0, 1.5):
+        for ended_ago in (1.0, 1.5, 2.0):
             steady = _arrivals(rng, 0.0, WINDOW, 6.0, 1000.0) + _arrivals(rng, 0.0, WINDOW, 6.0, 20.0)
             end = WINDOW - ended_ago
             read += read_change(_window(steady + _arrivals(rng, end - 3.0, end, 18.0, 1000.0)), WINDOW) is not None
-    assert read <= 40
+    assert read <= 60
 
 
 def test_arrivals_are_read_over_the_span_the_router_kept_their_sizes_for():
@@ -382,9 +411,11 @@ def test_a_change_stays_read_while_it_lasts_and_is_dropped_when_it_ends():
     # 10 s ago stays read, from all that arrived since
     kept = read_change(_window(before + after), WINDOW, changed_at=WINDOW - 10.0)
     assert kept is not None and kept.secs == pytest.approx(10.0) and kept.work[0] == pytest.approx(1000.0)
-    # ... unless what arrives now is back at the old level: it was a burst
+    # ... unless what arrives now is back at the old level: it was a burst (what is read now, if anything, is
+    # the old level back, from its return)
     ended = [e for e in after if e[0] < WINDOW - 4.0] + _arrivals(rng, WINDOW - 4.0, WINDOW, 10.0, 100.0)
-    assert read_change(_window(before + ended), WINDOW, changed_at=WINDOW - 10.0) is None
+    back = read_change(_window(before + ended), WINDOW, changed_at=WINDOW - 10.0)
+    assert back is None or (back.secs <= 4.5 and back.work[0] == pytest.approx(100.0))
 
 
 def test_a_change_is_read_from_when_it_happened_not_from_the_slice_it_fell_in():
@@ -444,27 +475,28 @@ def test_a_change_read_stays_read_through_a_slice_its_own_noise_explains():
     kept = read_change(_window(before + dip), WINDOW, changed_at=WINDOW - 10.0)
     assert kept is not None and kept.secs == pytest.approx(10.0)
     back = [e for e in dip if e[0] <= WINDOW - 4.0] + _arrivals(rng, WINDOW - 4.0, WINDOW, 9.0, 300.0, answer=6.0)
-    assert read_change(_window(before + back), WINDOW, changed_at=WINDOW - 10.0) is None
+    ended = read_change(_window(before + back), WINDOW, changed_at=WINDOW - 10.0)
+    assert ended is None or (ended.secs <= 4.5 and ended.work[1] == pytest.approx(6.0))
 
 
 def test_a_load_starting_after_an_idle_spell_is_read_as_a_change_from_nothing():
     """A fleet idle before its load begins (a router started before its clients): the load is a new level once
-    it has lasted a third of the window, not a level diluted by the idle seconds the window still holds."""
+    it has lasted two of the window's slices, not a level diluted by the idle seconds the window still holds."""
     import random
     from policies.rebalance_change import read_change
     rng = random.Random(2)
     started = read_change(_window(_arrivals(rng, WINDOW - 6.0, WINDOW, 10.0, 1000.0)), WINDOW)
     assert started is not None and started.rate == pytest.approx(10.0, rel=0.35) and 5.0 <= started.secs <= 7.0
-    assert read_change(_window(_arrivals(rng, WINDOW - 3.0, WINDOW, 10.0, 1000.0)), WINDOW) is None  # or a burst
+    assert read_change(_window(_arrivals(rng, WINDOW - 1.5, WINDOW, 10.0, 1000.0)), WINDOW) is None  # or a burst
 
 
-def test_the_start_is_a_level_once_it_has_lasted_a_third_of_the_window_with_no_change_within():
+def test_the_start_is_a_level_once_it_has_lasted_two_slices_of_the_window_with_no_change_within():
     """Until the memory holds twice the shortest level (a burst at the start could be most of it), the arrivals
-    since the start are read once they have lasted a third of the window and no change is read within them."""
+    since the start are read once they have lasted two of the window's slices and no change is read within them."""
     import random
     from policies.rebalance_change import read_change, unsettled_start
     rng = random.Random(4)
-    span = 6.0  # seconds since the start, of a 15 s window: a level must last 5
+    span = 6.0  # seconds since the start, of a 15 s window: a level must last 3.75 (two slices)
 
     def mix(start: float, end: float) -> list:  # the suite's burst4: half long prompts, half long answers
         return _arrivals(rng, start, end, 6.0, 1000.0, answer=4.0) + _arrivals(rng, start, end, 6.0, 20.0)
@@ -477,8 +509,8 @@ def test_the_start_is_a_level_once_it_has_lasted_a_third_of_the_window_with_no_c
         burst = _arrivals(rng, 0.0, 3.0, 30.0, 1000.0, answer=4.0) + mix(3.0, span)
         then = Observation(now=span, prefill=(), decode=(), request_sizes=tuple(sorted(burst)))
         assert "changed" in unsettled_start(span, 15.0, read_change(then, span)), seed
-    assert "5.0 s a level must last" in unsettled_start(4.0, 15.0, None)
-    assert unsettled_start(10.0, 15.0, None) == ""  # twice the shortest level: the median leaves a burst out
+    assert "3.8 s a level must last" in unsettled_start(3.0, 15.0, None)
+    assert unsettled_start(7.5, 15.0, None) == ""  # twice the shortest level: the median leaves a burst out
 
 
 def _intervals(rng, phases: list[tuple[float, int]], fixed: float, per_size: float, sigma: float):
@@ -556,9 +588,10 @@ def test_the_move_chosen_is_the_one_best_at_its_worst_within_the_spread():
     assert most_robust([sound, replace(sound, prefills=3, decodes=3, moves=2)], []).moves == 2
 
 
-def test_a_phase_shift_is_acted_on_once_it_has_lasted_a_third_of_the_window():
+def test_a_phase_shift_is_acted_on_once_it_has_lasted_two_slices_of_the_window():
     """Read at the window's median, a shift waits half the window (8 s of a 90 s phase, 0.82x the oracle);
-    read as a change, a third of it."""
+    read as a change, two of its slices (a quarter: 3.75 s, and the look after; at three slices, 6 s, the
+    backlog built meanwhile outlasted the move by as long again, 0.90x the oracle; at two, 0.94x)."""
     workload = _suite("shift4")
     result = ws.evaluate(workload)
     assert result.vs_oracle >= ws.TARGETS["oracle"] and result.flaps == 0, ws.render([(workload, result)])
@@ -566,7 +599,8 @@ def test_a_phase_shift_is_acted_on_once_it_has_lasted_a_third_of_the_window():
     config = ws.suite_config(workload)
     for name, start, end in run.phases[1:]:
         first = next(d for d in run.decisions if d["action"] == "convert" and d["at"] >= start)
-        assert first["at"] - start < config.window_secs / 2, (name, first["at"] - start)
+        assert first["at"] - start <= CHANGE_MIN_SLICES * config.window_secs / SIZE_BINS + config.interval_secs, (
+            name, first["at"] - start)
         assert first["model"]["changed_secs_ago"] <= first["at"] - start + config.interval_secs
 
 
