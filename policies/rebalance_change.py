@@ -215,12 +215,25 @@ def read_change(obs: Observation, secs: float, changed_at: float | None = None) 
     return None
 
 
-def unsettled_start(secs: float, window_secs: float, change: Reading | None) -> str:
+def halves_apart(obs: Observation, secs: float) -> bool:
+    """Whether the arrivals of the last `secs` are two levels, their older half and their newer: apart by half
+    `CHANGE_Z` standard errors in the requests or either side's work. At a start, a change too recent to be read
+    as one (a burst as the fleet starts, a second of the mix after it) passed as the start's level, and the fleet
+    moved for the burst (nearburst4). Half the threshold, because it costs little to be wrong that way: a steady
+    start read as two levels (1 in 10) waits until the memory holds twice the shortest level."""
+    now, middle = obs.now, obs.now - secs / 2
+    entries = sorted((e for e in obs.request_sizes if now - secs < e[0] <= now), key=_arrived_at)
+    split = _split_at(entries, middle)
+    older, newer = Level.of(entries[:split], secs / 2), Level.of(entries[split:], secs / 2)
+    return any(newer.beyond(older, side, CHANGE_Z / 2) for side in range(3))
+
+
+def unsettled_start(secs: float, window_secs: float, change: Reading | None, apart: bool = False) -> str:
     """Why the arrivals since the start are not a level yet ("" once they are). The window whole is read past a
     burst because a burst shorter than half of it is left out (`_typical`); until the memory holds twice the
     shortest level that counts (`CHANGE_MIN_SLICES` of the window's slices), a burst at the start could be most of it.
-    A level is read sooner when it is one: it has lasted that shortest level, and no change is read within it
-    (a burst followed by the steady mix is one). This is the model's own warm-up; the `warmup` guard waits out
+    A level is read sooner when it is one: it has lasted that shortest level, no change is read within it (a
+    burst followed by the steady mix is one), and its halves are not apart (`halves_apart`, from the caller). This is the model's own warm-up; the `warmup` guard waits out
     the servers' start-up (first compilations, empty caches), which replay and the simulator do not have."""
     shortest = CHANGE_MIN_SLICES * window_secs / SIZE_BINS
     if secs >= 2 * shortest:
@@ -229,4 +242,6 @@ def unsettled_start(secs: float, window_secs: float, change: Reading | None) -> 
         return f"the arrivals since the start span {secs:.1f} s of the {shortest:.1f} s a level must last"
     if change is not None:
         return f"the arrivals changed {change.secs:.1f} s ago, {secs:.1f} s after the start: no level yet"
+    if apart:
+        return f"the arrivals of the {secs:.1f} s since the start differ between their halves: no level yet"
     return ""

@@ -28,7 +28,7 @@ import math
 from dataclasses import dataclass, fields, replace
 
 from .fleet_model import Mix
-from .rebalance_change import MIN_DONE, SIZE_BINS, read_change, unsettled_start
+from .rebalance_change import MIN_DONE, SIZE_BINS, halves_apart, read_change, unsettled_start
 from .rebalance_signals import DECODE, PREFILL, Observation, decoding_now, step_line, waits_on_decode, waits_on_prefill
 
 MAX_INTERVALS = 512  # intervals kept (a bound: the window decides what counts)
@@ -322,7 +322,7 @@ def fit(obs: Observation, intervals: tuple[Interval, ...], window_secs: float, p
     # itself, and a change up read from it: burst4 kept a burst as a change 15 s against a second of "old" level)
     sized_secs = min(secs, window_secs)
     change = read_change(obs, sized_secs, changed_at)
-    unsettled = unsettled_start(secs, window_secs, change)
+    unsettled = unsettled_start(secs, window_secs, change, secs < window_secs and halves_apart(obs, sized_secs))
     if unsettled:
         return Fit(None, unsettled, secs)
     rates, rate_variances = _grouped_rates(used, _slice_count(arrivals, len(used)))

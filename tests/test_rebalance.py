@@ -513,6 +513,27 @@ def test_the_start_is_a_level_once_it_has_lasted_two_slices_of_the_window_with_n
     assert unsettled_start(7.5, 15.0, None) == ""  # twice the shortest level: the median leaves a burst out
 
 
+def test_a_start_whose_halves_differ_is_not_a_level_yet():
+    """A burst of long prompts as the fleet starts (3 s at 18 a second), then the mix: 6 s in, the second of the
+    mix is too recent a change to be read as one, and the start was read as a level, the burst in it, on 95 of
+    200 draws (the fleet moved for the burst and back: nearburst4). Its halves are apart: not a level yet. A
+    steady start is read (its halves apart by chance on about 1 in 10)."""
+    import random
+    from policies.rebalance_change import halves_apart, read_change, unsettled_start
+    settled_burst = settled_steady = 0
+    for seed in range(200):
+        rng = random.Random(seed)
+        mix = _arrivals(rng, 3.0, 6.0, 6.0, 1000.0, answer=4.0) + _arrivals(rng, 3.0, 6.0, 6.0, 20.0)
+        burst = Observation(now=6.0, prefill=(), decode=(), request_sizes=tuple(sorted(
+            _arrivals(rng, 0.0, 3.0, 18.0, 1000.0, answer=4.0) + mix)))
+        settled_burst += unsettled_start(6.0, 15.0, read_change(burst, 6.0), halves_apart(burst, 6.0)) == ""
+        steady = Observation(now=6.0, prefill=(), decode=(), request_sizes=tuple(sorted(
+            _arrivals(rng, 0.0, 3.0, 6.0, 1000.0, answer=4.0) + _arrivals(rng, 0.0, 3.0, 6.0, 20.0) + mix)))
+        settled_steady += unsettled_start(6.0, 15.0, read_change(steady, 6.0), halves_apart(steady, 6.0)) == ""
+    assert settled_burst <= 5, f"{settled_burst} of 200 starts read with the burst in them"
+    assert settled_steady >= 160, f"only {settled_steady} of 200 steady starts read"
+
+
 def _intervals(rng, phases: list[tuple[float, int]], fixed: float, per_size: float, sigma: float):
     """Two-second intervals of 20 requests arriving and 20 done, each phase's prompts drawn around its mean
     size: the router sees the sizes of those that arrived, the prefills' seconds (fixed + per size x prompt)
