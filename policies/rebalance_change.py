@@ -231,10 +231,11 @@ def halves_apart(obs: Observation, secs: float) -> bool:
 def unsettled_start(secs: float, window_secs: float, change: Reading | None, apart: bool = False) -> str:
     """Why the arrivals since the start are not a level yet ("" once they are). The window whole is read past a
     burst because a burst shorter than half of it is left out (`_typical`); until the memory holds twice the
-    shortest level that counts (`CHANGE_MIN_SLICES` of the window's slices), a burst at the start could be most of it.
-    A level is read sooner when it is one: it has lasted that shortest level, no change is read within it (a
-    burst followed by the steady mix is one), and its halves are not apart (`halves_apart`, from the caller). This is the model's own warm-up; the `warmup` guard waits out
-    the servers' start-up (first compilations, empty caches), which replay and the simulator do not have."""
+    shortest level that counts (`CHANGE_MIN_SLICES` of the window's slices), a burst at the start could be most
+    of it. A level is read sooner when it is one: it has lasted that shortest level, no change is read within it
+    (a burst followed by the steady mix is one), and its halves are not apart (`halves_apart`, from the caller).
+    This is the model's own warm-up; the `warmup` guard waits out the servers' start-up (first compilations,
+    empty caches), which replay and the simulator do not have."""
     shortest = CHANGE_MIN_SLICES * window_secs / SIZE_BINS
     if secs >= 2 * shortest:
         return ""
