@@ -187,7 +187,9 @@ def read_change(obs: Observation, secs: float, changed_at: float | None = None) 
     the window's median reads anyway); it is read from when it happened (`change_point`). A change read at an
     earlier look (`changed_at`) stays read, from then, while the arrivals since are still a new level against
     those before it: the reading does not go back to the median and forth again as runs qualify or not, and a
-    burst that was read as a change is dropped once it ends."""
+    burst that was read as a change is dropped once it ends. Where they are not, the change is read again from
+    where the arrivals since say it happened (`change_point`, from a slice before the first reading on): a
+    first reading placed it seconds early, and dropped there the window read whole blended the two mixes."""
     if secs <= 0 or len(obs.request_sizes) < 2 * MIN_DONE:
         return None
     now, start = obs.now, obs.now - secs
@@ -196,9 +198,10 @@ def read_change(obs: Observation, secs: float, changed_at: float | None = None) 
     least = CHANGE_MIN_SLICES
     shortest = least * width
     if changed_at is not None and shortest <= now - changed_at < secs:
-        kept = _new_level(entries, now, start, changed_at, max(least, round((now - changed_at) / width)), kept=True)
-        if kept is not None:
-            return kept.reading()
+        for since in (changed_at, change_point(entries, now, start, max(start, changed_at - width), now - shortest)):
+            kept = _new_level(entries, now, start, since, max(least, round((now - since) / width)), kept=True)
+            if kept is not None:
+                return kept.reading()
     for k in range(SIZE_BINS // 2, least - 1, -1):
         if _new_level(entries, now, start, now - k * width, k) is None:
             continue
