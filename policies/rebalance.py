@@ -38,7 +38,7 @@ import math
 from dataclasses import dataclass, field, fields, replace
 
 from . import rebalance_guards as guards
-from .fleet_model import Costs, Mix, Slo, plan, predict
+from .fleet_model import Costs, Mix, Slo, headroom, plan, predict
 from .rebalance_config import RebalanceConfig, RebalanceMode, UnknownFields
 from .rebalance_estimate import MAX_INTERVALS, counters, fit, interval, overgrown_batch
 from .rebalance_signals import DECODE, PREFILL, Observation, WorkerView
@@ -209,13 +209,22 @@ def _arriving(obs: Observation, costs: Costs) -> tuple[str, int, float] | None:
     return pool, abs(net), costs.of(pool) / 2
 
 
-def most_robust(moves: list, ends: list[dict]) -> object:
+def most_robust(moves: list, ends: list[dict], headroom_of=None, tie: float = 0.0) -> object:
     """Of the candidate moves (`fleet_model.Candidate`), the one whose value is best at its worst: at the estimate
-    or at either end of its spread (`ends`: each split's value there, by (prefills, decodes)); ties to the
-    better estimate, then to fewer moves."""
+    or at either end of its spread (`ends`: each split's value there, by (prefills, decodes)). Moves within `tie`
+    of that best (the caller's `min_gain`: a difference no move is made for) are equal there, and go to the most
+    headroom (`headroom_of(candidate)`: `fleet_model.headroom`, the rate each takes before missing the target),
+    then to the better estimate, then to fewer moves. The spread's ends move work from one pool to the other; a
+    rate read low (a lull's first seconds of a phase: drift6-slow seed 29 read 4.7 requests/s where 9 came) is
+    what headroom covers: 1P5D, 2P4D and 3P3D all served that reading, 1P5D was best at its worst by 1.2 points,
+    and the fleet moved to it and on to 2P4D 18 s later."""
     def worst(c) -> float:
         return min((c.value, *(end[(c.prefills, c.decodes)] for end in ends)))
-    return max(moves, key=lambda c: (worst(c), c.value, -c.moves))
+    best = max(worst(c) for c in moves)
+    tied = [c for c in moves if worst(c) >= best - tie]
+    if len(tied) > 1 and headroom_of is not None:
+        return max(tied, key=lambda c: (headroom_of(c), c.value, -c.moves))
+    return max(tied, key=lambda c: (worst(c), c.value, -c.moves))
 
 
 def least_behind(moves: list, ends: list[dict]) -> object | None:
@@ -227,20 +236,21 @@ def least_behind(moves: list, ends: list[dict]) -> object | None:
     return min(moves, key=lambda c: (worst(c), c.moves), default=None)
 
 
-def served_choice(candidates: list, staying, at_ends, spread: str, min_gain: float) -> tuple:
+def served_choice(candidates: list, staying, at_ends, spread: str, min_gain: float, headroom_of=None) -> tuple:
     """The move where some split serves the workload: (the candidate, "", "") or (None, why, text) to hold.
     The split changes for the workload, not for a backlog: a backlog clears at the split the workload needs, and
     it is what a move's urgency and cost are weighed on (a move to clear one is a move back later). The mix is an
     estimate: what the window's spread allows is valued too (`at_ends()`); of the moves, the one whose worst case
     is best is chosen (a split good at the estimate and bad within its noise, one server short at an edge, is
-    corrected a look later: a flap), and it must not lose to holding at either end, or it bets on the noise."""
+    corrected a look later: a flap; `most_robust`, near-ties to the most headroom), and it must not lose to
+    holding at either end, or it bets on the noise."""
     key = (staying.prefills, staying.decodes)
     candidates = [c for c in candidates if c.moves == 0 or c.steady - staying.steady >= min_gain]
     best = candidates[0]
     if best.moves:
         ends = [{split: c.value for split, c in end.items()} for end in at_ends()]
         if ends:
-            best = most_robust([c for c in candidates if c.moves], ends)
+            best = most_robust([c for c in candidates if c.moves], ends, headroom_of, min_gain)
             if any(end[(best.prefills, best.decodes)] < end[key] for end in ends):
                 return None, UNSURE, (f"{best.prefills}P{best.decodes}D gains under the estimate, but loses within "
                                       f"its spread ({spread})")
@@ -341,6 +351,9 @@ def decide(obs: Observation, state: RebalanceState, config: RebalanceConfig) -> 
                                 decode_tokens=mix.decode_tokens * (1 - sign * SPREAD_Z * error_d)))
                 for sign in (1, -1)]
     spread = f"prefill work +-{SPREAD_Z * error_p * 100:.0f}%, decode +-{SPREAD_Z * error_d * 100:.0f}%"
+
+    def headroom_of(c) -> float:
+        return headroom(mix, c.prefills, c.decodes, slo, config.attainment_target)
     if max(c.steady for c in candidates) < config.min_gain:
         if fitted.window_secs < config.window_secs:  # the start: what arrived so far could be a burst, and no more
             reading["choice"] = {"split": f"{staying.prefills}P{staying.decodes}D", "why": UNSURE}
@@ -349,7 +362,7 @@ def decide(obs: Observation, state: RebalanceState, config: RebalanceConfig) -> 
         whole = planned(fitted.whole) if fitted.whole is not None else None
         best, why, text = overloaded_choice(candidates, staying, at_ends(), whole, spread, config.min_gain)
     else:
-        best, why, text = served_choice(candidates, staying, at_ends, spread, config.min_gain)
+        best, why, text = served_choice(candidates, staying, at_ends, spread, config.min_gain, headroom_of)
     if best is None:
         reading["choice"] = {"split": f"{staying.prefills}P{staying.decodes}D", "why": why}
         return hold(f"{summary}: {text}", (), seen)
@@ -361,7 +374,7 @@ def decide(obs: Observation, state: RebalanceState, config: RebalanceConfig) -> 
         proposal += f"; {_behind(best)} waiting behind its backlogs at the horizon's end, holding {_behind(staying)}"
     proposal += ")"
     reading["choice"] = {"split": f"{best.prefills}P{best.decodes}D", "why": "best", "gain": round(
-        best.value - staying.value, 4)}
+        best.value - staying.value, 4), "headroom": round(headroom_of(best), 2)}
     fired, notes = guards.check(obs, state, config, best.direction)
     donors = guards.donors(obs, donor_role, best.moves)
     if not donors:

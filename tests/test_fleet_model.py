@@ -7,7 +7,7 @@ from dataclasses import replace
 
 import pytest
 
-from policies.fleet_model import Costs, Mix, Segment, Slo, erlang_c, plan, predict, recovery_secs
+from policies.fleet_model import Costs, Mix, Segment, Slo, erlang_c, headroom, plan, predict, recovery_secs
 
 SLO = Slo(ttft_s=2.0, tpot_s=0.2)
 # the live benchmark's kinds on its capacity model: a 1000-token prompt costs 0.2056 s of prefill, 3 decode
@@ -145,3 +145,19 @@ def test_holding_is_a_candidate_even_below_floors_raised_since():
     splits = {(c.prefills, c.decodes): c.moves for c in candidates}
     assert splits[(3, 1)] == 0
     assert set(splits) == {(3, 1), (1, 3)}  # 2P2D is below the new floor too: no move goes there
+
+
+def test_headroom_is_the_rate_a_split_takes_before_missing_the_target():
+    """The decode-heavy mix at 17/s: 1P3D serves it, 2P2D saturates its decodes. Headroom is the factor on the
+    rate at which the prediction crosses the target, whichever pool binds."""
+    target = 0.9
+    served = headroom(DECODE_HEAVY, 1, 3, SLO, target)
+    assert served > 1.0
+    assert predict(replace(DECODE_HEAVY, rate=17.0 * served), 1, 3, SLO).attainment >= target
+    assert predict(replace(DECODE_HEAVY, rate=17.0 * served * 1.02), 1, 3, SLO).attainment < target
+    assert headroom(DECODE_HEAVY, 2, 2, SLO, target) < 1.0  # misses it already
+    # a fourth decode relieves the pool that binds; a second prefill does not
+    assert headroom(DECODE_HEAVY, 1, 4, SLO, target) > served * 1.2
+    assert headroom(DECODE_HEAVY, 2, 3, SLO, target) == pytest.approx(served, rel=0.02)
+    # a prefill-heavy mix binds on the prefills instead
+    assert headroom(PREFILL_HEAVY, 4, 1, SLO, target) > headroom(PREFILL_HEAVY, 3, 1, SLO, target) > 1.0

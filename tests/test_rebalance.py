@@ -60,12 +60,14 @@ def test_a_burst_beyond_every_split_is_held_through_where_the_window_read_whole_
     assert held, "the burst was never read as an overload of every split: the test no longer covers the case"
 
 
-@pytest.mark.parametrize("name, seed", [("tails6", 10), ("tails6", 18), ("drift6-slow", 9)])
+@pytest.mark.parametrize("name, seed", [("tails6", 10), ("tails6", 18)])
 def test_a_move_must_hold_at_the_spreads_ends_which_a_heavy_tailed_first_reading_falls_within(
         name, seed, monkeypatch):
     """A first reading of a few seconds of heavy-tailed sizes is as short of the tail in its noise as in its
     mean: with the spread's ends at one standard error, the truth fell beyond one, and the fleet moved to a
-    split one server short and back (a flap). At `SPREAD_Z` standard errors it holds, or moves as far as holds."""
+    split one server short and back (a flap). At `SPREAD_Z` standard errors it holds, or moves as far as holds.
+    (drift6-slow seed 9, which moved four servers on a phase's first 4 s, was a third case; near-ties going to
+    the most headroom hold it at one standard error too.)"""
     import policies.rebalance as rebalance
     workload = _suite(name)
     plan, phases = ws.arrivals(workload, seed)
@@ -640,6 +642,31 @@ def test_the_move_chosen_is_the_one_best_at_its_worst_within_the_spread():
     # where neither is fragile, the better estimate wins, then the fewer moves
     assert most_robust([edge, sound], [{(1, 5): 0.96, (2, 4): 0.90}]) is edge
     assert most_robust([sound, replace(sound, prefills=3, decodes=3, moves=2)], []).moves == 2
+    # within `tie` of each other at their worst they are equal there: the one with the most headroom
+    near = [{(1, 5): 0.94, (2, 4): 0.93}]
+    roomier = {(1, 5): 1.3, (2, 4): 2.1}
+    assert most_robust([edge, sound], near, lambda c: roomier[(c.prefills, c.decodes)], tie=0.02) is sound
+    assert most_robust([edge, sound], near, lambda c: roomier[(c.prefills, c.decodes)], tie=0.005) is edge
+
+
+def test_splits_that_all_serve_the_reading_go_to_the_one_with_the_most_headroom(monkeypatch):
+    """drift6-slow seed 29: 6 s into the mixed phase the lull of its first seconds read 4.7 requests/s where 9
+    came; 1P5D, 2P4D and 3P3D all served that reading, 1P5D was the best at its worst by 1.2 points, and the
+    fleet moved there from 5P1D and on to 2P4D 18 s later (a flap). By headroom, 2P4D at once."""
+    import policies.rebalance as rebalance
+    workload = _suite("drift6-slow")
+    plan, phases = ws.arrivals(workload, 29)
+
+    def run() -> replay.Run:
+        return replay.run(plan, phases, 3, 3, workload.capacity, config=ws.suite_config(workload), decide=decide,
+                          record=True)
+    driven = run()
+    assert driven.flaps() == 0, driven.conversions
+    moved = [d for d in driven.decisions if d["action"] == "convert"]
+    assert all(d["model"]["choice"]["headroom"] > 0 for d in moved)
+    by_worst_alone = rebalance.most_robust
+    monkeypatch.setattr(rebalance, "most_robust", lambda moves, ends, *ignored: by_worst_alone(moves, ends))
+    assert run().flaps() > 0, "chosen by the worst case's slivers it no longer flaps: the case is not covered"
 
 
 def test_a_phase_shift_is_acted_on_once_it_has_lasted_two_slices_of_the_window():
