@@ -283,8 +283,11 @@ def overloaded_choice(candidates: list, staying, ends: list[dict], whole: dict |
                                f"spread ({spread})")
     if whole is not None:
         moved, held = whole[(best.prefills, best.decodes)], whole[key]
-        if moved.steady < held.steady + min_gain if held.steady >= min_gain else (
-                (moved.steady, -moved.behind_s) < (held.steady, -held.behind_s)):
+        if held.steady >= min_gain:  # holding serves the window whole: the move must gain there, as any move must
+            loses = moved.steady < held.steady + min_gain
+        else:  # every split overloads it too: the move must leave less waiting there
+            loses = (moved.steady, -moved.behind_s) < (held.steady, -held.behind_s)
+        if loses:
             return None, UNSURE, (f"no split serves the mix since its change; {best.prefills}P{best.decodes}D leaves "
                                   f"the least of it waiting, but loses to holding on the window read whole "
                                   f"({moved.steady * 100:.1f}% against {held.steady * 100:.1f}% once steady): it "
