@@ -101,8 +101,9 @@ def states(side: Servers) -> dict[str, dict]:
 
     body = side.body(f"long-{side.name}", 300)
     legs = [side.send(url, body, results) for url in (side.prefill, side.decode)]
-    wait_until(lambda: side.row(side.decode)["num_running_reqs"] == 1, timeout=30,
-               what=f"{side.name}: one request decoding")
+    wait_until(lambda: side.row(side.decode)["num_running_reqs"] == 1 and side.row(side.prefill)[
+        "disaggregation"]["prefill_inflight_queue_reqs"] == 0, timeout=30,
+               what=f"{side.name}: one request decoding, its KV sent")
     out["decoding"] = {"decode": side.row(side.decode), "prefill": side.row(side.prefill)}
     for thread in legs:
         thread.join(120)
@@ -116,10 +117,11 @@ def states(side: Servers) -> dict[str, dict]:
         body = side.body(f"many-{side.name}-{i}", 400)
         legs += [side.send(url, body, results) for url in (side.prefill, side.decode)]
 
-    def settled() -> bool:
+    def settled() -> bool:  # the prefill's side too: the seventh KV sent, its transfer no longer in flight there
         d, p = side.row(side.decode), side.row(side.prefill)
         return (d["num_running_reqs"] == 7 and d["queues"]["prealloc_ready"] == 5
-                and p["disaggregation"]["prefill_bootstrap_queue_reqs"] == 5)
+                and p["disaggregation"]["prefill_bootstrap_queue_reqs"] == 5
+                and p["disaggregation"]["prefill_inflight_queue_reqs"] == 0)
     wait_until(settled, timeout=60, what=lambda: f"{side.name}: 7 decoding, 5 waiting for KV room "
                                                   f"(decode {queue_view(side.row(side.decode))}, "
                                                   f"prefill {queue_view(side.row(side.prefill))})")
