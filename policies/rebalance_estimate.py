@@ -401,8 +401,9 @@ def fit(obs: Observation, intervals: tuple[Interval, ...], window_secs: float, p
     whole = None
     if change is not None:
         whole_prefill, whole_tokens = costs_of(whole_sizes)
-        whole = replace(mix, rate=whole_rate, prefill_s=whole_prefill or prefill_s,
-                        decode_tokens=whole_tokens or decode_tokens)
+        # a figure the window whole has no reading of (None) is the one since the change; a measured 0 is kept
+        whole = replace(mix, rate=whole_rate, prefill_s=prefill_s if whole_prefill is None else whole_prefill,
+                        decode_tokens=decode_tokens if whole_tokens is None else whole_tokens)
     return Fit(mix, "", secs, spread, obs.now - change.secs if change is not None else None, whole)
 
 
