@@ -29,8 +29,10 @@ class RouterProcess:
     @classmethod
     def start(cls, *, prefill: Sequence[tuple[str, Optional[int]]], decode: Sequence[str], log_path: Path,
               extra_args: Sequence[str] = (), python: str = sys.executable) -> "RouterProcess":
-        """Start the router and wait until it serves with every worker active (or fail with its log)."""
-        port = free_ports(1)[0]
+        """Start the router and wait until it serves with every worker active (or fail with its log). Its port is
+        below the kernel's ephemeral range where it can be: `restarted` binds it again after a kill, and there no
+        client connection can have taken it meanwhile."""
+        port = (processes.ports_below_ephemeral(1) or free_ports(1))[0]
         args = ["--host", "127.0.0.1", "--port", str(port), "--log-level", "info"]
         for url, bootstrap_port in prefill:
             args += ["--prefill", url, "none" if bootstrap_port is None else str(bootstrap_port)]
