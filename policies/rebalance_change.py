@@ -198,10 +198,13 @@ def read_change(obs: Observation, secs: float, changed_at: float | None = None) 
     least = CHANGE_MIN_SLICES
     shortest = least * width
     if changed_at is not None and shortest <= now - changed_at < secs:
-        for since in (changed_at, change_point(entries, now, start, max(start, changed_at - width), now - shortest)):
-            kept = _new_level(entries, now, start, since, max(least, round((now - since) / width)), kept=True)
-            if kept is not None:
-                return kept.reading()
+        def kept_since(since: float) -> Level | None:
+            return _new_level(entries, now, start, since, max(least, round((now - since) / width)), kept=True)
+        kept = kept_since(changed_at)
+        if kept is None:  # placed early at first, perhaps: read again from where the arrivals since place it
+            kept = kept_since(change_point(entries, now, start, max(start, changed_at - width), now - shortest))
+        if kept is not None:
+            return kept.reading()
     for k in range(SIZE_BINS // 2, least - 1, -1):
         if _new_level(entries, now, start, now - k * width, k) is None:
             continue

@@ -101,9 +101,10 @@ def states(side: Servers) -> dict[str, dict]:
 
     body = side.body(f"long-{side.name}", 300)
     legs = [side.send(url, body, results) for url in (side.prefill, side.decode)]
-    wait_until(lambda: side.row(side.decode)["num_running_reqs"] == 1 and side.row(side.prefill)[
-        "disaggregation"]["prefill_inflight_queue_reqs"] == 0, timeout=30,
-               what=f"{side.name}: one request decoding, its KV sent")
+    def decoding_one() -> bool:  # and its KV no longer in flight on the prefill's side
+        return (side.row(side.decode)["num_running_reqs"] == 1
+                and side.row(side.prefill)["disaggregation"]["prefill_inflight_queue_reqs"] == 0)
+    wait_until(decoding_one, timeout=30, what=f"{side.name}: one request decoding, its KV sent")
     out["decoding"] = {"decode": side.row(side.decode), "prefill": side.row(side.prefill)}
     for thread in legs:
         thread.join(120)
